@@ -1,0 +1,251 @@
+"""cluster.yaml in the user's own format, imported into (and exported from) the database.
+
+The format (from the user's setup guide): `cluster.{name,master_ip,master_port}`,
+`nodes.<name>.{ip,user,hostname,gpu,vram_gb,rank,role}`, `training.*`, `paths.*`.
+UGRO also reads optional per-node keys for what the original scripts hard-coded:
+`ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from django.db import transaction
+
+from .models import ClusterSettings, Node
+from .names import check_name
+
+NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
+             "torchrun", "python", "workdir", "transport", "enabled", "env"}  # fmt: skip
+TOP_KEYS = {"cluster", "nodes", "training", "paths"}
+
+
+class ConfigError(ValueError):
+    """cluster.yaml cannot be used; the message names the key (and line) at fault."""
+
+
+@dataclass
+class ImportSummary:
+    created: list[str]
+    updated: list[str]
+    disabled: list[str]
+
+    def __str__(self) -> str:
+        parts = [f"{len(self.created)} created", f"{len(self.updated)} updated"]
+        if self.disabled:
+            parts.append(f"{len(self.disabled)} disabled (not in the file: {', '.join(self.disabled)})")
+        return ", ".join(parts)
+
+
+def _expand_user(value: str) -> str:
+    # Only these two spellings, never a shell: the file is data, not a script.
+    me = getpass.getuser()
+    return value.replace("${USER}", me).replace("$USER", me).replace("$(whoami)", me)
+
+
+class _Doc:
+    """The parsed document plus line numbers for each key path, for error messages."""
+
+    def __init__(self, text: str) -> None:
+        try:
+            self.node = yaml.compose(text, Loader=yaml.SafeLoader)
+            self.data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"cluster.yaml is not valid YAML{where}: {problem}") from None
+
+    def line(self, *path: str) -> int | None:
+        node = self.node
+        line = None
+        for key in path:
+            if not isinstance(node, yaml.MappingNode):
+                return line
+            for k, v in node.value:
+                if k.value == key:
+                    line, node = k.start_mark.line + 1, v
+                    break
+            else:
+                return line
+        return line
+
+    def error(self, message: str, *path: str) -> ConfigError:
+        line = self.line(*path)
+        where = ".".join(path)
+        return ConfigError(f"{where}: {message}" + (f" (line {line})" if line else ""))
+
+
+def _get(
+    doc: _Doc, mapping: dict, key: str, kind: type | tuple, path: tuple, default: Any = None, required: bool = False
+) -> Any:
+    if key not in mapping or mapping[key] is None:
+        if required:
+            raise doc.error("is required", *path, key)
+        return default
+    value = mapping[key]
+    if kind in (int, float, (int, float)) and isinstance(value, bool):
+        raise doc.error(f"must be a number, not {value!r}", *path, key)
+    if not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise doc.error(f"must be {names}, not {value!r}", *path, key)
+    return value
+
+
+def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Validate the file fully; return (cluster settings fields, node fields). Raises ConfigError."""
+    doc = _Doc(text)
+    data = doc.data
+    if not isinstance(data, dict):
+        raise ConfigError("cluster.yaml must be a mapping with cluster:, nodes:, training:, paths:")
+    for key in data:
+        if key not in TOP_KEYS:
+            raise doc.error(f"unknown section (expected one of {', '.join(sorted(TOP_KEYS))})", str(key))
+    cluster = _get(doc, data, "cluster", dict, (), {})
+    nodes = _get(doc, data, "nodes", dict, (), required=True)
+    training = _get(doc, data, "training", dict, (), {})
+    paths = _get(doc, data, "paths", dict, (), {})
+    if not nodes:
+        raise doc.error("must list at least one node", "nodes")
+
+    port = _get(doc, cluster, "master_port", int, ("cluster",), 29500)
+    if not 1 <= port <= 65535:
+        raise doc.error("must be a port number 1-65535", "cluster", "master_port")
+    master_ip = str(_get(doc, cluster, "master_ip", (str, int), ("cluster",), "")).strip()
+    project_base = str(_get(doc, paths, "project_base", str, ("paths",), "~"))
+    scripts_dir = _get(doc, paths, "scripts", str, ("paths",), None)
+    script = _get(doc, training, "script", str, ("training",), None)
+    if script is None and scripts_dir:
+        script = f"{scripts_dir.rstrip('/')}/train_production.py"
+    settings_fields = {
+        "name": str(_get(doc, cluster, "name", str, ("cluster",), "UGRO cluster")),
+        "master_address": master_ip,
+        "rendezvous_port": port,
+        "training": training,
+        "paths": paths,
+    }
+    if script:
+        settings_fields["default_script"] = script
+
+    out = []
+    masters = []
+    for name, spec in nodes.items():
+        path = ("nodes", str(name))
+        try:
+            check_name(str(name), "node name")
+        except ValueError as exc:
+            raise doc.error(str(exc), *path) from None
+        if not isinstance(spec, dict):
+            raise doc.error("must be a mapping of ip, user, gpu, ...", *path)
+        for key in spec:
+            if key not in NODE_KEYS:
+                raise doc.error(f"unknown key (known: {', '.join(sorted(NODE_KEYS))})", *path, str(key))
+        ip = str(_get(doc, spec, "ip", str, path, required=True)).strip()
+        if not ip or any(c.isspace() for c in ip):
+            raise doc.error("must be an address without spaces", *path, "ip")
+        role = _get(doc, spec, "role", str, path, "worker")
+        if role not in ("master", "worker"):
+            raise doc.error("must be 'master' or 'worker'", *path, "role")
+        if role == "master":
+            masters.append(str(name))
+        vram = _get(doc, spec, "vram_gb", (int, float), path, 0)
+        if vram < 0:
+            raise doc.error("must not be negative", *path, "vram_gb")
+        gpus = _get(doc, spec, "gpus", int, path, 1 if spec.get("gpu") else 0)
+        if gpus < 0:
+            raise doc.error("must not be negative", *path, "gpus")
+        ssh_port = _get(doc, spec, "ssh_port", int, path, 22)
+        if not 1 <= ssh_port <= 65535:
+            raise doc.error("must be a port number 1-65535", *path, "ssh_port")
+        torchrun = _get(doc, spec, "torchrun", str, path, "torchrun")
+        try:
+            if not shlex.split(torchrun):
+                raise ValueError("empty")
+        except ValueError as exc:
+            raise doc.error(f"cannot be split into a command: {exc}", *path, "torchrun") from None
+        transport = _get(doc, spec, "transport", str, path, "ssh")
+        if transport not in ("ssh", "local"):
+            raise doc.error("must be 'ssh' or 'local'", *path, "transport")
+        env = _get(doc, spec, "env", dict, path, {})
+        user = _expand_user(str(_get(doc, spec, "user", str, path, "${USER}")))
+        try:
+            check_name(user, "user")
+        except ValueError as exc:
+            raise doc.error(str(exc), *path, "user") from None
+        out.append({
+            "name": str(name),
+            "address": ip,
+            "user": user,
+            "hostname": str(_get(doc, spec, "hostname", str, path, str(name))),
+            "gpu_model": str(_get(doc, spec, "gpu", str, path, "")),
+            "gpu_vram_gb": float(vram),
+            "gpu_count": gpus,
+            "order": _get(doc, spec, "rank", int, path, len(out)),
+            "role": role,
+            "ssh_port": ssh_port,
+            "key_path": str(_get(doc, spec, "key", str, path, "")),
+            "torchrun_command": torchrun,
+            "agent_python": str(_get(doc, spec, "python", str, path, "/usr/bin/python3")),
+            "workdir": str(_get(doc, spec, "workdir", str, path, project_base)),
+            "transport": transport,
+            "enabled": bool(_get(doc, spec, "enabled", bool, path, True)),
+            "env": {str(k): str(v) for k, v in env.items()},
+        })  # fmt: skip
+    if len(masters) > 1:
+        raise doc.error(f"more than one node has role master ({', '.join(masters)})", "nodes")
+    return settings_fields, out
+
+
+def import_cluster(text: str) -> ImportSummary:
+    """Apply a cluster.yaml: all of it in one transaction, or nothing."""
+    settings_fields, nodes = parse_cluster_yaml(text)
+    created, updated = [], []
+    with transaction.atomic():
+        ClusterSettings.objects.update_or_create(pk=1, defaults=settings_fields)
+        for fields in nodes:
+            name = fields.pop("name")
+            _, was_created = Node.objects.update_or_create(name=name, defaults=fields)
+            (created if was_created else updated).append(name)
+        listed = set(created) | set(updated)
+        stale = Node.objects.filter(enabled=True).exclude(name__in=listed)
+        disabled = sorted(stale.values_list("name", flat=True))
+        stale.update(enabled=False)
+    return ImportSummary(created, updated, disabled)
+
+
+def export_cluster() -> str:
+    """The cluster as cluster.yaml, in the user's format (plus UGRO's optional keys)."""
+    cs = ClusterSettings.load()
+    nodes: dict[str, Any] = {}
+    for n in Node.objects.all():
+        nodes[n.name] = {
+            "ip": n.address,
+            "user": n.user,
+            "hostname": n.hostname or n.name,
+            "gpu": n.gpu_model,
+            "vram_gb": n.gpu_vram_gb if n.gpu_vram_gb % 1 else int(n.gpu_vram_gb),
+            "rank": n.order,
+            "role": n.role,
+            "gpus": n.gpu_count,
+            "ssh_port": n.ssh_port,
+            "key": n.key_path,
+            "torchrun": n.torchrun_command,
+            "python": n.agent_python,
+            "workdir": n.workdir,
+            "transport": n.transport,
+            "enabled": n.enabled,
+            "env": n.env or {},
+        }
+    training = dict(cs.training or {})
+    training.setdefault("script", cs.default_script)
+    doc = {
+        "cluster": {"name": cs.name, "master_ip": cs.master_address, "master_port": cs.rendezvous_port},
+        "nodes": nodes,
+        "training": training,
+        "paths": cs.paths or {},
+    }
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)

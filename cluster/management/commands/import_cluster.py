@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.core.management.base import BaseCommand, CommandError
+
+from cluster.config_yaml import ConfigError, import_cluster
+
+
+class Command(BaseCommand):
+    help = "Import cluster.yaml (the user's format): nodes and cluster settings, all or nothing."
+
+    def add_arguments(self, parser):
+        parser.add_argument("path", help="cluster.yaml to import")
+
+    def handle(self, path, **options):
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+        try:
+            summary = import_cluster(text)
+        except ConfigError as exc:
+            raise CommandError(f"{path}: {exc}; nothing was imported") from None
+        self.stdout.write(f"imported {path}: {summary}")

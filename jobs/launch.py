@@ -1,0 +1,294 @@
+"""How a job is launched: validate the request, place it on free nodes, start every rank at once.
+
+create_job() records a QUEUED job; place() claims nodes under the database's one-job-per-node
+constraint; launch() connects to every node, starts each rank detached through the node agent,
+all concurrently, and fails the job (stopping whatever started) if they are not all up within
+the sync window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from cluster.models import ClusterSettings, Node
+from cluster.names import check_name
+
+from .models import Job, Rank
+from .nodes import node_request, on_each
+
+# The train_production.py interface; a cluster can name another script and template.
+DEFAULT_ARGS_TEMPLATE = [
+    "--model-name", "{model}", "--dataset-name", "{dataset}", "--num-epochs", "{epochs}",
+    "--learning-rate", "{lr}", "--job-id", "{job}",
+]  # fmt: skip
+MAX_ARG_LEN = 4096
+
+
+class LaunchError(ValueError):
+    """The launch request is invalid; nothing was created or started."""
+
+
+@dataclass
+class LaunchRequest:
+    """What the user asked for, from the CLI or the launch form."""
+
+    name: str
+    nodes: list[str] = field(default_factory=list)
+    count: int | None = None
+    script: str = ""
+    model: str = ""
+    dataset: str = ""
+    epochs: int | None = None
+    lr: float | None = None
+    nproc_per_node: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+    priority: int = 0
+
+
+def _check_arg(value: str, what: str) -> str:
+    # Values travel as argv items (never through a shell), but a NUL cannot be in argv at all.
+    if "\x00" in value:
+        raise LaunchError(f"{what} contains a NUL byte")
+    if len(value) > MAX_ARG_LEN:
+        raise LaunchError(f"{what} is longer than {MAX_ARG_LEN} characters")
+    return value
+
+
+def render_args(template: list[str], values: dict[str, str]) -> list[str]:
+    """Fill {model} {dataset} {epochs} {lr} {job} into each template item; other braces stay literal."""
+    out = []
+    for item in template:
+        for key, value in values.items():
+            item = item.replace("{" + key + "}", value)
+        out.append(item)
+    return out
+
+
+def create_job(req: LaunchRequest) -> Job:
+    """Validate a request and record it as a QUEUED job; raises LaunchError with a one-line reason."""
+    try:
+        check_name(req.name, "job name")
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if Job.objects.filter(name=req.name).exists():
+        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+    cs = ClusterSettings.load()
+    training = cs.training or {}
+    model = _check_arg(req.model or str(training.get("default_model") or "tiny"), "model")
+    dataset = _check_arg(req.dataset or str(training.get("default_dataset") or "gpl-3"), "dataset")
+    epochs = req.epochs if req.epochs is not None else 1
+    if epochs < 1:
+        raise LaunchError("epochs must be at least 1")
+    lr = req.lr if req.lr is not None else 3e-3
+    if not math.isfinite(lr) or lr <= 0:
+        raise LaunchError("learning rate must be a positive number")
+    script = _check_arg(req.script or cs.default_script, "script")
+    if not script.strip():
+        raise LaunchError("no training script given and the cluster has no default script")
+    extra = [_check_arg(a, "extra argument") for a in req.extra_args]
+    if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
+        raise LaunchError("nproc-per-node must be between 1 and 64")
+
+    enabled = list(Node.objects.filter(enabled=True))
+    enabled_names = {n.name for n in enabled}
+    if req.nodes:
+        for name in req.nodes:
+            if name not in enabled_names:
+                known = Node.objects.filter(name=name).exists()
+                raise LaunchError(f"node {name!r} is {'disabled' if known else 'not in the cluster'}")
+        if len(set(req.nodes)) != len(req.nodes):
+            raise LaunchError("a node is named twice")
+    count = req.count
+    if count is not None and count < 1:
+        raise LaunchError("--nodes must be at least 1")
+    if not req.nodes and count is None:
+        count = len(enabled)
+    if count is not None and count > len(enabled):
+        raise LaunchError(f"asked for {count} nodes but the cluster has {len(enabled)} enabled")
+    if not enabled:
+        raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
+
+    values = {"model": model, "dataset": dataset, "epochs": str(epochs), "lr": repr(lr), "job": req.name}
+    args = render_args(cs.script_args_template or DEFAULT_ARGS_TEMPLATE, values) + extra
+    return Job.objects.create(
+        name=req.name,
+        script=script,
+        script_args=args,
+        params={"model": model, "dataset": dataset, "epochs": epochs, "lr": lr, "extra": extra},
+        requested_nodes=list(req.nodes),
+        requested_count=None if req.nodes else count,
+        nproc_per_node=req.nproc_per_node,
+        priority=req.priority,
+        sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
+    )
+
+
+def _free_nodes() -> list[Node]:
+    busy = Rank.objects.filter(active=True).values("node_id")
+    nodes = Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN).exclude(pk__in=busy)
+    # Masters first: rank 0 hosts the rendezvous.
+    return sorted(nodes, key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name))
+
+
+def place(job: Job) -> bool:
+    """Claim nodes for a QUEUED job and mark it STARTING; False (job untouched) if they are busy."""
+    free = _free_nodes()
+    if job.requested_nodes:
+        by_name = {n.name: n for n in free}
+        if any(name not in by_name for name in job.requested_nodes):
+            return False
+        chosen = sorted(
+            (by_name[n] for n in job.requested_nodes), key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name)
+        )
+    else:
+        if len(free) < (job.requested_count or 1):
+            return False
+        chosen = free[: job.requested_count or 1]
+    tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        with transaction.atomic():
+            updated = Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).update(
+                state=Job.State.STARTING, started_at=timezone.now(), tag=tag
+            )
+            if not updated:
+                return False
+            for index, node in enumerate(chosen):
+                base = f"{node.workdir.rstrip('/') or '/'}/.ugro/jobs/{tag}"
+                Rank.objects.create(
+                    job=job, node=node, index=index,
+                    remote_log=f"{base}/rank_{index}.log", remote_exit=f"{base}/rank_{index}.exit",
+                )  # fmt: skip
+    except IntegrityError:
+        # Another scheduler claimed one of these nodes first: the database said no.
+        return False
+    job.refresh_from_db()
+    return True
+
+
+def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
+    """The argv that starts torchrun for this rank (never joined into a shell string)."""
+    node = rank.node
+    nproc = job.nproc_per_node or node.gpu_count or 1
+    join_timeout = settings.UGRO["JOIN_TIMEOUT_S"]
+    return [
+        *node.torchrun_argv,
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={job.tag}",
+        f"--rdzv-conf=join_timeout={join_timeout}",
+        f"--local-addr={node.address}",
+        "--max-restarts=0",
+        job.script,
+        *job.script_args,
+    ]
+
+
+def rank_env(job: Job, rank: Rank) -> dict[str, str]:
+    env = {str(k): str(v) for k, v in (rank.node.env or {}).items()}
+    env.update({
+        "UGRO_JOB": job.tag,  # every process of the job carries this: cancel finds them by it
+        "UGRO_NODE": rank.node.name,
+        "UGRO_JOB_NAME": job.name,
+        "UGRO_JOB_ID": str(job.pk),
+        "UGRO_NODE_RANK": str(rank.index),
+        "PYTHONUNBUFFERED": "1",
+    })  # fmt: skip
+    return env
+
+
+def write_job_config(job: Job, ranks: list[Rank]) -> None:
+    job.logs_dir.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "job": job.name,
+        "id": job.pk,
+        "tag": job.tag,
+        "script": job.script,
+        "script_args": job.script_args,
+        "params": job.params,
+        "rdzv_endpoint": job.rdzv_endpoint,
+        "created_at": job.created_at.isoformat(),
+        "started_at": job.started_at.isoformat() if job.started_at else None,
+        "ranks": [
+            {
+                "index": r.index,
+                "node": r.node.name,
+                "address": r.node.address,
+                "command": rank_command(job, r, len(ranks), job.rdzv_endpoint),
+                "remote_log": r.remote_log,
+            }
+            for r in ranks
+        ],
+    }
+    tmp = job.job_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.replace(job.job_dir / "config.json")
+
+
+def launch(job: Job) -> Job:
+    """Start every rank of a STARTING job concurrently; the job ends RUNNING or FAILED."""
+    from .preflight import run_preflight
+    from .stop import fail_job, stop_processes
+
+    ranks = list(job.ranks.select_related("node").order_by("index"))
+    t0 = time.monotonic()
+    window = job.sync_window_s
+    cs = ClusterSettings.load()
+    job.rdzv_endpoint = f"{ranks[0].node.address}:{cs.rendezvous_port}"
+    job.save(update_fields=["rdzv_endpoint"])
+    write_job_config(job, ranks)
+
+    # Connect (or reuse warm links) to every node at once; an unreachable node fails fast.
+    reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"]))
+    down = [f"node {r.node.name}: {err}" for r, _, err in reached if err]
+    if down:
+        return fail_job(job, "cannot reach " + "; ".join(down) + ". Nothing was started.")
+
+    problems = run_preflight(job, ranks)
+    if problems:
+        return fail_job(job, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started.")
+
+    def start(rank: Rank) -> float:
+        left = max(1.0, window - (time.monotonic() - t0))
+        result = node_request(
+            rank.node, "start", timeout=left,
+            argv=rank_command(job, rank, len(ranks), job.rdzv_endpoint),
+            env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
+        )  # fmt: skip
+        rank.pid = result["pid"]
+        return time.monotonic()
+
+    started = on_each(ranks, start)
+    now = timezone.now()
+    ok_times = [t for _, t, err in started if err is None]
+    for rank, _, err in started:
+        if err is None:
+            Rank.objects.filter(pk=rank.pk).update(
+                pid=rank.pid, state=Rank.State.RUNNING, started_at=now, last_contact=now
+            )
+    spread = (max(ok_times) - min(ok_times)) if ok_times else None
+    job.launch_spread_s = spread
+    job.save(update_fields=["launch_spread_s"])
+    errors = [f"rank {r.index} on {r.node.name}: {err}" for r, _, err in started if err]
+    elapsed = time.monotonic() - t0
+    if errors or elapsed > window:
+        stop_processes(job, ranks)
+        reason = "; ".join(errors) if errors else f"ranks took {elapsed:.1f}s to start (sync window {window:g}s)"
+        return fail_job(job, f"launch failed: {reason}. Everything started was stopped.")
+    updated = Job.objects.filter(pk=job.pk, state=Job.State.STARTING).update(
+        state=Job.State.RUNNING, running_at=timezone.now()
+    )
+    job.refresh_from_db()
+    if not updated and job.state == Job.State.CANCELLED:
+        stop_processes(job, ranks)
+    return job

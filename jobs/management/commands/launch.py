@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
+
+from jobs.follow import follow, follower_id
+from jobs.launch import LaunchError, LaunchRequest, create_job
+from jobs.logs import rank_lines
+from jobs.models import Job
+from jobs.scheduler import schedule
+
+
+class Command(BaseCommand):
+    help = "Launch a training job on the cluster's nodes (all at once) and follow it."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--name", required=True, help="job name (letters, digits, . _ -)")
+        group = parser.add_mutually_exclusive_group()
+        group.add_argument("--nodes", type=int, help="how many nodes (default: all enabled)")
+        group.add_argument("--node", action="append", default=[], help="a node to use (repeatable)")
+        parser.add_argument("--script", default="", help="training script on the nodes")
+        parser.add_argument("--model", default="")
+        parser.add_argument("--dataset", default="")
+        parser.add_argument("--epochs", type=int)
+        parser.add_argument("--lr", type=float)
+        parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
+        parser.add_argument("--priority", type=int, default=0)
+        parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
+        parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
+
+    def handle(self, **o):
+        req = LaunchRequest(
+            name=o["name"], nodes=o["node"], count=o["nodes"], script=o["script"], model=o["model"],
+            dataset=o["dataset"], epochs=o["epochs"], lr=o["lr"], nproc_per_node=o["nproc_per_node"],
+            extra_args=o["extra"], priority=o["priority"],
+        )  # fmt: skip
+        try:
+            job = create_job(req)
+        except LaunchError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"job {job.name} queued (id {job.pk})")
+        schedule()
+        job.refresh_from_db()
+        if o["detach"]:
+            return self._report_detached(job)
+        watcher = Watcher(job, self.stdout)
+        try:
+            job = watcher.run()
+        except KeyboardInterrupt:
+            watcher.stop.set()
+            self.stdout.write(
+                f"\nleft job {job.name} running. Follow it: ugro logs {job.name} --follow; "
+                f"cancel it: ugro cancel {job.name}"
+            )
+            return
+        self._finish(job)
+
+    def _report_detached(self, job: Job) -> None:
+        if job.state == Job.State.FAILED:
+            raise CommandError(f"job {job.name} failed: {job.failure_reason}")
+        where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
+        self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
+
+    def _finish(self, job: Job) -> None:
+        spread = f", rank start spread {job.launch_spread_s * 1000:.0f} ms" if job.launch_spread_s else ""
+        self.stdout.write(f"job {job.name} {job.state} after {job.duration() or 0:.1f}s{spread}")
+        if job.state != Job.State.SUCCEEDED:
+            raise CommandError(job.failure_reason.splitlines()[0] if job.failure_reason else job.state)
+
+
+class Watcher:
+    """Shows a job's progress in the terminal while following it (so no worker is needed)."""
+
+    def __init__(self, job: Job, out) -> None:
+        self.job, self.out = job, out
+        self.stop = threading.Event()
+        self.offsets: dict[int, int] = {}
+
+    def _follow_in_background(self) -> threading.Thread:
+        owner = follower_id() + ":cli"
+
+        def run() -> None:
+            while not self.stop.is_set():
+                follow(2.0, job_ids=[self.job.pk], owner=owner, idle_sleep=0.2)
+                self.stop.wait(0.2)
+            connections.close_all()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def run(self) -> Job:
+        job, state, t0 = self.job, None, time.monotonic()
+        follower = self._follow_in_background()
+        try:
+            while True:
+                job.refresh_from_db()
+                if job.state == Job.State.QUEUED:
+                    schedule()
+                    job.refresh_from_db()
+                if job.state != state:
+                    state = job.state
+                    ranks = ", ".join(f"{r.index}:{r.node.name}" for r in job.ranks.select_related("node"))
+                    self.out.write(
+                        f"[{time.monotonic() - t0:6.1f}s] {job.name} {state}"
+                        + (f" (ranks {ranks})" if ranks and state == Job.State.RUNNING else "")
+                    )
+                self._print_new_lines(job)
+                if job.is_ended:
+                    self._print_new_lines(job)
+                    return job
+                time.sleep(0.3)
+        finally:
+            self.stop.set()
+            follower.join(timeout=5)
+
+    def _print_new_lines(self, job: Job) -> None:
+        for rank in job.ranks.order_by("index"):
+            start = self.offsets.get(rank.index, 0)
+            for end, line in rank_lines(rank, start):
+                self.out.write(line.prefixed())
+                self.offsets[rank.index] = end
+        sys.stdout.flush()

@@ -1,0 +1,126 @@
+"""Jobs and their ranks: the record of what ran where, and how it ended."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from cluster.models import Node
+from cluster.names import validate_safe_name
+
+
+class Job(models.Model):
+    """One distributed training run: QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "queued"
+        STARTING = "starting", "starting"
+        RUNNING = "running", "running"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+        CANCELLED = "cancelled", "cancelled"
+
+    LIVE_STATES = (State.STARTING, State.RUNNING)
+    ENDED_STATES = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+
+    name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
+    state = models.CharField(max_length=10, choices=State.choices, default=State.QUEUED, db_index=True)
+    priority = models.IntegerField(default=0, help_text="Higher starts first; equal priorities start in order.")
+    script = models.CharField(max_length=500)
+    script_args = models.JSONField(default=list, help_text="The script's arguments, exactly as passed (argv).")
+    params = models.JSONField(default=dict, help_text="What the user asked for: model, dataset, epochs, lr, extra.")
+    requested_nodes = models.JSONField(default=list, blank=True, help_text="Node names asked for, if any.")
+    requested_count = models.PositiveIntegerField(null=True, blank=True)
+    nproc_per_node = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: each node's GPU count.")
+    tag = models.CharField(max_length=100, blank=True, help_text="Unique per attempt; marks every process.")
+    rdzv_endpoint = models.CharField(max_length=300, blank=True)
+    sync_window_s = models.FloatField(default=30.0)
+    launch_spread_s = models.FloatField(null=True, blank=True, help_text="First to last rank start.")
+    failure_reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    running_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    metrics_bytes = models.BigIntegerField(default=0, help_text="Committed size of metrics.jsonl.")
+    follower = models.CharField(max_length=100, blank=True)
+    follower_until = models.DateTimeField(null=True, blank=True)
+    resumed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in self.LIVE_STATES
+
+    @property
+    def is_ended(self) -> bool:
+        return self.state in self.ENDED_STATES
+
+    @property
+    def job_dir(self) -> Path:
+        return Path(settings.JOBS_DIR) / self.name
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.job_dir / "logs"
+
+    def duration(self) -> float | None:
+        if not self.started_at:
+            return None
+        end = self.finished_at or timezone.now()
+        return (end - self.started_at).total_seconds()
+
+
+class Rank(models.Model):
+    """One node's part of a job: its torchrun process, log, offset followed and exit code."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "pending"
+        RUNNING = "running", "running"
+        EXITED = "exited", "exited"
+        LOST = "lost", "lost"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="ranks")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ranks")
+    index = models.PositiveIntegerField(help_text="Node rank within the job (0 hosts the rendezvous).")
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    active = models.BooleanField(default=True, help_text="Holds the node; cleared when the job ends.")
+    pid = models.IntegerField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    remote_log = models.CharField(max_length=1000, blank=True)
+    remote_exit = models.CharField(max_length=1000, blank=True)
+    log_offset = models.BigIntegerField(default=0, help_text="Bytes of the node's log already copied.")
+    log_lines = models.BigIntegerField(default=0)
+    last_contact = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "index"], name="rank_index_unique"),
+            models.UniqueConstraint(fields=["job", "node"], name="rank_node_unique"),
+            # One node, one job: the database refuses a second active rank on a node.
+            models.UniqueConstraint(fields=["node"], condition=models.Q(active=True), name="one_active_job_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job.name} rank {self.index} on {self.node.name}"
+
+    @property
+    def local_log(self) -> Path:
+        return self.job.logs_dir / f"rank_{self.index}.log"
+
+    def exit_text(self) -> str:
+        if self.exit_code is None:
+            return "-"
+        if self.exit_code < 0:
+            return f"killed by signal {-self.exit_code}"
+        return str(self.exit_code)

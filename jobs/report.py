@@ -1,0 +1,108 @@
+"""What status and results show about jobs, as plain text lines."""
+
+from __future__ import annotations
+
+import json
+
+from django.core.management.base import CommandError
+from django.utils import timezone
+
+from cluster.links import AgentRequestError, LinkError
+
+from .models import Job, Rank
+from .nodes import node_request
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
+
+
+def get_job(name: str) -> Job:
+    try:
+        return Job.objects.get(name=name)
+    except Job.DoesNotExist:
+        raise CommandError(f"no job named {name!r} (see: ugro status)") from None
+
+
+def _dur(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def jobs_table(jobs: list[Job]) -> list[str]:
+    rows = [f"{'JOB':24} {'STATE':10} {'NODES':28} {'STARTED':20} {'DURATION':>9}"]
+    for job in jobs:
+        nodes = ",".join(r.node.name for r in job.ranks.all()) or (
+            ",".join(job.requested_nodes) or f"{job.requested_count or '?'} nodes"
+        )
+        started = timezone.localtime(job.started_at).strftime("%Y-%m-%d %H:%M:%S") if job.started_at else "-"
+        rows.append(f"{job.name[:24]:24} {job.state:10} {nodes[:28]:28} {started:20} {_dur(job.duration()):>9}")
+    return rows
+
+
+def job_detail(job: Job) -> list[str]:
+    out = [
+        f"job {job.name} (id {job.pk}): {job.state}",
+        f"  script: {job.script} {' '.join(json.dumps(a) if ' ' in a else a for a in job.script_args)}",
+        f"  created {job.created_at:%Y-%m-%d %H:%M:%S}, duration {_dur(job.duration())}",
+    ]
+    if job.rdzv_endpoint:
+        out.append(f"  rendezvous {job.rdzv_endpoint}, id {job.tag}")
+    if job.launch_spread_s is not None:
+        out.append(f"  rank start spread {job.launch_spread_s * 1000:.0f} ms (sync window {job.sync_window_s:g}s)")
+    for r in job.ranks.select_related("node").order_by("index"):
+        out.append(
+            f"  rank {r.index} on {r.node.name:14} {r.state:8} exit {r.exit_text():>6}  "
+            f"{r.log_lines} lines ({r.log_offset} bytes)"
+        )
+    if job.failure_reason:
+        out.append("  reason: " + job.failure_reason.replace("\n", "\n  "))
+    return out
+
+
+def checkpoints(job: Job) -> list[tuple[str, str, int]]:
+    """(node, path, size) of checkpoint files in each node's outputs/<job> directory."""
+    found = []
+    for r in job.ranks.select_related("node").order_by("index"):
+        directory = f"{r.node.workdir.rstrip('/')}/outputs/{job.name}"
+        try:
+            entries = node_request(r.node, "listdir", timeout=10, path=directory)["entries"]
+        except (LinkError, AgentRequestError):
+            continue
+        for e in entries:
+            if e["name"].endswith(CHECKPOINT_SUFFIXES):
+                found.append((r.node.name, f"{directory}/{e['name']}", e["size"]))
+    return found
+
+
+def results(job: Job) -> list[str]:
+    out = job_detail(job)
+    cfg = job.job_dir / "config.json"
+    out.append(f"  config: {cfg if cfg.exists() else '-'}")
+    for r in job.ranks.order_by("index"):
+        out.append(f"  log rank {r.index}: {r.local_log}")
+    metrics = job.job_dir / "metrics.jsonl"
+    if metrics.exists():
+        out.append(f"  metrics: {metrics}")
+    final = {}
+    for p in job.metric_points.filter(name="loss").order_by("-step")[:32]:
+        final.setdefault(p.rank, p)
+    for rank, p in sorted(final.items()):
+        out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
+    ckpts = checkpoints(job) if job.ranks.exists() else []
+    out.append(f"  checkpoints: {len(ckpts)}")
+    for node, path, size in ckpts:
+        out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")
+    return out
+
+
+def rank_state_counts(job: Job) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for state in job.ranks.values_list("state", flat=True):
+        counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+__all__ = ["Rank", "get_job", "jobs_table", "job_detail", "results", "checkpoints", "rank_state_counts"]

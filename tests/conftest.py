@@ -1,0 +1,122 @@
+"""Shared fixtures: real sshd nodes on loopback addresses, a node training env, a cluster in the DB."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NODE_ENV = Path(os.environ.get("UGRO_NODE_ENV", REPO / ".venv-node"))
+FAST_TRAIN = ["--max-steps", "12", "--seq-len", "32", "--batch-size", "8", "--log-every", "2", "--save-every", "6"]
+SLOW_TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--log-every", "1",
+              "--step-sleep", "0.2"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def loopback(tmp_path_factory):
+    """Four real OpenSSH nodes, 127.0.0.2-5, each with the training script in its working dir."""
+    from cluster.loopback import LoopbackCluster
+
+    if not (NODE_ENV / "bin" / "torchrun").exists():
+        pytest.fail(f"node training env missing: {NODE_ENV} (run .ci/run or see README)")
+    cluster = LoopbackCluster(tmp_path_factory.mktemp("nodes"), count=4).start()
+    for node in cluster.nodes:
+        shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
+    yield cluster
+    cluster.stop()
+    from cluster.links import pool
+
+    pool.close_all()
+
+
+def cluster_yaml(loopback, count: int) -> str:
+    """cluster.yaml in the user's format for the first `count` loopback nodes."""
+    lines = [
+        "cluster:",
+        '  name: "Loopback lab"',
+        f'  master_ip: "{loopback.nodes[0].address}"',
+        "  master_port: 29500",
+        "nodes:",
+    ]
+    for i, node in enumerate(loopback.nodes[:count]):
+        lines += [
+            f"  {node.name}:",
+            f'    ip: "{node.address}"',
+            '    user: "${USER}"',
+            f'    hostname: "{node.name}"',
+            '    gpu: "RTX 4070"',
+            "    vram_gb: 8",
+            "    gpus: 0",
+            f"    rank: {i}",
+            f'    role: "{"master" if i == 0 else "worker"}"',
+            f"    ssh_port: {node.port}",
+            f'    key: "{loopback.client_key}"',
+            f'    torchrun: "{NODE_ENV}/bin/torchrun"',
+            f'    workdir: "{node.workdir}"',
+        ]
+    lines += [
+        "training:",
+        "  batch_size_per_gpu: 1",
+        "  gradient_accumulation: 8",
+        '  default_model: "tiny"',
+        '  default_dataset: "gpl-3"',
+        "  script: train/train_production.py",
+        "paths:",
+        '  project_base: "~/ai-cluster"',
+        '  scripts: "~/ai-cluster/scripts"',
+        '  results: "~/ugro/data/experiments"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def fast_settings(settings, tmp_path):
+    settings.JOBS_DIR = tmp_path / "jobs"
+    settings.UGRO = {
+        **settings.UGRO,
+        "KILL_GRACE_S": 3.0,
+        "JOIN_TIMEOUT_S": 20,
+        "NODE_LOST_AFTER_S": 5.0,
+        "CONNECT_TIMEOUT_S": 5.0,
+    }
+    return settings
+
+
+@pytest.fixture
+def lab(loopback, transactional_db, fast_settings):
+    """Three loopback nodes imported from cluster.yaml (the 4th is left out, as in the user's lab)."""
+    from cluster.config_yaml import import_cluster
+
+    import_cluster(cluster_yaml(loopback, 3))
+    return loopback
+
+
+def job_pids(tag: str) -> list[int]:
+    """Every process on this machine (all loopback nodes are this machine) carrying the job's tag."""
+    want = f"UGRO_JOB={tag}".encode()
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env:
+            pids.append(int(name))
+    return pids
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
+    """Poll until predicate() is truthy (bounded); returns its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")

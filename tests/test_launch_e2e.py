@@ -1,0 +1,129 @@
+"""End to end on real sshd nodes and real torchrun: launch, follow, fail, cancel."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from jobs.follow import follow
+from jobs.models import Job, Rank
+from metrics.models import MetricPoint
+
+from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def launch(*args: str) -> str:
+    out = io.StringIO()
+    call_command("launch", *args, stdout=out)
+    return out.getvalue()
+
+
+def node_log(rank: Rank) -> bytes:
+    return Path(rank.remote_log).read_bytes()
+
+
+def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
+    # given three nodes from cluster.yaml; when a job is launched on all of them
+    out = launch("--name", "exp1", "--nodes", "3", "--", *FAST_TRAIN)
+    job = Job.objects.get(name="exp1")
+    # then it succeeds, every rank's log is copied byte for byte, and metrics were ingested
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    assert "exp1 succeeded" in out
+    ranks = list(job.ranks.select_related("node").order_by("index"))
+    assert [r.node.name for r in ranks] == ["node1", "node2", "node3"]
+    for r in ranks:
+        assert r.exit_code == 0 and r.active is False
+        assert r.local_log.read_bytes() == node_log(r)
+        assert r.log_lines == len(node_log(r).splitlines())
+        assert b'"loss"' in node_log(r)
+    assert job.launch_spread_s is not None and job.launch_spread_s < job.sync_window_s
+    assert (job.job_dir / "config.json").exists()
+    assert (job.job_dir / "metrics.jsonl").exists()
+    losses = MetricPoint.objects.filter(job=job, name="loss")
+    assert set(losses.values_list("rank", flat=True)) == {0, 1, 2}
+    # the rendezvous really was multi-host: each rank bound its own address
+    cfg = (job.job_dir / "config.json").read_text()
+    for r in ranks:
+        assert f"--local-addr={r.node.address}" in cfg
+    assert job_pids(job.tag) == []
+
+
+def test_fourth_node_added_by_yaml_reimport_takes_part(lab):
+    from cluster.config_yaml import import_cluster
+    from cluster.models import Node
+
+    # given the lab grows by one machine in cluster.yaml; when re-imported and launched
+    summary = import_cluster(cluster_yaml(lab, 4))
+    assert summary.created == ["node4"] and len(summary.updated) == 3
+    assert Node.objects.count() == 4
+    launch("--name", "exp4", "--", *FAST_TRAIN)
+    job = Job.objects.get(name="exp4")
+    # then all four nodes trained
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    assert sorted(job.ranks.values_list("node__name", flat=True)) == ["node1", "node2", "node3", "node4"]
+
+
+def _running_with_lines(job_name: str, lines: int = 3) -> Job:
+    def ready():
+        follow(1.0, job_ids=[Job.objects.get(name=job_name).pk])
+        job = Job.objects.get(name=job_name)
+        return job if all(r.log_lines >= lines for r in job.ranks.all()) and job.is_live else None
+
+    return wait_for(ready, timeout=90, what=f"{job_name} to print {lines} lines on every rank")
+
+
+def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
+    launch("--name", "long1", "--detach", "--", *SLOW_TRAIN)
+    job = _running_with_lines("long1")
+    assert len(job_pids(job.tag)) >= 6  # torchrun agent + worker on each of 3 nodes
+    out = io.StringIO()
+    call_command("cancel", "long1", stdout=out)
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLED
+    assert "no process of it remains" in out.getvalue()
+    assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    with pytest.raises(CommandError, match="already cancelled"):
+        call_command("cancel", "long1")
+
+
+def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
+    launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
+    job = _running_with_lines("killme")
+    # when the training worker (torchrun's child) on node2 is killed
+    victims = [p for p in job_pids(job.tag)
+               if b"UGRO_NODE=node2" in Path(f"/proc/{p}/environ").read_bytes()
+               and b"train_production" in Path(f"/proc/{p}/cmdline").read_bytes()
+               and b"torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+    assert victims
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    # then following notices, fails the job naming the rank, and nothing of the job survives
+    wait_for(
+        lambda: follow(2.0, job_ids=[job.pk]) or Job.objects.get(pk=job.pk).is_ended, timeout=90, what="the job to end"
+    )
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILED
+    assert "rank 1 on node2 exited with code" in job.failure_reason
+    assert "last lines" in job.failure_reason
+    assert job_pids(job.tag) == []
+
+
+def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
+    from cluster.models import Node
+
+    Node.objects.filter(name="node3").update(address="127.0.0.250")
+    with pytest.raises(CommandError, match="cannot reach node node3"):
+        launch("--name", "unreach", "--", *FAST_TRAIN)
+    job = Job.objects.get(name="unreach")
+    assert job.state == Job.State.FAILED
+    assert "Nothing was started" in job.failure_reason
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    assert not Rank.objects.filter(job=job).exclude(state=Rank.State.PENDING).exists()

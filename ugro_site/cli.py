@@ -1,0 +1,13 @@
+"""The `ugro` console script: `ugro launch ...` is `manage.py launch ...` from anywhere."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(["ugro", *sys.argv[1:]])
