@@ -1,0 +1,127 @@
+"""One metric of one job as chart-ready series, downsampled in SQL when the history is long.
+
+A long run logs millions of points; pulling them all into Python for every
+chart refresh would be slow and memory-hungry.  Past ``RAW_FACTOR * buckets``
+points the database groups the steps into equal-width buckets and returns, per
+rank and bucket, only the min, max and mean of the values.
+
+Shape of the result (JSON-ready; rank keys are strings because JSON keys are)::
+
+    {"name": "loss",
+     "ranks": {"0": {"x": [steps...], "y": [values...]}, "1": {...}},
+     "mean": {"x": [steps...], "y": [values...]},
+     "total_points": 200000}
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Value
+
+from metrics.models import MetricPoint
+
+# Up to this many points per requested bucket, raw points are cheaper than grouping.
+RAW_FACTOR = 4
+
+
+def series(
+    job_id: int,
+    name: str,
+    *,
+    rank: int | None = None,
+    buckets: int = 1000,
+    step_min: int | None = None,
+    step_max: int | None = None,
+) -> dict[str, Any]:
+    """The metric ``name`` of job ``job_id``, per rank and averaged across ranks.
+
+    ``rank`` limits it to one rank; ``step_min``/``step_max`` (inclusive) to a
+    window of steps.  ``total_points`` counts the stored points matching these
+    filters, whatever is returned.
+
+    Up to ``4 * buckets`` matching points, every point is returned, and
+    ``mean`` is the mean across ranks at each step.  Beyond that the step range
+    actually present is cut into at most ``buckets`` equal-width integer
+    buckets, and each rank gets per non-empty bucket two points:
+    ``(bucket_start_step, min value)`` and ``(bucket_mid_step, max value)``.
+    The database knows each bucket's min and max but not the steps they were
+    at; placing the min at the bucket start and the max at its middle keeps
+    x monotone and draws an envelope in which every spike survives, at the cost
+    of up to half a bucket of error in a spike's x.  ``mean`` then holds, per
+    bucket (at its middle step), the mean across ranks of each rank's mean value
+    in that bucket.
+    """
+    if buckets < 1:
+        raise ValueError("buckets must be >= 1")
+    points = MetricPoint.objects.filter(job_id=job_id, name=name)
+    if rank is not None:
+        points = points.filter(rank=rank)
+    if step_min is not None:
+        points = points.filter(step__gte=step_min)
+    if step_max is not None:
+        points = points.filter(step__lte=step_max)
+
+    stats = points.aggregate(n=Count("id"), lo=Min("step"), hi=Max("step"))
+    total = stats["n"]
+    if total <= RAW_FACTOR * buckets:
+        ranks, mean = _raw(points)
+    else:
+        ranks, mean = _bucketed(points, stats["lo"], stats["hi"], buckets)
+    return {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
+
+
+def _raw(points: QuerySet[MetricPoint]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
+    """Every point, per rank in step order, and the per-step mean across ranks."""
+    per_rank: dict[int, dict[str, list]] = {}
+    sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+    for point_rank, step, value in points.order_by("step", "rank", "id").values_list("rank", "step", "value"):
+        xy = per_rank.setdefault(point_rank, {"x": [], "y": []})
+        xy["x"].append(step)
+        xy["y"].append(value)
+        acc = sums[step]
+        acc[0] += value
+        acc[1] += 1
+    # Rows came in step order, so sums' insertion order is step order.
+    mean = {"x": list(sums), "y": [total / count for total, count in sums.values()]}
+    return _by_rank_key(per_rank), mean
+
+
+def _bucketed(
+    points: QuerySet[MetricPoint], lo: int, hi: int, buckets: int
+) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
+    """Per rank and equal-width step bucket, min/max (and mean) computed by the database."""
+    width = -(-(hi - lo + 1) // buckets)  # ceil: at most `buckets` buckets cover [lo, hi]
+    # step and lo are integers, so '/' is integer division on SQLite and PostgreSQL alike;
+    # step - lo >= 0, so truncation equals floor.
+    bucket = ExpressionWrapper((F("step") - Value(lo)) / Value(width), output_field=BigIntegerField())
+    rows = (
+        points.annotate(bucket=bucket)
+        .values("rank", "bucket")
+        .annotate(v_min=Min("value"), v_max=Max("value"), v_avg=Avg("value"))
+        .order_by("rank", "bucket")
+    )
+    per_rank: dict[int, dict[str, list]] = {}
+    bucket_means: dict[int, list[float]] = defaultdict(list)
+    half = width // 2
+    for row in rows:
+        start = lo + row["bucket"] * width
+        xy = per_rank.setdefault(row["rank"], {"x": [], "y": []})
+        xy["x"].append(start)
+        xy["y"].append(row["v_min"])
+        if half or row["v_max"] != row["v_min"]:
+            xy["x"].append(start + half)
+            xy["y"].append(row["v_max"])
+        bucket_means[row["bucket"]].append(row["v_avg"])
+    order = sorted(bucket_means)
+    mean = {
+        "x": [lo + b * width + half for b in order],
+        "y": [sum(bucket_means[b]) / len(bucket_means[b]) for b in order],
+    }
+    return _by_rank_key(per_rank), mean
+
+
+def _by_rank_key(per_rank: dict[int, dict[str, list]]) -> dict[str, dict[str, list]]:
+    """Ranks in numeric order, keyed by their decimal string (JSON object keys are strings)."""
+    return {str(r): per_rank[r] for r in sorted(per_rank)}
