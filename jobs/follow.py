@@ -31,7 +31,6 @@ from .models import Job, Rank
 from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
-LEASE_S = 15.0
 TAIL_BYTES = 4 * 1024 * 1024
 
 
@@ -47,7 +46,7 @@ def claim(job_id: int, owner: str, *, live_only: bool = True) -> bool:
     )
     if live_only:
         qs = qs.filter(state=Job.State.RUNNING)
-    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=LEASE_S)))
+    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=settings.UGRO["FOLLOW_LEASE_S"])))
 
 
 def release(job_id: int, owner: str) -> None:
@@ -243,7 +242,7 @@ def drain(follower: JobFollower, timeout: float = 10.0) -> None:
 
 def drain_job(job: Job, timeout: float = 10.0) -> None:
     owner = follower_id() + ":drain"
-    deadline = time.monotonic() + LEASE_S + 1
+    deadline = time.monotonic() + settings.UGRO["FOLLOW_LEASE_S"] + 1
     while not claim(job.pk, owner, live_only=False) and time.monotonic() < deadline:
         time.sleep(0.2)  # let the current follower finish its step
     try:

@@ -120,3 +120,23 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def controller_env(fast_settings, tmp_path):
+    """Environment for a controller process (worker, CLI) that shares this test's DB and data dir."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        UGRO_DATA_DIR=str(tmp_path),
+        UGRO_KILL_GRACE_S="3",
+        UGRO_JOIN_TIMEOUT_S="20",
+        UGRO_NODE_LOST_AFTER_S="5",
+        UGRO_FOLLOW_LEASE_S="4",
+        PYTHONUNBUFFERED="1",
+    )
+    fast_settings.UGRO = {**fast_settings.UGRO, "FOLLOW_LEASE_S": 4.0}
+    return env

@@ -127,3 +127,25 @@ def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
     assert "Nothing was started" in job.failure_reason
     assert not Rank.objects.filter(job=job, active=True).exists()
     assert not Rank.objects.filter(job=job).exclude(state=Rank.State.PENDING).exists()
+
+
+HOSTILE = ["$(touch /tmp/ugro_pwned_1)", "`touch /tmp/ugro_pwned_2`", "x; touch /tmp/ugro_pwned_3",
+           "a'b\"c", "line1\ntouch /tmp/ugro_pwned_4", "|| touch /tmp/ugro_pwned_5 &"]  # fmt: skip
+
+
+def test_shell_metacharacters_in_values_create_nothing_on_the_nodes(lab):
+    for i in range(1, 6):
+        Path(f"/tmp/ugro_pwned_{i}").unlink(missing_ok=True)
+    # a hostile job name is refused before anything exists
+    for bad in ("$(touch /tmp/ugro_pwned_1)", "a;b", "x`y`", "a b", "new\nline", "'q'"):
+        with pytest.raises(CommandError, match="job name"):
+            launch("--name", bad, "--", *FAST_TRAIN)
+    assert not Job.objects.exists()
+    # hostile model, dataset and extra args travel as literal argv items
+    launch("--name", "hostile", "--model", HOSTILE[0], "--dataset", HOSTILE[1], "--", *FAST_TRAIN,
+           "--job-id", HOSTILE[2], "--note", HOSTILE[3], "--note2", HOSTILE[4], "--note3", HOSTILE[5])  # fmt: skip
+    job = Job.objects.get(name="hostile")
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    for i in range(1, 6):
+        assert not Path(f"/tmp/ugro_pwned_{i}").exists()
+    assert HOSTILE[0] in job.script_args and HOSTILE[4] in job.script_args

@@ -151,6 +151,7 @@ UGRO = {
     "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0),
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0),
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0),
+    "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0),
 }
 
 LOGGING = {

@@ -1,0 +1,64 @@
+"""A Celery worker killed and restarted mid-run loses no log line and repeats none."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from django.core.management import call_command
+
+from jobs.models import Job
+from metrics.models import MetricPoint
+
+from .conftest import REPO, wait_for
+
+pytestmark = pytest.mark.e2e
+TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.1"]
+
+
+def start_worker(env: dict, tmp_path, name: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}.log", "wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
+         "-n", f"{name}@%h", "-s", str(tmp_path / f"{name}-beat"), "--loglevel=warning"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def kill_worker(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def test_worker_killed_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
+    call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
+    job = Job.objects.get(name="durable")
+    assert job.state == Job.State.RUNNING
+    first = start_worker(controller_env, tmp_path, "w1")
+    try:
+        # given the worker is following the job; when it is killed without warning
+        wait_for(lambda: all(r.log_lines >= 10 for r in job.ranks.all()), timeout=90, what="w1 to follow")
+    finally:
+        kill_worker(first)
+    seen = {r.index: r.log_lines for r in job.ranks.all()}
+    second = start_worker(controller_env, tmp_path, "w2")
+    try:
+        # then a new worker picks up where the DB says and the job finishes
+        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=150, what="the job to end under w2")
+    finally:
+        kill_worker(second)
+    job.refresh_from_db()
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    for r in job.ranks.all():
+        node_bytes = open(r.remote_log, "rb").read()
+        assert r.local_log.read_bytes() == node_bytes
+        assert r.log_lines == node_bytes.count(b"\n") and r.log_lines > seen[r.index]
+    dupes = Counter(MetricPoint.objects.filter(job=job).values_list("rank", "step", "name"))
+    assert dupes and max(dupes.values()) == 1
+    steps = set(MetricPoint.objects.filter(job=job, name="loss", rank=0).values_list("step", flat=True))
+    assert steps == set(range(1, 121))
