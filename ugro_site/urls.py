@@ -1,5 +1,4 @@
-"""URL routes: pages, JSON endpoints, admin and auth."""
-
+"""URL routes: each app's pages and JSON endpoints, admin and auth."""
 from __future__ import annotations
 
 from django.contrib import admin
@@ -8,4 +7,7 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
+    path("", include("cluster.urls")),
+    path("", include("jobs.urls")),
+    path("", include("metrics.urls")),
 ]
