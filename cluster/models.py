@@ -92,6 +92,19 @@ class Node(models.Model):
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.UNKNOWN)
     status_reason = models.CharField(max_length=500, blank=True)
     last_seen = models.DateTimeField(null=True, blank=True)
+    health_score = models.PositiveSmallIntegerField(null=True, blank=True, help_text="0-100 from the last probe.")
+    health_checks = models.JSONField(
+        default=list, blank=True, help_text="Failing checks of the last probe: [{name, severity, detail}]."
+    )
+    gpu_reader = models.CharField(
+        max_length=500,
+        default="auto",
+        blank=True,
+        help_text="How the probe reads GPUs: auto (NVML, else nvidia-smi), nvml, nvidia-smi, or fixture:<path> "
+        "(a JSON file on the node, for tests).",
+    )
+    breaker = models.JSONField(default=dict, blank=True, help_text="Circuit breaker state of the health monitor.")
+    last_poll_at = models.DateTimeField(null=True, blank=True, help_text="Last probe attempt, good or not.")
 
     class Meta:
         ordering = ["order", "name"]
@@ -137,3 +150,101 @@ class Node(models.Model):
         from .links import pool
 
         return pool.get(self.endpoint(), settings.UGRO["CONNECT_TIMEOUT_S"])
+
+
+class HealthSample(models.Model):
+    """One probe of one node (raw, kept 24 h) or a 1-minute aggregate of them (kept 30 days)."""
+
+    class Kind(models.TextChoices):
+        RAW = "raw", "raw"
+        MINUTE = "minute", "1-minute aggregate"
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="samples")
+    time = models.DateTimeField(db_index=True)
+    kind = models.CharField(max_length=6, choices=Kind.choices, default=Kind.RAW)
+    ok = models.BooleanField(default=True, help_text="False when the probe failed (the node was not reached).")
+    error = models.CharField(max_length=500, blank=True)
+    score = models.FloatField(null=True, blank=True)
+    status = models.CharField(max_length=10, blank=True)
+    rtt_ms = models.FloatField(null=True, blank=True)
+    cpu_percent = models.FloatField(null=True, blank=True)
+    ram_percent = models.FloatField(null=True, blank=True)
+    disk_percent = models.FloatField(null=True, blank=True)
+    disk_free_gb = models.FloatField(null=True, blank=True)
+    load1 = models.FloatField(null=True, blank=True)
+    gpu_count = models.PositiveSmallIntegerField(null=True, blank=True)
+    gpu_util_percent = models.FloatField(null=True, blank=True, help_text="Mean over the node's GPUs.")
+    gpu_mem_used_mb = models.FloatField(null=True, blank=True, help_text="Sum over the node's GPUs.")
+    gpu_mem_total_mb = models.FloatField(null=True, blank=True)
+    gpu_temp_c = models.FloatField(null=True, blank=True, help_text="Hottest GPU.")
+    gpu_power_w = models.FloatField(null=True, blank=True, help_text="Sum over the node's GPUs.")
+    gpus = models.JSONField(default=list, blank=True, help_text="Per-GPU readings (raw samples only).")
+    samples = models.PositiveIntegerField(default=1, help_text="Raw samples behind an aggregate.")
+
+    class Meta:
+        ordering = ["-time"]
+        indexes = [models.Index(fields=["node", "kind", "-time"], name="sample_node_kind_time")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name} at {self.time:%Y-%m-%d %H:%M:%S} ({self.kind})"
+
+
+class Alert(models.Model):
+    """A condition worth a human's attention; at most one open alert per node and condition key."""
+
+    class Severity(models.TextChoices):
+        INFO = "info", "info"
+        WARNING = "warning", "warning"
+        CRITICAL = "critical", "critical"
+
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
+    key = models.CharField(max_length=100, help_text='The condition, e.g. "down", "ram", "gpu_temp:0".')
+    severity = models.CharField(max_length=8, choices=Severity.choices)
+    message = models.CharField(max_length=1000)
+    job_name = models.CharField(max_length=64, blank=True)
+    opened_at = models.DateTimeField(db_index=True)
+    updated_at = models.DateTimeField()
+    resolved_at = models.DateTimeField(null=True, blank=True, help_text="INFO alerts are resolved when made.")
+
+    class Meta:
+        ordering = ["-opened_at"]
+        constraints = [
+            # No floods: the database refuses a second open alert for the same condition of a node.
+            models.UniqueConstraint(
+                fields=["node", "key"], condition=models.Q(resolved_at__isnull=True), name="one_open_alert_per_key"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        where = self.node.name if self.node_id else (self.job_name or "cluster")
+        return f"[{self.severity}] {where}: {self.message}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.resolved_at is None
+
+
+class AlertSettings(models.Model):
+    """The one row of alert delivery settings, editable in admin (the environment adds to it)."""
+
+    webhook_url = models.URLField(
+        max_length=1000, blank=True, help_text="JSON POST per alert (Slack incoming webhook, ntfy, ...)."
+    )
+    emails = models.TextField(blank=True, help_text="Addresses to mail alerts to, one per line or comma separated.")
+    min_severity = models.CharField(
+        max_length=8, choices=Alert.Severity.choices, default=Alert.Severity.INFO, help_text="Notify from this level up."
+    )
+
+    class Meta:
+        verbose_name = verbose_name_plural = "alert settings"
+
+    def __str__(self) -> str:
+        return "alert settings"
+
+    @classmethod
+    def load(cls) -> AlertSettings:
+        obj, _ = cls.objects.get_or_create(pk=1)
+        return obj
+
+    def email_list(self) -> list[str]:
+        return [e.strip() for e in self.emails.replace(",", "\n").splitlines() if e.strip()]
