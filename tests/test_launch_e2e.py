@@ -149,3 +149,24 @@ def test_shell_metacharacters_in_values_create_nothing_on_the_nodes(lab):
     for i in range(1, 6):
         assert not Path(f"/tmp/ugro_pwned_{i}").exists()
     assert HOSTILE[0] in job.script_args and HOSTILE[4] in job.script_args
+
+
+def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
+    launch("--name", "lostnode", "--detach", "--", *SLOW_TRAIN)
+    job = _running_with_lines("lostnode")
+    node3 = lab.nodes[2]
+    try:
+        # when node3 drops off the network (its sshd and every session through it end)
+        node3.stop()
+        wait_for(lambda: follow(2.0, job_ids=[job.pk]) or Job.objects.get(pk=job.pk).is_ended, timeout=90,
+                 what="the job to end")  # fmt: skip
+        job.refresh_from_db()
+        # then the job fails naming the node, and the ranks UGRO could still reach are stopped
+        assert job.state == Job.State.FAILED
+        assert "node node3 (rank 2) stopped answering" in job.failure_reason
+        reachable = [p for p in job_pids(job.tag) if b"UGRO_NODE=node3" not in Path(f"/proc/{p}/environ").read_bytes()]
+        assert reachable == []
+    finally:
+        for pid in job_pids(job.tag):  # node3's ranks live on this machine; a real lost node's would not
+            os.kill(pid, signal.SIGKILL)
+        node3.start()
