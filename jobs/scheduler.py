@@ -48,8 +48,12 @@ def after_job_ended(job: Job) -> None:
     """Nodes were freed: let the worker start what waits (if a worker runs; waiting CLIs poll too)."""
 
     def kick() -> None:
+        from ugro_site.celery import broker_answers
+
         from .tasks import schedule_jobs
 
+        if not broker_answers():
+            return
         try:
             schedule_jobs.apply_async(retry=False)
         except Exception as exc:  # no broker: waiting `launch` commands schedule for themselves
