@@ -1,0 +1,56 @@
+"""Websocket consumers: join a group, relay its events to the browser as JSON. They do no work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from .events import job_group
+
+
+class RelayConsumer(AsyncJsonWebsocketConsumer):
+    """Relays one channel-layer group to a logged-in browser; anonymous connections are closed."""
+
+    group = ""
+
+    def group_name(self) -> str:
+        return self.group
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=4401)
+            return
+        self.joined = self.group_name()
+        await self.channel_layer.group_add(self.joined, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code: int) -> None:
+        if getattr(self, "joined", ""):
+            await self.channel_layer.group_discard(self.joined, self.channel_name)
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """Browsers only listen; anything they send is ignored."""
+
+    async def relay(self, event: dict[str, Any]) -> None:
+        await self.send_json({"kind": event.get("kind"), "data": event.get("data")})
+
+
+class JobConsumer(RelayConsumer):
+    """/ws/jobs/<id>/: a job's log lines, metric points and state changes."""
+
+    def group_name(self) -> str:
+        return job_group(self.scope["url_route"]["kwargs"]["job_id"])
+
+    async def job_event(self, event: dict[str, Any]) -> None:
+        await self.relay(event)
+
+
+class ClusterConsumer(RelayConsumer):
+    """/ws/cluster/: node status, GPU readings and job states for the overview and the jobs board."""
+
+    group = "cluster"
+
+    async def cluster_event(self, event: dict[str, Any]) -> None:
+        await self.relay(event)
