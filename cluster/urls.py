@@ -1,4 +1,10 @@
 """URL routes of the cluster app (included at the site root)."""
 from __future__ import annotations
 
-urlpatterns: list = []
+from django.urls import path
+
+from . import views
+
+urlpatterns: list = [
+    path("", views.overview, name="cluster-overview"),
+]

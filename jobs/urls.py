@@ -1,4 +1,15 @@
 """URL routes of the jobs app (included at the site root)."""
 from __future__ import annotations
 
-urlpatterns: list = []
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("jobs/", views.board, name="job-board"),
+    path("jobs/launch/", views.launch, name="job-launch"),
+    path("jobs/<int:pk>/", views.detail, name="job-detail"),
+    path("jobs/<int:pk>/cancel/", views.cancel, name="job-cancel"),
+    path("jobs/<int:pk>/relaunch/", views.relaunch, name="job-relaunch"),
+    path("api/jobs/<int:pk>/logs", views.api_logs, name="api-job-logs"),
+]

@@ -1,0 +1,306 @@
+"""Job pages (board, detail, launch form), their POST actions and the logs JSON endpoint."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from django import forms
+from django.contrib import messages
+from django.db import transaction
+from django.db.models import Max, Prefetch
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from cluster.models import Node
+from metrics.models import MetricPoint
+
+from . import report
+from .launch import LaunchError, LaunchRequest, create_job
+from .logs import job_lines
+from .models import Job, Rank
+from .stop import cancel_job
+
+LANES = (
+    ("queued", "Queued", (Job.State.QUEUED,)),
+    ("running", "Running", Job.LIVE_STATES),
+    ("done", "Done", Job.ENDED_STATES),
+)
+DONE_LIMIT = 50
+CHART_METRICS = ("loss", "lr", "tokens_per_sec", "grad_norm")
+MAX_TAIL = 5000
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def _queue_start() -> None:
+    from . import tasks
+
+    transaction.on_commit(lambda: tasks.schedule_jobs.delay())
+
+
+def _with_ranks(qs):
+    return qs.prefetch_related(Prefetch("ranks", queryset=Rank.objects.select_related("node").order_by("index")))
+
+
+@require_GET
+def board(request: HttpRequest) -> HttpResponse:
+    """Queued -> running -> done lanes, filtered by state and name."""
+    state = request.GET.get("state", "")
+    query = request.GET.get("q", "").strip()
+    jobs = Job.objects.all()
+    if state in Job.State.values:
+        jobs = jobs.filter(state=state)
+    if query:
+        jobs = jobs.filter(name__icontains=query)
+    lanes = []
+    for key, title, states in LANES:
+        lane = _with_ranks(jobs.filter(state__in=states))
+        if key == "done":
+            lane = lane.order_by("-finished_at", "-created_at")[:DONE_LIMIT]
+        elif key == "queued":
+            lane = lane.order_by("-priority", "created_at")
+        lanes.append({"key": key, "title": title, "jobs": list(lane)})
+    return render(
+        request,
+        "jobs/board.html",
+        {"lanes": lanes, "state": state, "q": query, "states": Job.State.choices, "nav": "jobs"},
+    )
+
+
+def metric_names(job: Job) -> list[str]:
+    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
+    names: list[str] = []
+    points = MetricPoint.objects.filter(job=job)
+    while len(names) < 50:
+        qs = points.filter(name__gt=names[-1]) if names else points
+        name = qs.order_by("name").values_list("name", flat=True).first()
+        if name is None:
+            break
+        names.append(name)
+    return names
+
+
+def _max_steps(job: Job) -> int | None:
+    extra = list((job.params or {}).get("extra") or []) + list(job.script_args or [])
+    for i, arg in enumerate(extra):
+        value = arg.partition("=")[2] if arg.startswith("--max-steps=") else None
+        if arg == "--max-steps" and i + 1 < len(extra):
+            value = extra[i + 1]
+        if value is not None:
+            try:
+                steps = int(value)
+            except ValueError:
+                continue
+            return steps if steps > 0 else None
+    return None
+
+
+def progress(job: Job, names: list[str]) -> dict | None:
+    """Best-effort progress and ETA: from --max-steps and the last step seen, else from the epoch metric."""
+    if not job.running_at or not names:
+        return None
+    name = "loss" if "loss" in names else names[0]
+    last = MetricPoint.objects.filter(job=job, name=name).aggregate(step=Max("step"))["step"]
+    fraction = None
+    max_steps = _max_steps(job)
+    if max_steps and last is not None:
+        fraction = min(1.0, last / max_steps)
+    elif "epoch" in names and (job.params or {}).get("epochs"):
+        epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
+        if epoch:
+            fraction = min(1.0, max(0.0, epoch[0] / float(job.params["epochs"])))
+    if fraction is None:
+        return None
+    end = job.finished_at or timezone.now()
+    elapsed = (end - job.running_at).total_seconds()
+    eta = elapsed * (1 - fraction) / fraction if fraction > 0 and job.is_live else None
+    return {"fraction": fraction, "percent": round(fraction * 100, 1), "step": last, "max_steps": max_steps, "eta": eta}
+
+
+def final_metrics(job: Job, names: list[str]) -> list[dict]:
+    """The last value of each metric on each rank (the 'results' of a run)."""
+    rows = []
+    for name in names:
+        last_by_rank: dict[int, MetricPoint] = {}
+        for point in MetricPoint.objects.filter(job=job, name=name).order_by("-step")[:64]:
+            last_by_rank.setdefault(point.rank, point)
+        for rank, point in sorted(last_by_rank.items()):
+            rows.append({"name": name, "rank": rank, "step": point.step, "value": point.value})
+    return rows
+
+
+@require_GET
+def detail(request: HttpRequest, pk: int) -> HttpResponse:
+    job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
+    names = metric_names(job)
+    prog = progress(job, names)
+    elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
+    chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
+    context = {
+        "job": job,
+        "ranks": list(job.ranks.all()),
+        "metric_names": chart_names or ["loss"],
+        "progress": prog,
+        "elapsed": human_duration(elapsed) or "—",
+        "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
+        "nav": "jobs",
+    }
+    if job.is_ended:
+        context["final"] = final_metrics(job, names)
+        context["checkpoints"] = report.checkpoints(job) if job.ranks.exists() else []
+        context["config_path"] = job.job_dir / "config.json"
+    return render(request, "jobs/detail.html", context)
+
+
+@require_POST
+def cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    job = get_object_or_404(Job, pk=pk)
+    try:
+        job, unclean = cancel_job(job)
+    except ValueError as exc:
+        messages.error(request, str(exc))
+    else:
+        if unclean:
+            messages.warning(request, f"job {job.name} cancelled; not confirmed clean: {'; '.join(unclean)}")
+        else:
+            messages.success(request, f"job {job.name} cancelled")
+    return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
+
+
+def relaunch_name(name: str) -> str:
+    """`<base>-r<N>` with the first N not taken, where base drops an existing -r<N> suffix."""
+    base = re.sub(r"-r\d+$", "", name)
+    taken = set(Job.objects.filter(name__startswith=f"{base}-r").values_list("name", flat=True))
+    n = 1
+    while f"{base}-r{n}" in taken:
+        n += 1
+    return f"{base}-r{n}"
+
+
+def relaunch_request(job: Job) -> LaunchRequest:
+    params = job.params or {}
+    return LaunchRequest(
+        name=relaunch_name(job.name),
+        nodes=list(job.requested_nodes or []),
+        count=job.requested_count,
+        script=job.script,
+        model=str(params.get("model") or ""),
+        dataset=str(params.get("dataset") or ""),
+        epochs=params.get("epochs"),
+        lr=params.get("lr"),
+        nproc_per_node=job.nproc_per_node,
+        extra_args=[str(a) for a in params.get("extra") or []],
+        priority=job.priority,
+    )
+
+
+@require_POST
+def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
+    """A new job with the same parameters under a new name."""
+    job = get_object_or_404(Job, pk=pk)
+    try:
+        new = create_job(relaunch_request(job))
+    except LaunchError as exc:
+        messages.error(request, f"relaunch of {job.name} refused: {exc}")
+        return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
+    _queue_start()
+    messages.success(request, f"job {new.name} queued (relaunch of {job.name})")
+    return redirect("job-detail", new.pk)
+
+
+def _next_url(request: HttpRequest, default: str) -> str:
+    target = request.POST.get("next", "")
+    # Only our own paths: never an open redirect.
+    return target if target.startswith("/") and not target.startswith("//") else default
+
+
+class LaunchForm(forms.Form):
+    """The CLI's `launch` options; create_job() does the validation both share."""
+
+    name = forms.CharField(max_length=64, help_text="letters, digits, . _ -")
+    nodes = forms.MultipleChoiceField(
+        required=False, widget=forms.CheckboxSelectMultiple, help_text="none ticked: use the node count"
+    )
+    count = forms.IntegerField(required=False, min_value=1, label="Node count", help_text="blank: all enabled nodes")
+    script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
+    model = forms.CharField(required=False, max_length=200)
+    dataset = forms.CharField(required=False, max_length=200)
+    epochs = forms.IntegerField(required=False)
+    lr = forms.FloatField(required=False, label="Learning rate")
+    nproc_per_node = forms.IntegerField(required=False, label="Processes per node", help_text="blank: GPU count")
+    priority = forms.IntegerField(required=False, initial=0)
+    extra_args = forms.CharField(
+        required=False,
+        max_length=8000,
+        label="Extra script arguments",
+        help_text="split like a shell would, e.g. --max-steps 200 --log-every 5",
+    )
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["nodes"].choices = [
+            (n.name, f"{n.name} ({n.role}, {n.gpu_label})") for n in Node.objects.filter(enabled=True)
+        ]
+
+    def clean_extra_args(self) -> list[str]:
+        try:
+            return shlex.split(self.cleaned_data["extra_args"] or "")
+        except ValueError as exc:
+            raise forms.ValidationError(f"cannot split the arguments: {exc}") from None
+
+    def launch_request(self) -> LaunchRequest:
+        d = self.cleaned_data
+        return LaunchRequest(
+            name=d["name"].strip(),
+            nodes=list(d["nodes"]),
+            count=None if d["nodes"] else d["count"],
+            script=d["script"].strip(),
+            model=d["model"].strip(),
+            dataset=d["dataset"].strip(),
+            epochs=d["epochs"],
+            lr=d["lr"],
+            nproc_per_node=d["nproc_per_node"],
+            extra_args=d["extra_args"],
+            priority=d["priority"] or 0,
+        )
+
+
+def launch(request: HttpRequest) -> HttpResponse:
+    form = LaunchForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            job = create_job(form.launch_request())
+        except LaunchError as exc:
+            form.add_error(None, str(exc))
+        else:
+            _queue_start()
+            messages.success(request, f"job {job.name} queued")
+            return redirect("job-detail", job.pk)
+    return render(request, "jobs/launch.html", {"form": form, "nav": "launch"})
+
+
+@require_GET
+def api_logs(request: HttpRequest, pk: int) -> JsonResponse:
+    """The last `tail` committed log lines of one rank (`rank=`) or of all ranks merged."""
+    job = get_object_or_404(Job, pk=pk)
+    try:
+        rank = int(request.GET["rank"]) if request.GET.get("rank", "") != "" else None
+        tail = min(MAX_TAIL, max(1, int(request.GET.get("tail", 500))))
+    except ValueError:
+        return JsonResponse({"error": "rank and tail must be integers"}, status=400)
+    lines = job_lines(job, rank_index=rank, tail=tail)
+    return JsonResponse({"job": job.pk, "lines": [[ln.time, ln.rank, ln.text] for ln in lines]})
+
+
+__all__ = ["board", "detail", "cancel", "relaunch", "launch", "api_logs"]

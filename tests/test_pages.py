@@ -1,0 +1,193 @@
+"""Dashboard pages and JSON endpoints through Django's test client: login, escaping, CSP, CSRF, actions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from cluster.models import Node
+from jobs.models import Job, Rank
+from metrics.models import MetricPoint
+
+HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+
+
+@pytest.fixture
+def alice(db):
+    return User.objects.create_user("alice", password="pw-alice-123")
+
+
+@pytest.fixture
+def browser(alice):
+    client = Client()
+    client.force_login(alice)
+    return client
+
+
+@pytest.fixture
+def node(db):
+    return Node.objects.create(name="gpu-master", address="127.0.0.2", role=Node.Role.MASTER, gpu_model="RTX 5070 Ti")
+
+
+@pytest.fixture
+def job(db, node, settings, tmp_path):
+    """A running job on one node, with a few loss points and a log."""
+    settings.JOBS_DIR = tmp_path / "jobs"
+    job = Job.objects.create(
+        name="demo",
+        script="train/train_production.py",
+        script_args=["--max-steps", "10"],
+        params={"model": "tiny", "dataset": "gpl-3", "epochs": 1, "lr": 0.003, "extra": ["--max-steps", "10"]},
+        state=Job.State.RUNNING,
+        started_at=timezone.now(),
+        running_at=timezone.now(),
+    )
+    rank = Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING)
+    text = b"step 1 starting\nstep 2 going\n"
+    rank.local_log.parent.mkdir(parents=True, exist_ok=True)
+    rank.local_log.write_bytes(text)
+    Rank.objects.filter(pk=rank.pk).update(log_offset=len(text), log_lines=2)
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=0, step=s, name="loss", value=3.0 - s / 10, time=timezone.now()) for s in range(1, 6)
+    )
+    return job
+
+
+def page_urls(job: Job) -> list[str]:
+    return ["/", "/jobs/", "/jobs/launch/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}"]
+
+
+def api_urls(job: Job) -> list[str]:
+    return [f"/api/jobs/{job.pk}/series?name=loss", f"/api/jobs/{job.pk}/logs?tail=10"]
+
+
+def test_logged_out_gets_login_redirect_and_no_data_from_every_page_and_endpoint(client, job):
+    for url in page_urls(job) + api_urls(job):
+        response = client.get(url)
+        assert response.status_code == 302, url
+        assert response["Location"].startswith("/accounts/login/"), url
+        assert b"loss" not in response.content and b"step 1" not in response.content, url
+
+
+def test_logged_out_post_cancels_nothing(client, job):
+    response = client.post(f"/jobs/{job.pk}/cancel/")
+    assert response.status_code == 302 and response["Location"].startswith("/accounts/login/")
+    job.refresh_from_db()
+    assert job.state == Job.State.RUNNING
+
+
+def test_logged_in_pages_render_with_csp_and_nonced_scripts_only(browser, job):
+    for url in page_urls(job) + ["/accounts/login/"]:
+        response = browser.get(url)
+        assert response.status_code == 200, url
+        csp = response["Content-Security-Policy"]
+        nonce = re.search(r"'nonce-([^']+)'", csp).group(1)
+        assert "script-src 'self' 'nonce-" in csp and "object-src 'none'" in csp, url
+        html = response.content.decode()
+        scripts = re.findall(r"<script\b[^>]*>", html)
+        assert scripts, url
+        assert all(f'nonce="{nonce}"' in tag for tag in scripts), (url, scripts)
+        assert not re.search(r"\son[a-z]+=", html, re.I), f"inline event handler on {url}"
+        assert not re.search(r"\sstyle=", html, re.I), f"inline style on {url}"
+
+
+def test_json_endpoints_give_series_and_log_lines(browser, job):
+    series = browser.get(f"/api/jobs/{job.pk}/series?name=loss&buckets=100").json()
+    assert series["ranks"]["0"]["x"] == [1, 2, 3, 4, 5] and series["total_points"] == 5
+    logs = browser.get(f"/api/jobs/{job.pk}/logs?tail=1").json()
+    assert [line[1:] for line in logs["lines"]] == [[0, "step 2 going"]]
+    assert browser.get(f"/api/jobs/{job.pk}/logs?rank=x").status_code == 400
+
+
+def test_hostile_job_name_metric_name_and_reason_are_escaped(browser, node, settings, tmp_path):
+    # given values no form would accept, written straight to the DB (defence in depth)
+    settings.JOBS_DIR = tmp_path / "jobs"
+    job = Job.objects.create(name=HOSTILE, script="s.py", state=Job.State.FAILED, failure_reason=HOSTILE)
+    MetricPoint.objects.create(job=job, rank=0, step=1, name=HOSTILE, value=1.0, time=timezone.now())
+    for url in ["/jobs/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}"]:
+        html = browser.get(url).content.decode()
+        assert "<script>alert(1)" not in html and "<img src=x" not in html, url
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, url
+
+
+def test_cancel_requires_csrf_token(alice, job):
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(alice)
+    assert strict.post(f"/jobs/{job.pk}/cancel/").status_code == 403
+    job.refresh_from_db()
+    assert job.state == Job.State.RUNNING
+
+
+def test_cancel_a_queued_job_from_the_board(browser, db):
+    job = Job.objects.create(name="waiting", script="s.py")
+    response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "/jobs/"})
+    assert response.status_code == 302 and response["Location"] == "/jobs/"
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLED
+    assert "job waiting cancelled" in browser.get("/jobs/").content.decode()
+
+
+def test_cancel_never_redirects_off_site(browser, db):
+    job = Job.objects.create(name="waiting", script="s.py")
+    response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "//evil.example/"})
+    assert response["Location"] == f"/jobs/{job.pk}/"
+
+
+def test_launch_form_shows_the_launch_error_for_a_bad_name(browser, node):
+    response = browser.post("/jobs/launch/", {"name": "bad name;rm", "count": "1"})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "job name &#x27;bad name;rm&#x27; is not allowed" in html
+    assert not Job.objects.exists()
+
+
+def test_launch_form_queues_a_job_and_its_start_after_commit(browser, node, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        response = browser.post(
+            "/jobs/launch/",
+            {"name": "web-1", "nodes": ["gpu-master"], "epochs": "2", "lr": "0.01", "extra_args": "--max-steps 40"},
+        )
+    job = Job.objects.get(name="web-1")
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    assert job.state == Job.State.QUEUED and job.requested_nodes == ["gpu-master"]
+    assert job.params["epochs"] == 2 and job.params["extra"] == ["--max-steps", "40"]
+    assert len(callbacks) == 1
+
+
+def test_relaunch_makes_a_new_job_with_the_same_params_and_a_numbered_name(browser, job):
+    first = browser.post(f"/jobs/{job.pk}/relaunch/")
+    second = browser.post(f"/jobs/{job.pk}/relaunch/")
+    r1, r2 = Job.objects.get(name="demo-r1"), Job.objects.get(name="demo-r2")
+    assert first["Location"] == f"/jobs/{r1.pk}/" and second["Location"] == f"/jobs/{r2.pk}/"
+    assert r1.params == job.params and r1.script == job.script and r1.state == Job.State.QUEUED
+    browser.post(f"/jobs/{r1.pk}/relaunch/")
+    assert Job.objects.filter(name="demo-r3").exists()
+
+
+def test_board_lanes_and_filters(browser, job):
+    Job.objects.create(name="later", script="s.py")
+    html = browser.get("/jobs/").content.decode()
+    assert "demo" in html and "later" in html
+    html = browser.get("/jobs/?state=queued").content.decode()
+    assert "later" in html and 'href="/jobs/%d/"' % job.pk not in html
+    html = browser.get("/jobs/?q=dem").content.decode()
+    assert 'href="/jobs/%d/"' % job.pk in html and "later" not in html
+
+
+def test_detail_shows_progress_from_max_steps(browser, job):
+    html = browser.get(f"/jobs/{job.pk}/").content.decode()
+    assert "step 5/10" in html and "50.0%" in html
+
+
+def test_overview_shows_nodes_and_the_job_each_runs(browser, job):
+    html = browser.get("/").content.decode()
+    assert "gpu-master" in html and "RTX 5070 Ti" in html and f'href="/jobs/{job.pk}/"' in html
+
+
+def test_admin_is_staff_only(browser):
+    response = browser.get("/admin/")
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
