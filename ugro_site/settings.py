@@ -162,3 +162,52 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
     "loggers": {"paramiko": {"level": "WARNING"}},
 }
+
+# Health monitor, pre-flight and alerts (cluster/monitor.py, jobs/preflight.py, cluster/alerts.py).
+# Beat fires the poll every 5 s; each node is probed only when its adaptive interval is due.
+CELERY_BEAT_SCHEDULE["poll-health"] = {"task": "cluster.tasks.poll_health", "schedule": 5.0}
+CELERY_BEAT_SCHEDULE["prune-samples"] = {"task": "cluster.tasks.prune_samples", "schedule": 600.0}
+UGRO.update(
+    {
+        "PROBE_TIMEOUT_S": env_float("UGRO_PROBE_TIMEOUT_S", 10.0, minimum=1.0),
+        # Overrides of cluster.health.Thresholds, e.g. UGRO_HEALTH_GPU_TEMP_CRIT=90.
+        "HEALTH_THRESHOLDS": {
+            key: env_float(f"UGRO_HEALTH_{key.upper()}", default)
+            for key, default in {
+                "gpu_temp_warn": 80.0,
+                "gpu_temp_crit": 85.0,
+                "ram_warn": 90.0,
+                "ram_crit": 95.0,
+                "disk_warn": 90.0,
+                "score_warn": 70.0,
+                "score_crit": 50.0,
+                "gpu_mem_free_min_mb": 1024.0,
+                "cpu_warn": 95.0,
+            }.items()
+        },
+        "PREFLIGHT_VERSION_MISMATCH": env_str("UGRO_PREFLIGHT_VERSION_MISMATCH", "fail"),
+        "PREFLIGHT_DISK_FREE_GB": env_float("UGRO_PREFLIGHT_DISK_FREE_GB", 2.0, minimum=0.0),
+        "PREFLIGHT_GPU_FREE_MB": env_float("UGRO_PREFLIGHT_GPU_FREE_MB", 1024.0, minimum=0.0),
+        "SAMPLES_RAW_HOURS": env_float("UGRO_SAMPLES_RAW_HOURS", 24.0, minimum=1.0),
+        "SAMPLES_KEEP_DAYS": env_float("UGRO_SAMPLES_KEEP_DAYS", 30.0, minimum=1.0),
+    }
+)
+if UGRO["PREFLIGHT_VERSION_MISMATCH"] not in ("fail", "warn"):
+    raise EnvError("UGRO_PREFLIGHT_VERSION_MISMATCH must be fail or warn")
+UGRO_ALERT_EMAILS = env_list("UGRO_ALERT_EMAILS", [])
+UGRO_ALERT_WEBHOOK_URL = env_str("UGRO_ALERT_WEBHOOK_URL", "")
+UGRO_PROMETHEUS_TOKEN = env_str("UGRO_PROMETHEUS_TOKEN", "")
+MAILERS = {
+    "default": {
+        "BACKEND": env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend"),
+        "OPTIONS": {
+            "host": env_str("EMAIL_HOST", "localhost"),
+            "port": env_int("EMAIL_PORT", 25, minimum=1),
+            "username": env_str("EMAIL_HOST_USER", ""),
+            "password": env_str("EMAIL_HOST_PASSWORD", ""),
+            "use_tls": env_bool("EMAIL_USE_TLS", False),
+            "timeout": 10,
+        },
+    }
+}
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "ugro@localhost")

@@ -1,0 +1,301 @@
+"""The health monitor: probe every due node at once over warm links, record, judge, alert, publish.
+
+`poll_once()` is one step (Celery beat runs it every 5 s through cluster.tasks.poll_health; the
+`monitor` command loops it; tests call it directly). Each node is probed when its adaptive
+interval (cluster.health.poll_interval) has passed since its last attempt and its circuit
+breaker lets it; `force=True` probes every enabled node now (`manage.py health`).
+
+One poll makes up to two attempts per node: a failed probe is retried once at once (a fresh
+connection), and each failed attempt counts towards the breaker's 3-failure rule. So a node that
+drops off the network is DOWN on the second poll after it went (2 failures, then the 3rd), while
+a single dropped packet or a stale warm link does not flap it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Avg, Case, Count, IntegerField, Max, Sum, Value, When
+from django.db.models.functions import TruncMinute
+from django.utils import timezone
+
+from . import alerts
+from .health import Breaker, HealthResult, Thresholds, alert_conditions, poll_interval, score_sample
+from .links import AgentRequestError, LinkError
+from .models import HealthSample, Node
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS_PER_POLL = 2
+# How a minute of raw samples becomes one aggregate: peaks for what alerts on peaks, else means.
+AVERAGED = ("score", "rtt_ms", "cpu_percent", "disk_free_gb", "load1", "gpu_util_percent", "gpu_mem_used_mb",
+            "gpu_power_w")  # fmt: skip
+MAXED = ("ram_percent", "disk_percent", "gpu_count", "gpu_mem_total_mb", "gpu_temp_c")
+
+
+@dataclass
+class PollOutcome:
+    """What one poll learnt about one node."""
+
+    node: str
+    ok: bool
+    status: str
+    score: int | None = None
+    reason: str = ""
+    rtt_ms: float | None = None
+    sample: dict[str, Any] | None = None
+    result: HealthResult | None = None
+    went_down: bool = False
+    recovered: bool = False
+    resolved: list[str] = field(default_factory=list)
+
+
+def thresholds() -> Thresholds:
+    return Thresholds.from_settings(settings.UGRO.get("HEALTH_THRESHOLDS"))
+
+
+def _job_context(nodes: list[Node]) -> dict[int, tuple[str | None, datetime | None]]:
+    """Per node id: the tag of the job running on it (or None) and when it last had a job."""
+    from jobs.models import Job, Rank  # jobs depends on cluster, not the other way round at import
+
+    ids = [n.pk for n in nodes]
+    running = dict(
+        Rank.objects.filter(node_id__in=ids, active=True, job__state__in=Job.LIVE_STATES).values_list(
+            "node_id", "job__tag"
+        )
+    )
+    last = dict(
+        Rank.objects.filter(node_id__in=ids).values("node_id").annotate(t=Max("ended_at")).values_list("node_id", "t")
+    )
+    return {n.pk: (running.get(n.pk) or None, last.get(n.pk)) for n in nodes}
+
+
+def is_due(node: Node, now: float, job_tag: str | None, last_activity: datetime | None) -> bool:
+    """Whether the node's adaptive interval has passed and its breaker allows a probe."""
+    if not Breaker.from_dict(node.breaker).should_try(now):
+        return False
+    if node.last_poll_at is None:
+        return True
+    age = None if last_activity is None else now - last_activity.timestamp()
+    interval = poll_interval(bool(job_tag), age)
+    # Beat ticks every 5 s: allow half a tick of slack so a 10 s interval is not stretched to 15 s.
+    return now - node.last_poll_at.timestamp() >= interval - 2.5
+
+
+def _probe(node: Node) -> tuple[dict[str, Any], float]:
+    link = node.link()
+    if not link.connected:
+        # Connect first, so the round trip measures the network, not an SSH handshake.
+        link.request("hello", timeout=settings.UGRO["PROBE_TIMEOUT_S"])
+    t0 = time.monotonic()
+    sample = link.request(
+        "probe", timeout=settings.UGRO["PROBE_TIMEOUT_S"], gpu_reader=node.gpu_reader or "auto", workdir=node.workdir
+    )
+    return sample, round((time.monotonic() - t0) * 1000.0, 2)
+
+
+def probe_node(node: Node, breaker: Breaker, now: float, force: bool = False):
+    """Up to two attempts; returns (sample, rtt_ms, error, went_down). Breaker updated in place."""
+    error = ""
+    went_down = False
+    for _ in range(ATTEMPTS_PER_POLL):
+        if not force and not breaker.should_try(now):
+            break
+        try:
+            sample, rtt = _probe(node)
+            return sample, rtt, "", False
+        except (LinkError, AgentRequestError, OSError) as exc:
+            error = str(exc) or type(exc).__name__
+            went_down = breaker.record_failure(now) or went_down
+            if breaker.state == "open" and not force:
+                break
+    return None, None, error, went_down
+
+
+def _gpu_summary(gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    def vals(key: str) -> list[float]:
+        return [float(g[key]) for g in gpus if isinstance(g.get(key), (int, float))]
+
+    util, used, total, temp, power = (
+        vals(k) for k in ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w")
+    )
+    return {
+        "gpu_count": len(gpus),
+        "gpu_util_percent": round(sum(util) / len(util), 1) if util else None,
+        "gpu_mem_used_mb": sum(used) if used else None,
+        "gpu_mem_total_mb": sum(total) if total else None,
+        "gpu_temp_c": max(temp) if temp else None,
+        "gpu_power_w": round(sum(power), 2) if power else None,
+    }
+
+
+def _record(node: Node, at: datetime, sample: dict[str, Any] | None, result: HealthResult | None, rtt, error: str):
+    if sample is None:
+        HealthSample.objects.create(node=node, time=at, ok=False, error=error[:500], status=Node.Status.DOWN)
+        return
+    load = sample.get("load") or [None]
+    gpus = [g for g in sample.get("gpus") or [] if isinstance(g, dict)]
+    HealthSample.objects.create(
+        node=node, time=at, ok=True, score=result.score if result else None, status=result.status if result else "",
+        rtt_ms=rtt, cpu_percent=sample.get("cpu_percent"), ram_percent=sample.get("ram_percent"),
+        disk_percent=sample.get("disk_percent"), disk_free_gb=sample.get("disk_free_gb"), load1=load[0],
+        gpus=gpus, **_gpu_summary(gpus),
+    )  # fmt: skip
+
+
+def publish(node: Node, outcome: PollOutcome | None = None) -> None:
+    """Push the node's status to the dashboard's "cluster" group; best effort (Redis is transport)."""
+    try:
+        from asgiref.sync import async_to_sync
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        data = {
+            "node": node.name,
+            "status": node.status,
+            "score": node.health_score,
+            "reason": node.status_reason,
+            "last_seen": node.last_seen.isoformat() if node.last_seen else None,
+            "checks": node.health_checks,
+        }
+        if outcome is not None and outcome.sample is not None:
+            data["sample"] = {
+                k: outcome.sample.get(k) for k in ("cpu_percent", "ram_percent", "disk_percent", "load", "gpus")
+            }
+            data["rtt_ms"] = outcome.rtt_ms
+        async_to_sync(layer.group_send)("cluster", {"type": "cluster.event", "kind": "node", "data": data})
+    except Exception as exc:  # the DB has it; the next poll publishes again
+        log.debug("could not publish node %s: %s", node.name, exc)
+
+
+def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: float | None = None) -> PollOutcome:
+    """Probe one node and bring its row, samples and alerts up to date."""
+    now = time.time() if now is None else now
+    breaker = Breaker.from_dict(node.breaker)
+    sample, rtt, error, went_down = probe_node(node, breaker, now, force)
+    at = timezone.now()
+    node.last_poll_at = at
+    if sample is None:
+        down = breaker.state == "open"
+        if down:
+            node.status = Node.Status.DOWN
+            node.status_reason = f"unreachable: {error}"[:500]
+            node.health_score = 0
+            node.health_checks = [{"name": "reachable", "severity": "critical", "detail": error[:300]}]
+        node.breaker = breaker.to_dict()
+        node.save(update_fields=["status", "status_reason", "health_score", "health_checks", "breaker", "last_poll_at"])
+        _record(node, at, None, None, None, error)
+        if down:
+            alerts.open_alert(node, "down", "critical", f"{node.name} is DOWN: {error}"[:1000])
+        outcome = PollOutcome(node.name, False, node.status, node.health_score, error, went_down=went_down)
+        publish(node, outcome)
+        return outcome
+
+    recovered = breaker.record_success(now)
+    t = thresholds()
+    enriched = {**sample, "rtt_ms": rtt, "expected_job": job_tag, "node": node.name}
+    result = score_sample(enriched, node.gpu_count, t)
+    node.status = result.status
+    node.health_score = result.score
+    node.status_reason = result.reason()[:500]
+    node.health_checks = [{"name": c.name, "severity": c.severity, "detail": c.detail} for c in result.failed]
+    node.last_seen = at
+    node.breaker = breaker.to_dict()
+    node.save(
+        update_fields=[
+            "status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at",
+        ]
+    )  # fmt: skip
+    _record(node, at, sample, result, rtt, "")
+    resolved = alerts.sync_node_alerts(node, alert_conditions(result, enriched, t))
+    if recovered:
+        alerts.record_event(node, "recovered", f"{node.name} recovered (score {result.score}, {result.status})")
+    outcome = PollOutcome(
+        node.name, True, result.status, result.score, result.reason(), rtt, sample, result,
+        recovered=recovered, resolved=[a.key for a in resolved],
+    )  # fmt: skip
+    publish(node, outcome)
+    return outcome
+
+
+def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float | None = None) -> list[PollOutcome]:
+    """One monitor step: probe every due (or, with force, every) enabled node concurrently."""
+    from jobs.nodes import on_each
+
+    now = time.time() if now is None else now
+    nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
+    context = _job_context(nodes)
+    due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
+
+    def one(node: Node) -> PollOutcome:
+        return poll_node(node, context[node.pk][0], force, now)
+
+    outcomes = []
+    for node, outcome, err in on_each(due, one):
+        if err is not None:  # poll_node catches link errors itself; this is a bug or a DB error
+            log.error("health poll of %s failed: %s", node.name, err)
+            continue
+        outcomes.append(outcome)
+    return outcomes
+
+
+def run(seconds: float, tick: float = 5.0, stop=None) -> int:
+    """Poll in the foreground for `seconds` (the `monitor` command, for setups without Celery)."""
+    deadline = time.monotonic() + seconds
+    polls = 0
+    while time.monotonic() < deadline and not (stop and stop()):
+        t0 = time.monotonic()
+        poll_once()
+        polls += 1
+        time.sleep(max(0.0, min(tick - (time.monotonic() - t0), deadline - time.monotonic())))
+    return polls
+
+
+# -- retention -------------------------------------------------------------------------------
+
+
+def prune_samples(now: datetime | None = None) -> dict[str, int]:
+    """Raw samples older than 24 h become 1-minute aggregates; aggregates older than 30 days go."""
+    now = now or timezone.now()
+    # Only whole minutes: a minute straddling the cutoff waits for the next run.
+    raw_cutoff = (now - timedelta(hours=settings.UGRO["SAMPLES_RAW_HOURS"])).replace(second=0, microsecond=0)
+    keep_cutoff = now - timedelta(days=settings.UGRO["SAMPLES_KEEP_DAYS"])
+    old = HealthSample.objects.filter(kind=HealthSample.Kind.RAW, time__lt=raw_cutoff)
+    per_minute = (
+        old.annotate(
+            ok_int=Case(When(ok=True, then=Value(1)), default=Value(0), output_field=IntegerField()),
+            minute=TruncMinute("time", tzinfo=UTC),
+        )
+        .values("node_id", "minute")
+        .annotate(
+            n=Count("id"),
+            ok_n=Sum("ok_int"),
+            **{k: Avg(k) for k in AVERAGED},
+            **{k: Max(k) for k in MAXED},
+        )
+        .order_by("node_id", "minute")
+    )
+    with transaction.atomic():
+        made = HealthSample.objects.bulk_create(
+            HealthSample(
+                node_id=row["node_id"],
+                time=row["minute"],
+                kind=HealthSample.Kind.MINUTE,
+                samples=row["n"],
+                ok=row["ok_n"] == row["n"],
+                status="" if row["ok_n"] else Node.Status.DOWN,
+                **{k: row[k] for k in AVERAGED + MAXED},
+            )  # fmt: skip
+            for row in per_minute
+        )
+        raw_deleted, _ = old.delete()
+        expired, _ = HealthSample.objects.filter(kind=HealthSample.Kind.MINUTE, time__lt=keep_cutoff).delete()
+    return {"aggregated": len(made), "raw_deleted": raw_deleted, "expired": expired}
