@@ -173,9 +173,9 @@ def test_board_lanes_and_filters(browser, job):
     html = browser.get("/jobs/").content.decode()
     assert "demo" in html and "later" in html
     html = browser.get("/jobs/?state=queued").content.decode()
-    assert "later" in html and 'href="/jobs/%d/"' % job.pk not in html
+    assert "later" in html and f'href="/jobs/{job.pk}/"' not in html
     html = browser.get("/jobs/?q=dem").content.decode()
-    assert 'href="/jobs/%d/"' % job.pk in html and "later" not in html
+    assert f'href="/jobs/{job.pk}/"' in html and "later" not in html
 
 
 def test_detail_shows_progress_from_max_steps(browser, job):
