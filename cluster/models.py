@@ -232,7 +232,10 @@ class AlertSettings(models.Model):
     )
     emails = models.TextField(blank=True, help_text="Addresses to mail alerts to, one per line or comma separated.")
     min_severity = models.CharField(
-        max_length=8, choices=Alert.Severity.choices, default=Alert.Severity.INFO, help_text="Notify from this level up."
+        max_length=8,
+        choices=Alert.Severity.choices,
+        default=Alert.Severity.INFO,
+        help_text="Notify from this level up.",
     )
 
     class Meta:
