@@ -1,37 +1,210 @@
-"""Checks run on every chosen node before any rank starts. Each problem is one line naming its node."""
+"""Checks run on every chosen node before any rank starts. Each problem is one line naming its node.
+
+Per node, concurrently: reachable; working directory and script present; declared GPUs visible
+and with enough free memory; disk free over UGRO["PREFLIGHT_DISK_FREE_GB"]; torch and CUDA
+versions of the node's training env (read with the python next to its torchrun). Across nodes:
+versions equal (a failure or a note, per UGRO["PREFLIGHT_VERSION_MISMATCH"]); the rendezvous
+address not loopback when a node is on another host; the rendezvous port free on rank 0's node
+and reachable from every other node over a real TCP connection (rank 0 listens, the others
+connect), after which the port is free again for torchrun.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import logging
 import os
+import time
+from dataclasses import dataclass, field
+
+from django.conf import settings
+
+from cluster.links import AgentRequestError, LinkError
+from cluster.models import Node
 
 from .models import Job, Rank
 from .nodes import node_request, on_each
 
+log = logging.getLogger(__name__)
 
-def _script_path(job: Job, rank: Rank) -> str:
-    if os.path.isabs(job.script) or job.script.startswith("~"):
-        return job.script
-    return f"{rank.node.workdir.rstrip('/')}/{job.script}"
+VERSION_CODE = (
+    "import json,sys\n"
+    "try:\n"
+    "    import torch\n"
+    "    print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))\n"
+    "except Exception as e:\n"
+    "    print(json.dumps({'error': '%s: %s' % (type(e).__name__, e)}))\n"
+)
+VERSION_TIMEOUT_S = 35.0
+LISTEN_S = 5.0
+CONNECT_TIMEOUT_S = 3.0
+PORT_RELEASE_S = 3.0
+
+
+@dataclass
+class PreflightReport:
+    """Problems stop the launch; notes are said but do not."""
+
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    versions: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def script_path(node: Node, script: str) -> str:
+    if os.path.isabs(script) or script.startswith("~"):
+        return script
+    return f"{node.workdir.rstrip('/')}/{script}"
+
+
+def env_python(node: Node) -> str | None:
+    """The python of the node's training env: next to torchrun when the command is a path to it."""
+    argv = node.torchrun_argv
+    if len(argv) == 1 and argv[0].endswith("/torchrun"):
+        return argv[0][: -len("torchrun")] + "python"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _node_checks(node: Node, script: str) -> tuple[list[str], list[str], dict | None]:
+    """(problems, notes, versions) for one node; link errors propagate to on_each."""
+    problems: list[str] = []
+    notes: list[str] = []
+    path = script_path(node, script)
+    found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
+    if not found.get(node.workdir):
+        problems.append(f"{node.name}: working directory {node.workdir} does not exist")
+    elif not found.get(path):
+        problems.append(f"{node.name}: script {path} not found")
+
+    sample = node_request(node, "probe", timeout=30, gpu_reader=node.gpu_reader or "auto", workdir=node.workdir)
+    gpus = [g for g in sample.get("gpus") or [] if isinstance(g, dict)]
+    if node.gpu_count and len(gpus) < node.gpu_count:
+        why = sample.get("gpu_error") or f"reader: {sample.get('gpu_source')}"
+        problems.append(f"{node.name}: {len(gpus)} of {node.gpu_count} declared GPUs visible ({why})")
+    need_mb = settings.UGRO["PREFLIGHT_GPU_FREE_MB"]
+    for gpu in gpus[: node.gpu_count or 0]:
+        used, total = gpu.get("mem_used_mb"), gpu.get("mem_total_mb")
+        if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total - used < need_mb:
+            problems.append(
+                f"{node.name}: GPU {gpu.get('index')} has {total - used:g} MB free (needs {need_mb:g} MB); "
+                "is another process using it?"
+            )
+    need_gb = settings.UGRO["PREFLIGHT_DISK_FREE_GB"]
+    free_gb = sample.get("disk_free_gb")
+    if isinstance(free_gb, (int, float)) and free_gb < need_gb:
+        problems.append(f"{node.name}: {free_gb:g} GB free under {node.workdir} (needs {need_gb:g} GB)")
+
+    versions = None
+    python = env_python(node)
+    if python is None:
+        why = f"{node.torchrun_command!r} is not a path to torchrun"
+        notes.append(f"{node.name}: torch/CUDA versions not checked ({why})")
+    else:
+        # The agent's exec bounds the command by its own 30 s timeout; the link waits a little longer.
+        out = node_request(node, "exec", timeout=VERSION_TIMEOUT_S, argv=[python, "-c", VERSION_CODE])
+        try:
+            versions = json.loads(out["stdout"].strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            detail = (out["stderr"].strip().splitlines() or ["no output"])[-1]
+            problems.append(f"{node.name}: cannot run {python} (exit {out['rc']}): {detail}")
+            versions = None
+        if versions and "error" in versions:
+            problems.append(f"{node.name}: torch does not import with {python}: {versions['error']}")
+            versions = None
+    return problems, notes, versions
+
+
+def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
+    """Port free on rank 0's node, then a real connection to it from every other node."""
+    master = nodes[0]
+    free = node_request(master, "port_free", timeout=10, address=master.address, port=port)
+    if not free["free"]:
+        return [f"{master.name}: rendezvous port {port} is in use on {master.address} ({free['error']})"]
+    workers = nodes[1:]
+    if not workers:
+        return []
+    node_request(master, "listen", timeout=10, address=master.address, port=port, seconds=LISTEN_S,
+                 expect=len(workers))  # fmt: skip
+
+    def connect(node: Node) -> dict:
+        # `timeout` is the link's wait; the connect attempt itself is bounded by the agent (3 s).
+        return node_request(node, "port_check", timeout=CONNECT_TIMEOUT_S + 5, host=host, port=port)
+
+    problems = []
+    for node, result, err in on_each(workers, connect):
+        if err is not None:
+            problems.append(f"{node.name}: {err}")
+        elif not result["ok"]:
+            problems.append(f"{node.name}: cannot reach the rendezvous at {host}:{port} ({result['error']})")
+    if problems:
+        return problems
+    # The listener closes once every worker connected; torchrun binds the port right after us.
+    deadline = time.monotonic() + PORT_RELEASE_S
+    while not node_request(master, "port_free", timeout=10, address=master.address, port=port)["free"]:
+        if time.monotonic() > deadline:
+            return [f"{master.name}: rendezvous port {port} still busy after the reachability check"]
+        time.sleep(0.05)
+    return []
+
+
+def check_nodes(nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int) -> PreflightReport:
+    """Every pre-flight check for a job on `nodes` (rank 0 first) with this script and rendezvous."""
+    report = PreflightReport()
+    reachable = []
+    for node, result, err in on_each(nodes, lambda n: _node_checks(n, script)):
+        if err is not None:
+            report.problems.append(f"{node.name}: {err}")
+            continue
+        reachable.append(node)
+        problems, notes, versions = result
+        report.problems.extend(problems)
+        report.notes.extend(notes)
+        if versions is not None:
+            report.versions[node.name] = versions
+
+    distinct = {(v.get("torch"), v.get("cuda")) for v in report.versions.values()}
+    if len(distinct) > 1:
+        each = ", ".join(
+            f"{name} torch {v.get('torch')} CUDA {v.get('cuda') or 'none'}" for name, v in report.versions.items()
+        )
+        line = f"torch/CUDA versions differ between nodes: {each}"
+        if settings.UGRO["PREFLIGHT_VERSION_MISMATCH"] == "warn":
+            report.notes.append(line)
+        else:
+            report.problems.append(line)
+
+    if _is_loopback(rdzv_host):
+        remote = [n for n in nodes if not _is_loopback(n.address)]
+        if remote:
+            report.problems.append(
+                f"{remote[0].name}: rendezvous address {rdzv_host} is loopback but {remote[0].name} "
+                f"({remote[0].address}) is another host; set the master address to one the nodes can reach"
+            )
+    if len(reachable) == len(nodes) and nodes:
+        try:
+            report.problems.extend(_rendezvous_checks(nodes, rdzv_host, rdzv_port))
+        except (LinkError, AgentRequestError) as exc:
+            report.problems.append(f"{nodes[0].name}: rendezvous check failed: {exc}")
+    return report
 
 
 def run_preflight(job: Job, ranks: list[Rank]) -> list[str]:
-    """Return the problems found (empty when the job may start)."""
-
-    def check(rank: Rank) -> list[str]:
-        node = rank.node
-        path = _script_path(job, rank)
-        problems = []
-        found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
-        if not found.get(node.workdir):
-            problems.append(f"{node.name}: working directory {node.workdir} does not exist")
-        elif not found.get(path):
-            problems.append(f"{node.name}: script {path} not found")
-        return problems
-
-    out: list[str] = []
-    for rank, problems, err in on_each(ranks, check):
-        if err:
-            out.append(f"{rank.node.name}: {err}")
-        else:
-            out.extend(problems)
-    return out
+    """Return the problems found (empty when the job may start); notes go to the log."""
+    host, _, port = job.rdzv_endpoint.rpartition(":")
+    report = check_nodes([r.node for r in ranks], job.script, host, int(port))
+    for note in report.notes:
+        log.warning("job %s pre-flight: %s", job.name, note)
+    return report.problems

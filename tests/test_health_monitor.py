@@ -248,3 +248,13 @@ def test_alerts_command_lists_open_alerts_and_all_with_flag(lab):
     out = io.StringIO()
     call_command("alerts", "--all", stdout=out)
     assert "node2 recovered" in out.getvalue()
+
+
+def test_monitor_command_polls_in_the_foreground(lab):
+    # given no poll yet; when the foreground monitor runs briefly
+    out = io.StringIO()
+    call_command("monitor", "--seconds", "0.5", "--tick", "5", stdout=out)
+    # then it made one step and every node has a sample and a status
+    assert "1 monitor steps" in out.getvalue()
+    assert set(Node.objects.values_list("status", flat=True)) <= {"healthy", "degraded"}
+    assert HealthSample.objects.values("node").distinct().count() == 3

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError
+
+from cluster.models import ClusterSettings, Node
+from jobs.preflight import check_nodes
+
+
+class Command(BaseCommand):
+    help = (
+        "Run the launch pre-flight checks on the given (default: all enabled) nodes. "
+        "Exit code 1 with one line per problem."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--nodes", nargs="+", default=[], metavar="NODE")
+        parser.add_argument("--script", default="", help="Training script (default: the cluster's).")
+
+    def handle(self, nodes, script, **options):
+        cs = ClusterSettings.load()
+        chosen = list(Node.objects.filter(enabled=True))
+        if nodes:
+            by_name = {n.name: n for n in Node.objects.filter(name__in=nodes)}
+            unknown = [n for n in nodes if n not in by_name]
+            if unknown:
+                raise CommandError(f"unknown node(s): {', '.join(unknown)}")
+            chosen = [by_name[n] for n in nodes]
+        if not chosen:
+            raise CommandError("no enabled nodes; import cluster.yaml or add nodes in admin")
+        # Rank 0 (the rendezvous host) is a master when there is one, as at launch.
+        chosen.sort(key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name))
+        host = chosen[0].address
+        report = check_nodes(chosen, script or cs.default_script, host, cs.rendezvous_port)
+        for note in report.notes:
+            self.stdout.write(f"note: {note}")
+        if report.problems:
+            for problem in report.problems:
+                self.stdout.write(problem)
+            raise CommandError(f"pre-flight failed on {len(chosen)} node(s): {len(report.problems)} problem(s)")
+        names = ", ".join(n.name for n in chosen)
+        self.stdout.write(f"pre-flight passed: {names} (rendezvous {host}:{cs.rendezvous_port})")
