@@ -3,7 +3,9 @@
 The format (from the user's setup guide): `cluster.{name,master_ip,master_port}`,
 `nodes.<name>.{ip,user,hostname,gpu,vram_gb,rank,role}`, `training.*`, `paths.*`.
 UGRO also reads optional per-node keys for what the original scripts hard-coded:
-`ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`.
+`ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`;
+and under `training:`, `script` and `args` (the script's argument template, with {model} {dataset}
+{epochs} {lr} {job}) for scripts that do not take train_production.py's arguments.
 """
 
 from __future__ import annotations
@@ -121,7 +123,11 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     script = _get(doc, training, "script", str, ("training",), None)
     if script is None and scripts_dir:
         script = f"{scripts_dir.rstrip('/')}/train_production.py"
+    args = _get(doc, training, "args", list, ("training",), [])
+    if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in args):
+        raise doc.error("must be a list of strings, e.g. ['--model', '{model}']", "training", "args")
     settings_fields = {
+        "script_args_template": [str(a) for a in args],
         "name": str(_get(doc, cluster, "name", str, ("cluster",), "UGRO cluster")),
         "master_address": master_ip,
         "rendezvous_port": port,
@@ -242,6 +248,8 @@ def export_cluster() -> str:
         }
     training = dict(cs.training or {})
     training.setdefault("script", cs.default_script)
+    if cs.script_args_template:
+        training["args"] = list(cs.script_args_template)
     doc = {
         "cluster": {"name": cs.name, "master_ip": cs.master_address, "master_port": cs.rendezvous_port},
         "nodes": nodes,

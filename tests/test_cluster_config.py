@@ -140,3 +140,17 @@ def test_export_round_trips(tmp_path):
     assert (tmp_path / "out.yaml").read_text() == text
     # re-importing the export changes nothing
     assert not import_cluster(text).created
+
+
+def test_another_script_and_its_argument_template_come_from_training(tmp_path):
+    from jobs.launch import LaunchRequest, create_job
+
+    text = USER_FILE.replace(
+        "training:\n", "training:\n  script: ft.py\n  args: ['--base', '{model}', '--steps', 100]\n"
+    )
+    import_cluster(text)
+    job = create_job(LaunchRequest(name="ft1", model="llama"))
+    assert job.script == "ft.py" and job.script_args == ["--base", "llama", "--steps", "100"]
+    assert "args:" in export_cluster()
+    with pytest.raises(ConfigError, match=r"training\.args: must be a list of strings"):
+        import_cluster(USER_FILE.replace("training:\n", "training:\n  args: [{a: 1}]\n"))

@@ -170,3 +170,19 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
         for pid in job_pids(job.tag):  # node3's ranks live on this machine; a real lost node's would not
             os.kill(pid, signal.SIGKILL)
         node3.start()
+
+
+def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab, monkeypatch):
+    from cluster.models import Node
+
+    # pre-flight would catch this node; skip it to reach the start itself (say the env vanished since)
+    monkeypatch.setattr("jobs.preflight.run_preflight", lambda job, ranks: [])
+    Node.objects.filter(name="node3").update(torchrun_command="/nonexistent/bin/torchrun")
+    with pytest.raises(CommandError):
+        launch("--name", "halfstart", "--", *SLOW_TRAIN)
+    job = Job.objects.get(name="halfstart")
+    assert job.state == Job.State.FAILED
+    assert "rank 2 on node3" in job.failure_reason and "/nonexistent/bin/torchrun" in job.failure_reason
+    assert "Everything started was stopped" in job.failure_reason
+    assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
