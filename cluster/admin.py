@@ -1,23 +1,28 @@
-"""Admin for node configuration and cluster settings (staff only)."""
+"""Admin for node configuration, cluster settings, health samples and alerts (staff only)."""
+
 from __future__ import annotations
 
 from django.contrib import admin
+from django.utils import timezone
 
-from .models import ClusterSettings, Node
+from .models import Alert, AlertSettings, ClusterSettings, HealthSample, Node
 
 
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
-    list_display = ("name", "address", "role", "gpu_label", "transport", "enabled", "status", "last_seen")
+    list_display = (
+        "name", "address", "role", "gpu_label", "transport", "enabled", "status", "health_score", "last_seen",
+    )  # fmt: skip
     list_filter = ("role", "enabled", "status", "transport")
     search_fields = ("name", "address", "hostname", "gpu_model")
-    readonly_fields = ("status", "status_reason", "last_seen")
+    health_fields = ("status", "health_score", "status_reason", "health_checks", "last_seen", "last_poll_at")
+    readonly_fields = health_fields
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
         ("Reaching it", {"fields": ("transport", "address", "ssh_port", "user", "key_path", "agent_python")}),
-        ("GPUs", {"fields": ("gpu_count", "gpu_model", "gpu_vram_gb")}),
+        ("GPUs", {"fields": ("gpu_count", "gpu_model", "gpu_vram_gb", "gpu_reader")}),
         ("Training environment", {"fields": ("torchrun_command", "workdir", "env")}),
-        ("Health", {"fields": ("status", "status_reason", "last_seen")}),
+        ("Health", {"fields": health_fields}),
     )
 
 
@@ -27,3 +32,47 @@ class ClusterSettingsAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request):
         return not ClusterSettings.objects.exists()
+
+
+@admin.register(HealthSample)
+class HealthSampleAdmin(admin.ModelAdmin):
+    """Read-only: samples are the monitor's record."""
+
+    list_display = ("time", "node", "kind", "ok", "score", "status", "rtt_ms", "cpu_percent", "ram_percent",
+                    "gpu_temp_c", "gpu_util_percent")  # fmt: skip
+    list_filter = ("kind", "ok", "node")
+    date_hierarchy = "time"
+    list_select_related = ("node",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.action(description="Resolve the selected alerts")
+def resolve_alerts(modeladmin, request, queryset):
+    now = timezone.now()
+    queryset.filter(resolved_at__isnull=True).update(resolved_at=now, updated_at=now)
+
+
+@admin.register(Alert)
+class AlertAdmin(admin.ModelAdmin):
+    list_display = ("opened_at", "severity", "node", "job_name", "message", "resolved_at")
+    list_filter = ("severity", ("resolved_at", admin.EmptyFieldListFilter), "node")
+    search_fields = ("message", "key", "job_name")
+    list_select_related = ("node",)
+    readonly_fields = ("node", "key", "severity", "message", "job_name", "opened_at", "updated_at", "resolved_at")
+    actions = [resolve_alerts]
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(AlertSettings)
+class AlertSettingsAdmin(admin.ModelAdmin):
+    list_display = ("__str__", "webhook_url", "min_severity")
+
+    def has_add_permission(self, request):
+        return not AlertSettings.objects.exists()

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import views
+from . import metrics_view, views
 
 urlpatterns: list = [
     path("", views.overview, name="cluster-overview"),
+    path("metrics", metrics_view.prometheus, name="prometheus-metrics"),
 ]

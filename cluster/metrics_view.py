@@ -1,0 +1,116 @@
+"""`/metrics` for Prometheus: node, GPU, health, job and alert gauges read from the database.
+
+Off unless UGRO_PROMETHEUS_TOKEN is set (404 until then); scrapes then need
+`Authorization: Bearer <token>` (403 without). Each scrape reads the latest raw sample of every
+node, so the numbers are as fresh as the health monitor's last poll (see docs/prometheus.md).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_not_required
+from django.db.models import Count, OuterRef, Subquery
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidden
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from .models import Alert, HealthSample, Node
+
+NODE_GAUGES = (
+    ("cpu_percent", "ugro_node_cpu_percent", "CPU busy, percent"),
+    ("ram_percent", "ugro_node_ram_percent", "RAM used, percent"),
+    ("disk_percent", "ugro_node_disk_percent", "Disk of the work dir used, percent"),
+    ("disk_free_gb", "ugro_node_disk_free_gigabytes", "Disk free under the work dir, GiB"),
+    ("load1", "ugro_node_load1", "1-minute load average"),
+    ("rtt_ms", "ugro_node_ssh_rtt_milliseconds", "Probe round trip over the warm SSH link, ms"),
+)
+GPU_GAUGES = (
+    ("util_percent", "ugro_gpu_utilization_percent", "GPU utilization, percent"),
+    ("mem_used_mb", "ugro_gpu_memory_used_megabytes", "GPU memory used, MiB"),
+    ("mem_total_mb", "ugro_gpu_memory_total_megabytes", "GPU memory total, MiB"),
+    ("temp_c", "ugro_gpu_temperature_celsius", "GPU temperature, C"),
+    ("power_w", "ugro_gpu_power_watts", "GPU power draw, W"),
+)
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class ClusterCollector:
+    """Builds every metric from the database at scrape time (nothing is kept in memory)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from jobs.models import Job
+
+        latest = HealthSample.objects.filter(node=OuterRef("pk"), kind=HealthSample.Kind.RAW, ok=True)
+        nodes = list(
+            Node.objects.filter(enabled=True).annotate(sample_id=Subquery(latest.order_by("-time").values("pk")[:1]))
+        )
+        samples = HealthSample.objects.in_bulk([n.sample_id for n in nodes if n.sample_id])
+        now = timezone.now()
+
+        up = GaugeMetricFamily("ugro_node_up", "1 unless the monitor marked the node DOWN", labels=["node"])
+        score = GaugeMetricFamily("ugro_node_health_score", "Health score 0-100", labels=["node"])
+        status = GaugeMetricFamily("ugro_node_status", "1 for the node's current status", labels=["node", "status"])
+        age = GaugeMetricFamily("ugro_node_sample_age_seconds", "Age of the latest good probe", labels=["node"])
+        node_gauges = {f: GaugeMetricFamily(name, doc, labels=["node"]) for f, name, doc in NODE_GAUGES}
+        gpu_gauges = {f: GaugeMetricFamily(name, doc, labels=["node", "gpu", "name"]) for f, name, doc in GPU_GAUGES}
+        for node in nodes:
+            up.add_metric([node.name], 0.0 if node.status == Node.Status.DOWN else 1.0)
+            if node.health_score is not None:
+                score.add_metric([node.name], float(node.health_score))
+            for value in Node.Status.values:
+                status.add_metric([node.name, value], 1.0 if node.status == value else 0.0)
+            sample = samples.get(node.sample_id)
+            if sample is None:
+                continue
+            age.add_metric([node.name], (now - sample.time).total_seconds())
+            for field, gauge in node_gauges.items():
+                if (v := _number(getattr(sample, field))) is not None:
+                    gauge.add_metric([node.name], v)
+            for pos, gpu in enumerate(sample.gpus or []):
+                labels = [node.name, str(gpu.get("index", pos)), str(gpu.get("name") or "")]
+                for field, gauge in gpu_gauges.items():
+                    if (v := _number(gpu.get(field))) is not None:
+                        gauge.add_metric(labels, v)
+        yield from (up, score, status, age, *node_gauges.values(), *gpu_gauges.values())
+
+        jobs = GaugeMetricFamily("ugro_jobs", "Jobs by state", labels=["state"])
+        counts = dict(Job.objects.values_list("state").annotate(n=Count("id")))
+        for state in Job.State.values:
+            jobs.add_metric([state], float(counts.get(state, 0)))
+        yield jobs
+        yield GaugeMetricFamily("ugro_queue_length", "Jobs waiting for nodes", value=counts.get(Job.State.QUEUED, 0))
+
+        alerts = GaugeMetricFamily("ugro_alerts_open", "Open alerts by severity", labels=["severity"])
+        open_counts = dict(
+            Alert.objects.filter(resolved_at__isnull=True).values_list("severity").annotate(n=Count("id"))
+        )
+        for severity in Alert.Severity.values:
+            alerts.add_metric([severity], float(open_counts.get(severity, 0)))
+        yield alerts
+
+
+def _authorized(request: HttpRequest, token: str) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+@login_not_required
+@require_GET
+def prometheus(request: HttpRequest) -> HttpResponse:
+    token = getattr(settings, "UGRO_PROMETHEUS_TOKEN", "")
+    if not token:
+        raise Http404("metrics are off (set UGRO_PROMETHEUS_TOKEN)")
+    if not _authorized(request, token):
+        return HttpResponseForbidden("bearer token required\n", content_type="text/plain")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector())
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
