@@ -54,6 +54,7 @@ class PollOutcome:
     went_down: bool = False
     recovered: bool = False
     resolved: list[str] = field(default_factory=list)
+    event: dict[str, Any] = field(default_factory=dict)
 
 
 def thresholds() -> Thresholds:
@@ -149,8 +150,27 @@ def _record(node: Node, at: datetime, sample: dict[str, Any] | None, result: Hea
     )  # fmt: skip
 
 
-def publish(node: Node, outcome: PollOutcome | None = None) -> None:
-    """Push the node's status to the dashboard's "cluster" group; best effort (Redis is transport)."""
+def node_event(node: Node, outcome: PollOutcome | None = None) -> dict[str, Any]:
+    """The dashboard's view of a node after a poll (the `data` of a "node" cluster event)."""
+    data: dict[str, Any] = {
+        "node": node.name,
+        "status": node.status,
+        "score": node.health_score,
+        "reason": node.status_reason,
+        "last_seen": node.last_seen.isoformat() if node.last_seen else None,
+        "checks": node.health_checks,
+    }
+    if outcome is not None and outcome.sample is not None:
+        keys = ("cpu_percent", "ram_percent", "disk_percent", "load", "gpus")
+        data["sample"] = {k: outcome.sample.get(k) for k in keys}
+        data["rtt_ms"] = outcome.rtt_ms
+    return data
+
+
+def publish(events: list[dict[str, Any]]) -> None:
+    """Push node events to the dashboard's "cluster" group; best effort (Redis is only transport)."""
+    if not events:
+        return
     try:
         from asgiref.sync import async_to_sync
         from channels.layers import get_channel_layer
@@ -158,22 +178,15 @@ def publish(node: Node, outcome: PollOutcome | None = None) -> None:
         layer = get_channel_layer()
         if layer is None:
             return
-        data = {
-            "node": node.name,
-            "status": node.status,
-            "score": node.health_score,
-            "reason": node.status_reason,
-            "last_seen": node.last_seen.isoformat() if node.last_seen else None,
-            "checks": node.health_checks,
-        }
-        if outcome is not None and outcome.sample is not None:
-            data["sample"] = {
-                k: outcome.sample.get(k) for k in ("cpu_percent", "ram_percent", "disk_percent", "load", "gpus")
-            }
-            data["rtt_ms"] = outcome.rtt_ms
-        async_to_sync(layer.group_send)("cluster", {"type": "cluster.event", "kind": "node", "data": data})
-    except Exception as exc:  # the DB has it; the next poll publishes again
-        log.debug("could not publish node %s: %s", node.name, exc)
+
+        async def send_all() -> None:
+            for data in events:
+                await layer.group_send("cluster", {"type": "cluster.event", "kind": "node", "data": data})
+
+        # One event loop and one connection per poll, not per node.
+        async_to_sync(send_all)()
+    except Exception as exc:  # the DB has it all; the next poll publishes again
+        log.debug("could not publish %d node events: %s", len(events), exc)
 
 
 def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: float | None = None) -> PollOutcome:
@@ -196,7 +209,7 @@ def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: 
         if down:
             alerts.open_alert(node, "down", "critical", f"{node.name} is DOWN: {error}"[:1000])
         outcome = PollOutcome(node.name, False, node.status, node.health_score, error, went_down=went_down)
-        publish(node, outcome)
+        outcome.event = node_event(node, outcome)
         return outcome
 
     recovered = breaker.record_success(now)
@@ -222,7 +235,7 @@ def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: 
         node.name, True, result.status, result.score, result.reason(), rtt, sample, result,
         recovered=recovered, resolved=[a.key for a in resolved],
     )  # fmt: skip
-    publish(node, outcome)
+    outcome.event = node_event(node, outcome)
     return outcome
 
 
@@ -244,6 +257,7 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
             log.error("health poll of %s failed: %s", node.name, err)
             continue
         outcomes.append(outcome)
+    publish([o.event for o in outcomes])
     return outcomes
 
 

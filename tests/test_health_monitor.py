@@ -258,3 +258,33 @@ def test_monitor_command_polls_in_the_foreground(lab):
     assert "1 monitor steps" in out.getvalue()
     assert set(Node.objects.values_list("status", flat=True)) <= {"healthy", "degraded"}
     assert HealthSample.objects.values("node").distinct().count() == 3
+
+
+def test_poll_pushes_node_status_to_the_cluster_group(lab):
+    # given a listener in the dashboard's "cluster" group (real Redis channel layer)
+    import asyncio
+
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    channel = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)("cluster", channel)
+
+    async def receive_three() -> dict:
+        got = {}
+        while not {"node1", "node2", "node3"} <= set(got):
+            msg = await asyncio.wait_for(layer.receive(channel), 10)
+            got[msg["data"]["node"]] = msg
+        return got
+
+    try:
+        # when a poll runs
+        monitor.poll_once(force=True)
+        got = async_to_sync(receive_three)()
+    finally:
+        async_to_sync(layer.group_discard)("cluster", channel)
+    # then each node's status arrives as a cluster.event of kind "node"
+    msg = got["node1"]
+    assert msg["type"] == "cluster.event" and msg["kind"] == "node"
+    assert msg["data"]["status"] in ("healthy", "degraded") and "cpu_percent" in msg["data"]["sample"]
