@@ -89,7 +89,17 @@
     count.textContent = log.childElementCount + " lines";
   }
 
+  /** A job queued when the page loaded gets its ranks later: offer each one as it first speaks. */
+  function offerRank(rank) {
+    const value = String(rank);
+    const options = Array.from(rankSelect.options);
+    if (options.some((o) => o.value === value)) return;
+    const before = options.find((o) => o.value !== "" && Number(o.value) > Number(rank));
+    rankSelect.add(new Option("rank " + value, value), before || null);
+  }
+
   function appendLines(rank, texts) {
+    offerRank(rank);
     const frag = document.createDocumentFragment();
     for (const text of texts) frag.append(lineNode(rank, text));
     log.append(frag);
@@ -107,7 +117,10 @@
     const json = await UGRO.getJSON(root.dataset.logsUrl + "?tail=1000");
     log.replaceChildren();
     const frag = document.createDocumentFragment();
-    for (const [, rank, text] of json.lines) frag.append(lineNode(rank, text));
+    for (const [, rank, text] of json.lines) {
+      offerRank(rank);
+      frag.append(lineNode(rank, text));
+    }
     log.append(frag);
     updateCount();
     if (follow.checked) log.scrollTop = log.scrollHeight;

@@ -1,0 +1,236 @@
+"""The dashboard in a real browser: Debian's Chromium driven by Playwright, against a real daphne,
+a real Celery worker and real training on the loopback sshd nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+
+from jobs.models import Job
+
+from .conftest import REPO, wait_for
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+TRAIN_ARGS = "--max-steps 300 --seq-len 16 --batch-size 4 --log-every 1 --step-sleep 0.1"
+# Printed by a rank: must show as text and run nothing.
+HOSTILE_SCRIPT = """\
+import json, time
+time.sleep(1)
+print("<script>window.__pwned = 1</script>", flush=True)
+print('<img src=x onerror="window.__pwned = 2">', flush=True)
+for step in range(1, 6):
+    print(json.dumps({"step": step, "loss": 1.0 / step, "<img src=x onerror=alert(3)>": 1.0}), flush=True)
+    time.sleep(0.2)
+time.sleep(2)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def server(lab, controller_env, tmp_path, monkeypatch):
+    """daphne serving the app and a Celery worker (with beat) following jobs, both on the test DB."""
+    # Playwright's sync API keeps an event loop in this thread; the ORM calls here stay synchronous.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    env = {**controller_env, "SECRET_KEY": "browser-test-secret-key-browser-test-secret-key"}
+    port = free_port()
+    daphne = start([str(REPO / ".venv/bin/daphne"), "-b", "127.0.0.1", "-p", str(port), "ugro_site.asgi:application"],
+                   env, tmp_path / "daphne.log")  # fmt: skip
+    worker = start([sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
+                    "-n", "browser@%h", "-s", str(tmp_path / "beat"), "--loglevel=warning"],
+                   env, tmp_path / "worker.log")  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: http_ok(base + "/accounts/login/"), timeout=30, what="daphne to serve")
+        yield base
+    finally:
+        stop(worker)
+        stop(daphne)
+
+
+@pytest.fixture
+def chromium():
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def new_page(chromium, errors: list[str]):
+    page = chromium.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.on("dialog", lambda d: d.accept())  # the cancel button asks first
+    return page
+
+
+def log_in(page, base: str) -> None:
+    User.objects.create_user("alice", password="pw-alice-123")
+    page.goto(base + "/")
+    assert "/accounts/login/" in page.url
+    page.fill("#id_username", "alice")
+    page.fill("#id_password", "pw-alice-123")
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
+
+
+def points_shown(page) -> int:
+    text = page.text_content("#chart-info") or ""
+    return int(text.split()[0]) if text[:1].isdigit() else 0
+
+
+def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, server)
+    page.screenshot(path=ARTIFACTS / "cluster-overview.png", full_page=True)
+
+    # given a job launched from the form on all three nodes
+    page.goto(server + "/jobs/launch/")
+    page.fill("#id_name", "web-run")
+    page.fill("#id_extra_args", TRAIN_ARGS)
+    page.screenshot(path=ARTIFACTS / "launch-form.png", full_page=True)
+    page.click("#launch-form button[type=submit]")
+    page.wait_for_url(f"{server}/jobs/*/")
+    job = Job.objects.get(name="web-run")
+    page.evaluate("window.__sameDocument = true")
+
+    # then the loss curve gains points and every rank's lines appear, without reloading
+    wait_for(lambda: points_shown(page) >= 10, timeout=150, what="the first loss points in the chart")
+    first = points_shown(page)
+    wait_for(lambda: points_shown(page) > first + 10, timeout=60, what="more loss points")
+    assert page.locator("#chart canvas").count() >= 1
+    for rank in range(3):
+        page.wait_for_selector(f'#log .line[data-rank="{rank}"]', state="attached", timeout=30_000)
+    page.wait_for_selector("#job-state.badge-running", timeout=30_000)
+    assert page.evaluate("window.__sameDocument") is True
+    page.screenshot(path=ARTIFACTS / "job-running.png", full_page=True)
+
+    # the log filters work on what is already shown
+    page.select_option("#log-rank", "1")
+    assert page.locator('#log .line[data-rank="0"]:visible').count() == 0
+    assert page.locator('#log .line[data-rank="1"]:visible').count() > 0
+    page.select_option("#log-rank", "")
+    page.fill("#log-search", "tokens_per_sec")
+
+    def only_matches_shown() -> bool:
+        shown = page.locator("#log .line:visible .line-text").all_text_contents()
+        return bool(shown) and all("tokens_per_sec" in t for t in shown)
+
+    wait_for(only_matches_shown, timeout=10, what="the search to leave only matching lines")
+    page.fill("#log-search", "")
+
+    # when it is cancelled from the page
+    page.click("#cancel-btn")
+    wait_for(lambda: Job.objects.get(pk=job.pk).state == Job.State.CANCELLED, timeout=60, what="the cancel")
+    page.wait_for_selector("#job-state.badge-cancelled", timeout=30_000)
+    assert not job.ranks.filter(active=True).exists()
+    page.screenshot(path=ARTIFACTS / "job-cancelled.png", full_page=True)
+
+    page.goto(server + "/jobs/")
+    assert page.locator(".lane-done .job-card", has_text="web-run").count() == 1
+    page.screenshot(path=ARTIFACTS / "jobs-board.png", full_page=True)
+    page.goto(f"{server}/compare/?job={job.pk}")
+    page.wait_for_selector("#compare-chart canvas", timeout=10_000)
+    page.screenshot(path=ARTIFACTS / "compare.png", full_page=True)
+    assert not errors, errors
+
+
+def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
+    for node in lab.nodes[:3]:
+        (node.workdir / "train" / "hostile.py").write_text(HOSTILE_SCRIPT)
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, server)
+    page.goto(server + "/jobs/launch/")
+    page.fill("#id_name", "hostile")
+    page.fill("#id_script", "train/hostile.py")
+    page.fill("#id_count", "1")
+    page.click("#launch-form button[type=submit]")
+    page.wait_for_url(f"{server}/jobs/*/")
+    job = Job.objects.get(name="hostile")
+
+    # live: lines arrive over the websocket
+    line = page.locator("#log .line-text", has_text="<script>window.__pwned = 1</script>")
+    line.wait_for(state="visible", timeout=150_000)
+    page.locator("#log .line-text", has_text='<img src=x onerror="window.__pwned = 2">').wait_for(timeout=10_000)
+    page.screenshot(path=ARTIFACTS / "hostile-live.png", full_page=True)
+    assert page.locator("#log img, #log script").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=60, what="the hostile job to end")
+
+    # reloaded: the same lines come from the logs endpoint, the metric name from the template
+    page.reload()
+    line.wait_for(state="visible", timeout=20_000)
+    assert page.locator("#log img, #log script, select img").count() == 0
+    assert page.locator("#metric-select option", has_text="<img src=x onerror=alert(3)>").count() == 1
+    assert page.evaluate("window.__pwned") is None
+    page.screenshot(path=ARTIFACTS / "hostile-ended.png", full_page=True)
+    assert not [e for e in errors if "pwned" in e], errors
+
+
+def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(server, chromium, lab):
+    job = Job.objects.create(name="secret-run", script="s.py")
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    pages = ["/", "/jobs/", f"/jobs/{job.pk}/", "/compare/", "/jobs/launch/"]
+    for path in pages + [f"/api/jobs/{job.pk}/series?name=loss", f"/api/jobs/{job.pk}/logs"]:
+        response = page.goto(server + path)
+        assert "/accounts/login/" in page.url, path
+        assert response.headers["content-type"].startswith("text/html"), path
+        assert "secret-run" not in page.content(), path
+    outcome = page.evaluate(
+        """path => new Promise(done => {
+            const ws = new WebSocket("ws://" + location.host + path);
+            ws.onopen = () => done("open");
+            ws.onclose = () => done("closed");
+            setTimeout(() => done("timeout"), 5000);
+        })""",
+        f"/ws/jobs/{job.pk}/",
+    )
+    assert outcome == "closed"
+    page.screenshot(path=ARTIFACTS / "logged-out.png")
