@@ -70,7 +70,10 @@ def board(request: HttpRequest) -> HttpResponse:
             lane = lane.order_by("-finished_at", "-created_at")[:DONE_LIMIT]
         elif key == "queued":
             lane = lane.order_by("-priority", "created_at")
-        lanes.append({"key": key, "title": title, "jobs": list(lane)})
+        lane = list(lane)
+        for job in lane:
+            job.duration_text = human_duration(job.duration())
+        lanes.append({"key": key, "title": title, "jobs": lane})
     return render(
         request,
         "jobs/board.html",
@@ -136,7 +139,7 @@ def final_metrics(job: Job, names: list[str]) -> list[dict]:
         for point in MetricPoint.objects.filter(job=job, name=name).order_by("-step")[:64]:
             last_by_rank.setdefault(point.rank, point)
         for rank, point in sorted(last_by_rank.items()):
-            rows.append({"name": name, "rank": rank, "step": point.step, "value": point.value})
+            rows.append({"name": name, "rank": rank, "step": point.step, "value": f"{point.value:.6g}"})
     return rows
 
 

@@ -2,6 +2,7 @@
 (function () {
   "use strict";
   const UGRO = window.UGRO;
+  const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2500, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 2e6, 5e6, 1e7];
   const PALETTE = ["#2563eb", "#16a34a", "#d97706", "#9333ea", "#0891b2", "#db2777", "#65a30d", "#dc2626"];
 
   UGRO.color = function (i) {
@@ -52,7 +53,11 @@
     const opts = {
       ...this.size(),
       scales: { x: { time: false } },
-      axes: [{ label: this.options.xLabel || "step" }, { label: this.options.yLabel || "", size: 60 }],
+      // Steps are integers: no fractional ticks on x.
+      axes: [
+        { label: this.options.xLabel || "step", incrs: STEP_INCRS },
+        { label: this.options.yLabel || "", size: 60 },
+      ],
       cursor: { drag: { x: true, y: false } },
       legend: { live: true },
       series: [{ label: "step" }].concat(
