@@ -10,40 +10,30 @@ from django.views.decorators.http import require_GET
 
 from jobs.models import Job, Rank
 
-from .models import ClusterSettings, Node
+from .models import Alert, ClusterSettings, HealthSample, Node
 
-# Names the health samples may use for their GPU readings (as the node probe reports them).
+# Per-GPU reading names, as the node probe reports them (and HealthSample's gpu_* fields repeat them).
 GPU_FIELDS = ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c")
+ALERTS_SHOWN = 20
 
 
-def latest_sample(node: Node) -> Any | None:
-    """The node's newest health sample, if the health models provide one (they are optional here)."""
-    for attr in ("latest_sample", "last_sample"):
-        sample = getattr(node, attr, None)
-        if callable(sample):
-            sample = sample()
-        if sample is not None:
-            return sample
-    for related in ("samples", "health_samples"):
-        manager = getattr(node, related, None)
-        if manager is not None and hasattr(manager, "order_by"):
-            field = "time" if any(f.name == "time" for f in manager.model._meta.fields) else "pk"
-            return manager.order_by(f"-{field}").first()
-    return None
+def latest_sample(node: Node) -> HealthSample | None:
+    """The node's newest successful raw probe (raw samples carry per-GPU readings)."""
+    return node.samples.filter(kind=HealthSample.Kind.RAW, ok=True).order_by("-time").first()
 
 
-def gpu_readings(sample: Any | None) -> list[dict[str, Any]]:
-    """Per-GPU utilization, memory and temperature from a sample: a `gpus` list, or flat gpu_* fields."""
+def gpu_readings(sample: HealthSample | None) -> list[dict[str, Any]]:
+    """Per-GPU utilization, memory and temperature: the sample's `gpus` list, else its node-wide gpu_* fields."""
     if sample is None:
         return []
-    gpus = getattr(sample, "gpus", None)
-    if isinstance(gpus, list):
-        rows = []
-        for i, gpu in enumerate(gpus):
-            if isinstance(gpu, dict):
-                rows.append({"index": gpu.get("index", i), **{k: gpu.get(k) for k in GPU_FIELDS}})
+    rows = [
+        {"index": gpu.get("index", i), **{k: gpu.get(k) for k in GPU_FIELDS}}
+        for i, gpu in enumerate(sample.gpus or [])
+        if isinstance(gpu, dict)
+    ]
+    if rows:
         return rows
-    flat = {k: getattr(sample, f"gpu_{k}", getattr(sample, k, None)) for k in GPU_FIELDS}
+    flat = {k: getattr(sample, f"gpu_{k}", None) for k in GPU_FIELDS}
     return [{"index": 0, **flat}] if any(v is not None for v in flat.values()) else []
 
 
@@ -66,8 +56,8 @@ def node_cards(nodes: list[Node]) -> list[dict[str, Any]]:
                 "rank": rank,
                 "job": rank.job if rank else None,
                 "gpus": gpus,
-                "score": getattr(sample, "score", None) if sample is not None else None,
-                "sampled_at": getattr(sample, "time", None) if sample is not None else None,
+                "score": sample.score if sample else None,
+                "sampled_at": sample.time if sample else None,
             }
         )
     return cards
@@ -85,6 +75,7 @@ def overview(request: HttpRequest) -> HttpResponse:
             "masters": [c for c in cards if c["node"].role == Node.Role.MASTER],
             "workers": [c for c in cards if c["node"].role != Node.Role.MASTER],
             "node_count": len(nodes),
+            "alerts": Alert.objects.filter(resolved_at__isnull=True).select_related("node")[:ALERTS_SHOWN],
             "live_jobs": Job.objects.filter(state__in=Job.LIVE_STATES).count(),
             "queued_jobs": Job.objects.filter(state=Job.State.QUEUED).count(),
             "nav": "cluster",

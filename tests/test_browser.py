@@ -118,6 +118,18 @@ def log_in(page, base: str) -> None:
     page.wait_for_url(base + "/")
 
 
+def add_gpu_readings() -> None:
+    """A GPU reading per node, as a probe on a GPU machine would record it (no GPU here)."""
+    from django.utils import timezone
+
+    from cluster.models import HealthSample, Node
+
+    for i, node in enumerate(Node.objects.all()):
+        gpu = {"index": 0, "util_percent": 35 + 25 * i, "mem_used_mb": 2048 * (i + 1), "mem_total_mb": 8192,
+               "temp_c": 48 + 9 * i}  # fmt: skip
+        HealthSample.objects.create(node=node, time=timezone.now(), score=95 - 5 * i, gpus=[gpu])
+
+
 def points_shown(page) -> int:
     text = page.text_content("#chart-info") or ""
     return int(text.split()[0]) if text[:1].isdigit() else 0
@@ -127,6 +139,8 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, server)
+    add_gpu_readings()
+    page.goto(server + "/")
     page.screenshot(path=ARTIFACTS / "cluster-overview.png", full_page=True)
 
     # given a job launched from the form on all three nodes

@@ -188,6 +188,18 @@ def test_overview_shows_nodes_and_the_job_each_runs(browser, job):
     assert "gpu-master" in html and "RTX 5070 Ti" in html and f'href="/jobs/{job.pk}/"' in html
 
 
+def test_overview_shows_the_latest_gpu_readings_and_open_alerts_escaped(browser, node):
+    from cluster.models import Alert, HealthSample
+
+    now = timezone.now()
+    gpu = {"index": 0, "util_percent": 87, "mem_used_mb": 6144, "mem_total_mb": 12288, "temp_c": 71}
+    HealthSample.objects.create(node=node, time=now, score=92, gpus=[gpu])
+    Alert.objects.create(node=node, key="ram", severity="warning", message=HOSTILE, opened_at=now, updated_at=now)
+    html = browser.get("/").content.decode()
+    assert "87%" in html and "6144/12288 MB" in html and "71 °C" in html and "92/100" in html
+    assert "Open alerts" in html and "&lt;img src=x" in html and "<img src=x" not in html
+
+
 def test_admin_is_staff_only(browser):
     response = browser.get("/admin/")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
