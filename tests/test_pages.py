@@ -203,3 +203,18 @@ def test_overview_shows_the_latest_gpu_readings_and_open_alerts_escaped(browser,
 def test_admin_is_staff_only(browser):
     response = browser.get("/admin/")
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_board_queries_do_not_grow_with_the_number_of_jobs(browser, node, django_assert_max_num_queries):
+    for i in range(30):
+        job = Job.objects.create(name=f"run-{i}", script="s.py", state=Job.State.SUCCEEDED, finished_at=timezone.now())
+        Rank.objects.create(job=job, node=node, index=0, active=False)
+    with django_assert_max_num_queries(12):
+        assert browser.get("/jobs/").status_code == 200
+
+
+def test_relaunch_refused_shows_why(browser, db):
+    job = Job.objects.create(name="x" * 64, script="s.py", state=Job.State.FAILED)
+    response = browser.post(f"/jobs/{job.pk}/relaunch/", follow=True)
+    assert "relaunch of " in response.content.decode() and "is not allowed" in response.content.decode()
+    assert Job.objects.count() == 1
