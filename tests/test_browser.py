@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from django.db import connections
 
 from jobs.models import Job
 
@@ -68,24 +69,37 @@ def http_ok(url: str) -> bool:
 
 
 @pytest.fixture
-def server(lab, controller_env, tmp_path, monkeypatch):
-    """daphne serving the app and a Celery worker (with beat) following jobs, both on the test DB."""
+def controller(controller_env, monkeypatch) -> dict:
+    """The environment of this test's controller processes (same DB, data dir and Redis)."""
     # Playwright's sync API keeps an event loop in this thread; the ORM calls here stay synchronous.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    env = {**controller_env, "SECRET_KEY": "browser-test-secret-key-browser-test-secret-key"}
+    return {**controller_env, "SECRET_KEY": "browser-test-secret-key-browser-test-secret-key"}
+
+
+@pytest.fixture
+def web(lab, controller, tmp_path):
+    """daphne serving the app (HTTP, static files, websockets) on a free port; yields its base URL."""
     port = free_port()
     daphne = start([str(REPO / ".venv/bin/daphne"), "-b", "127.0.0.1", "-p", str(port), "ugro_site.asgi:application"],
-                   env, tmp_path / "daphne.log")  # fmt: skip
-    worker = start([sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-                    "-n", "browser@%h", "-s", str(tmp_path / "beat"), "--loglevel=warning"],
-                   env, tmp_path / "worker.log")  # fmt: skip
+                   controller, tmp_path / "daphne.log")  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_ok(base + "/accounts/login/"), timeout=30, what="daphne to serve")
         yield base
     finally:
-        stop(worker)
         stop(daphne)
+
+
+@pytest.fixture
+def server(web, controller, tmp_path):
+    """The app plus a Celery worker with beat: it schedules, launches, follows jobs and polls health."""
+    worker = start([sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
+                    "-n", "browser@%h", "-s", str(tmp_path / "beat"), "--loglevel=warning"],
+                   controller, tmp_path / "worker.log")  # fmt: skip
+    try:
+        yield web
+    finally:
+        stop(worker)
 
 
 @pytest.fixture
@@ -97,6 +111,8 @@ def chromium():
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+        # Under Playwright the ORM runs in another context, hence on a connection of its own: close it too.
+        connections.close_all()
 
 
 def new_page(chromium, errors: list[str]):
@@ -227,13 +243,13 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     assert not [e for e in errors if "pwned" in e], errors
 
 
-def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(server, chromium, lab):
+def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(web, chromium):
     job = Job.objects.create(name="secret-run", script="s.py")
     errors: list[str] = []
     page = new_page(chromium, errors)
     pages = ["/", "/jobs/", f"/jobs/{job.pk}/", "/compare/", "/jobs/launch/"]
     for path in pages + [f"/api/jobs/{job.pk}/series?name=loss", f"/api/jobs/{job.pk}/logs"]:
-        response = page.goto(server + path)
+        response = page.goto(web + path)
         assert "/accounts/login/" in page.url, path
         assert response.headers["content-type"].startswith("text/html"), path
         assert "secret-run" not in page.content(), path
@@ -248,3 +264,40 @@ def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(server, chromi
     )
     assert outcome == "closed"
     page.screenshot(path=ARTIFACTS / "logged-out.png")
+
+
+def publish_cluster_event(data: dict) -> None:
+    """What the health monitor sends after a poll (from a thread: Playwright's loop owns this one)."""
+    import threading
+
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    def send() -> None:
+        event = {"type": "cluster.event", "kind": "node", "data": data}
+        async_to_sync(get_channel_layer().group_send)("cluster", event)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    thread.join(10)
+
+
+def test_cluster_overview_follows_node_status_without_reloading(web, chromium):
+    """No worker here: the event is the only thing that changes the page."""
+    from cluster.models import Node
+
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    page.wait_for_selector("#live-dot.on", timeout=10_000)
+    page.evaluate("window.__sameDocument = true")
+    # when a poll finds node2 down and says so on the cluster group
+    Node.objects.filter(name="node2").update(status=Node.Status.DOWN, status_reason="3 probes failed: <b>timeout</b>")
+    publish_cluster_event({"node": "node2", "status": "down"})
+    # then its card turns red in place, the reason shown as text
+    card = page.locator('.node-card[data-node="node2"]')
+    card.locator(".badge-down").wait_for(timeout=10_000)
+    assert "3 probes failed: <b>timeout</b>" in card.text_content()
+    assert page.evaluate("window.__sameDocument") is True
+    page.screenshot(path=ARTIFACTS / "cluster-node-down.png", full_page=True)
+    assert not errors, errors

@@ -169,7 +169,17 @@
     }
   }
 
-  UGRO.socket(root.dataset.ws, handle);
+  // After a dropped connection, what was missed is rebuilt from the DB (the record), not replayed.
+  let connections = 0;
+  function onOpen() {
+    connections++;
+    if (connections > 1 && ready) {
+      Promise.allSettled([loadSeries(), loadLogs()]);
+      rerender();
+    }
+  }
+
+  UGRO.socket(root.dataset.ws, handle, onOpen);
   Promise.allSettled([loadSeries(), loadLogs()]).then(function () {
     ready = true;
     pending.splice(0).forEach(handle);
