@@ -131,16 +131,21 @@ def progress(job: Job, names: list[str]) -> dict | None:
     return {"fraction": fraction, "percent": round(fraction * 100, 1), "step": last, "max_steps": max_steps, "eta": eta}
 
 
-def final_metrics(job: Job, names: list[str]) -> list[dict]:
-    """The last value of each metric on each rank (the 'results' of a run)."""
-    rows = []
+def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
+    """The last value of each metric on each rank (the 'results' of a run): (ranks, one row per metric)."""
+    rows, ranks = [], set()
     for name in names:
         last_by_rank: dict[int, MetricPoint] = {}
         for point in MetricPoint.objects.filter(job=job, name=name).order_by("-step")[:64]:
             last_by_rank.setdefault(point.rank, point)
-        for rank, point in sorted(last_by_rank.items()):
-            rows.append({"name": name, "rank": rank, "step": point.step, "value": f"{point.value:.6g}"})
-    return rows
+        ranks.update(last_by_rank)
+        rows.append({"name": name, "last": last_by_rank})
+    order = sorted(ranks)
+    for row in rows:
+        last = row.pop("last")
+        row["step"] = max(p.step for p in last.values())
+        row["values"] = [f"{last[r].value:.6g}" if r in last else "—" for r in order]
+    return order, rows
 
 
 @require_GET
@@ -160,7 +165,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         "nav": "jobs",
     }
     if job.is_ended:
-        context["final"] = final_metrics(job, names)
+        context["final_ranks"], context["final"] = final_metrics(job, names)
         context["checkpoints"] = report.checkpoints(job) if job.ranks.exists() else []
         context["config_path"] = job.job_dir / "config.json"
     return render(request, "jobs/detail.html", context)

@@ -218,3 +218,16 @@ def test_relaunch_refused_shows_why(browser, db):
     response = browser.post(f"/jobs/{job.pk}/relaunch/", follow=True)
     assert "relaunch of " in response.content.decode() and "is not allowed" in response.content.decode()
     assert Job.objects.count() == 1
+
+
+def test_ended_job_shows_final_metrics_per_rank(browser, db):
+    job = Job.objects.create(name="done", script="s.py", state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    now = timezone.now()
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=r, step=s, name="loss", value=2.0 - s / 10 + r, time=now)
+        for r in (0, 1)
+        for s in (1, 2, 3)
+    )
+    html = browser.get(f"/jobs/{job.pk}/").content.decode()
+    assert "Rank 0</th>" in html and "Rank 1</th>" in html
+    assert '<td class="num">1.7</td><td class="num">2.7</td>' in html
