@@ -30,6 +30,7 @@ MONITOR_KEYS = ("down", "score", "gpu_count", "gpu_temp:", "ram", "disk")
 WEBHOOK_TIMEOUT_S = 5.0
 
 # Two threads are plenty for a few alerts a minute; a hung receiver delays only other deliveries.
+_UNKNOWN = object()
 _senders = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ugro-alert")
 
 
@@ -37,11 +38,17 @@ def _monitor_key(key: str) -> bool:
     return any(key == k or (k.endswith(":") and key.startswith(k)) for k in MONITOR_KEYS)
 
 
-def open_alert(node: Node | None, key: str, severity: str, message: str, job_name: str = "") -> Alert | None:
-    """Open the alert for this condition, or update the open one; people hear of new and louder ones."""
+def open_alert(
+    node: Node | None, key: str, severity: str, message: str, job_name: str = "", existing: Any = _UNKNOWN
+) -> Alert | None:
+    """Open the alert for this condition, or update the open one; people hear of new and louder ones.
+
+    `existing`: the open alert for (node, key), or None for none, when the caller already knows.
+    """
     now = timezone.now()
     message = message[:1000]
-    existing = Alert.objects.filter(node=node, key=key, resolved_at__isnull=True, job_name=job_name).first()
+    if existing is _UNKNOWN:
+        existing = Alert.objects.filter(node=node, key=key, resolved_at__isnull=True, job_name=job_name).first()
     if existing:
         louder = SEVERITY_RANK[severity] > SEVERITY_RANK[existing.severity]
         if existing.severity != severity or existing.message != message:
@@ -83,20 +90,23 @@ def resolve(alerts: Iterable[Alert]) -> list[Alert]:
     return done
 
 
-def sync_node_alerts(node: Node, conditions: Iterable[tuple[str, str, str]]) -> list[Alert]:
+def sync_node_alerts(
+    node: Node, conditions: Iterable[tuple[str, str, str]], open_alerts: list[Alert] | None = None
+) -> list[Alert]:
     """Make the node's open monitor alerts match `conditions` ((key, severity, message) true now).
 
     Opens what is new, escalates what got worse, resolves monitor conditions no longer present
-    (returned). Alerts owned by others (a rank that died) are left alone.
+    (returned). Alerts owned by others (a rank that died) are left alone. `open_alerts`: the
+    node's open alerts when the caller fetched them for many nodes at once; writes happen only
+    when something changed.
     """
+    if open_alerts is None:
+        open_alerts = list(Alert.objects.filter(node=node, resolved_at__isnull=True, job_name=""))
+    mine = {a.key: a for a in open_alerts if not a.job_name}
     wanted = {key: (severity, message) for key, severity, message in conditions}
     for key, (severity, message) in wanted.items():
-        open_alert(node, key, severity, message)
-    stale = [
-        a
-        for a in Alert.objects.filter(node=node, resolved_at__isnull=True, job_name="")
-        if _monitor_key(a.key) and a.key not in wanted
-    ]
+        open_alert(node, key, severity, message, existing=mine.get(key))
+    stale = [a for key, a in mine.items() if _monitor_key(key) and key not in wanted]
     return resolve(stale)
 
 

@@ -28,7 +28,7 @@ from django.utils import timezone
 from . import alerts
 from .health import Breaker, HealthResult, Thresholds, alert_conditions, poll_interval, score_sample
 from .links import AgentRequestError, LinkError
-from .models import HealthSample, Node
+from .models import Alert, HealthSample, Node
 
 log = logging.getLogger(__name__)
 
@@ -136,13 +136,13 @@ def _gpu_summary(gpus: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _record(node: Node, at: datetime, sample: dict[str, Any] | None, result: HealthResult | None, rtt, error: str):
+def _sample_row(node: Node, at: datetime, sample: dict[str, Any] | None, result: HealthResult | None, rtt, error):
+    """The HealthSample for one probe (unsaved: a poll saves all of them in one statement)."""
     if sample is None:
-        HealthSample.objects.create(node=node, time=at, ok=False, error=error[:500], status=Node.Status.DOWN)
-        return
+        return HealthSample(node=node, time=at, ok=False, error=error[:500], status=Node.Status.DOWN)
     load = sample.get("load") or [None]
     gpus = [g for g in sample.get("gpus") or [] if isinstance(g, dict)]
-    HealthSample.objects.create(
+    return HealthSample(
         node=node, time=at, ok=True, score=result.score if result else None, status=result.status if result else "",
         rtt_ms=rtt, cpu_percent=sample.get("cpu_percent"), ram_percent=sample.get("ram_percent"),
         disk_percent=sample.get("disk_percent"), disk_free_gb=sample.get("disk_free_gb"), load1=load[0],
@@ -189,31 +189,28 @@ def publish(events: list[dict[str, Any]]) -> None:
         log.debug("could not publish %d node events: %s", len(events), exc)
 
 
-def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: float | None = None) -> PollOutcome:
-    """Probe one node and bring its row, samples and alerts up to date."""
-    now = time.time() if now is None else now
-    breaker = Breaker.from_dict(node.breaker)
-    sample, rtt, error, went_down = probe_node(node, breaker, now, force)
-    at = timezone.now()
+NODE_FIELDS = ["status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at"]
+
+
+def _judge(node, breaker, probed, job_tag, now, at, t, open_alerts) -> tuple[PollOutcome, HealthSample]:
+    """Apply one node's probe result to its row (unsaved), its alerts, and a sample (unsaved)."""
+    sample, rtt, error, went_down = probed
     node.last_poll_at = at
+    node.breaker = breaker.to_dict()
     if sample is None:
-        down = breaker.state == "open"
-        if down:
+        if breaker.state == "open":
             node.status = Node.Status.DOWN
             node.status_reason = f"unreachable: {error}"[:500]
             node.health_score = 0
             node.health_checks = [{"name": "reachable", "severity": "critical", "detail": error[:300]}]
-        node.breaker = breaker.to_dict()
-        node.save(update_fields=["status", "status_reason", "health_score", "health_checks", "breaker", "last_poll_at"])
-        _record(node, at, None, None, None, error)
-        if down:
-            alerts.open_alert(node, "down", "critical", f"{node.name} is DOWN: {error}"[:1000])
+            existing = next((a for a in open_alerts if a.key == "down" and not a.job_name), None)
+            alerts.open_alert(node, "down", "critical", f"{node.name} is DOWN: {error}", existing=existing)
         outcome = PollOutcome(node.name, False, node.status, node.health_score, error, went_down=went_down)
         outcome.event = node_event(node, outcome)
-        return outcome
+        return outcome, _sample_row(node, at, None, None, None, error)
 
     recovered = breaker.record_success(now)
-    t = thresholds()
+    node.breaker = breaker.to_dict()
     enriched = {**sample, "rtt_ms": rtt, "expected_job": job_tag, "node": node.name}
     result = score_sample(enriched, node.gpu_count, t)
     node.status = result.status
@@ -221,14 +218,7 @@ def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: 
     node.status_reason = result.reason()[:500]
     node.health_checks = [{"name": c.name, "severity": c.severity, "detail": c.detail} for c in result.failed]
     node.last_seen = at
-    node.breaker = breaker.to_dict()
-    node.save(
-        update_fields=[
-            "status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at",
-        ]
-    )  # fmt: skip
-    _record(node, at, sample, result, rtt, "")
-    resolved = alerts.sync_node_alerts(node, alert_conditions(result, enriched, t))
+    resolved = alerts.sync_node_alerts(node, alert_conditions(result, enriched, t), open_alerts)
     if recovered:
         alerts.record_event(node, "recovered", f"{node.name} recovered (score {result.score}, {result.status})")
     outcome = PollOutcome(
@@ -236,27 +226,46 @@ def poll_node(node: Node, job_tag: str | None = None, force: bool = False, now: 
         recovered=recovered, resolved=[a.key for a in resolved],
     )  # fmt: skip
     outcome.event = node_event(node, outcome)
-    return outcome
+    return outcome, _sample_row(node, at, sample, result, rtt, "")
 
 
 def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float | None = None) -> list[PollOutcome]:
-    """One monitor step: probe every due (or, with force, every) enabled node concurrently."""
+    """One monitor step: probe every due (or, with force, every) enabled node concurrently.
+
+    The probes run side by side, one thread per node doing nothing but network; the database
+    work for all of them then happens in this thread in a few statements.
+    """
     from jobs.nodes import on_each
 
     now = time.time() if now is None else now
     nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
     context = _job_context(nodes)
     due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
-
-    def one(node: Node) -> PollOutcome:
-        return poll_node(node, context[node.pk][0], force, now)
-
-    outcomes = []
-    for node, outcome, err in on_each(due, one):
-        if err is not None:  # poll_node catches link errors itself; this is a bug or a DB error
-            log.error("health poll of %s failed: %s", node.name, err)
-            continue
-        outcomes.append(outcome)
+    if not due:
+        return []
+    breakers = {n.pk: Breaker.from_dict(n.breaker) for n in due}
+    probed = on_each(due, lambda n: probe_node(n, breakers[n.pk], now, force))
+    at = timezone.now()
+    t = thresholds()
+    open_alerts: dict[int, list] = {}
+    for alert in Alert.objects.filter(node__in=due, resolved_at__isnull=True):
+        open_alerts.setdefault(alert.node_id, []).append(alert)
+    outcomes, rows = [], []
+    with transaction.atomic():
+        for node, result, err in probed:
+            if err is not None:  # probe_node turns link errors into results; this is a bug
+                log.error("health probe of %s failed: %s", node.name, err)
+                continue
+            outcome, row = _judge(
+                node, breakers[node.pk], result, context[node.pk][0], now, at, t, open_alerts.get(node.pk, [])
+            )
+            outcomes.append(outcome)
+            rows.append(row)
+        for node in due:
+            if node.last_poll_at == at:
+                # One plain UPDATE per node: bulk_update's CASE per field costs more than it saves here.
+                Node.objects.filter(pk=node.pk).update(**{f: getattr(node, f) for f in NODE_FIELDS})
+        HealthSample.objects.bulk_create(rows)
     publish([o.event for o in outcomes])
     return outcomes
 
