@@ -95,11 +95,12 @@ def metric_names(job: Job) -> list[str]:
 
 
 def _max_steps(job: Job) -> int | None:
-    extra = list((job.params or {}).get("extra") or []) + list(job.script_args or [])
-    for i, arg in enumerate(extra):
+    """The script's --max-steps, if it was given one (the reference script's option)."""
+    args = [str(a) for a in job.script_args or []]
+    for i, arg in enumerate(args):
         value = arg.partition("=")[2] if arg.startswith("--max-steps=") else None
-        if arg == "--max-steps" and i + 1 < len(extra):
-            value = extra[i + 1]
+        if arg == "--max-steps" and i + 1 < len(args):
+            value = args[i + 1]
         if value is not None:
             try:
                 steps = int(value)
@@ -121,8 +122,9 @@ def progress(job: Job, names: list[str]) -> dict | None:
         fraction = min(1.0, last / max_steps)
     elif "epoch" in names and (job.params or {}).get("epochs"):
         epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
-        if epoch:
-            fraction = min(1.0, max(0.0, epoch[0] / float(job.params["epochs"])))
+        epoch = epoch.first()
+        if epoch is not None:
+            fraction = min(1.0, max(0.0, epoch / float(job.params["epochs"])))
     if fraction is None:
         return None
     end = job.finished_at or timezone.now()

@@ -231,3 +231,17 @@ def test_ended_job_shows_final_metrics_per_rank(browser, db):
     html = browser.get(f"/jobs/{job.pk}/").content.decode()
     assert "Rank 0</th>" in html and "Rank 1</th>" in html
     assert '<td class="num">1.7</td><td class="num">2.7</td>' in html
+
+
+def test_detail_progress_from_epochs_when_no_max_steps(browser, db):
+    now = timezone.now()
+    job = Job.objects.create(
+        name="hf", script="s.py", state=Job.State.RUNNING, running_at=now, started_at=now, params={"epochs": 2}
+    )
+    MetricPoint.objects.bulk_create(
+        [
+            MetricPoint(job=job, rank=0, step=10, name="loss", value=2.0, time=now),
+            MetricPoint(job=job, rank=0, step=10, name="epoch", value=0.5, time=now),
+        ]
+    )
+    assert "25.0%" in browser.get(f"/jobs/{job.pk}/").content.decode()
