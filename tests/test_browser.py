@@ -194,6 +194,15 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     wait_for(only_matches_shown, timeout=10, what="the search to leave only matching lines")
     page.fill("#log-search", "")
 
+    # pausing autoscroll keeps the reader's place while lines keep arriving
+    page.uncheck("#log-follow")
+    page.eval_on_selector("#log", "log => { log.scrollTop = 0; }")
+    before = page.locator("#log .line").count()
+    wait_for(lambda: page.locator("#log .line").count() > before + 5, timeout=30, what="more log lines")
+    assert page.eval_on_selector("#log", "log => log.scrollTop") == 0
+    page.check("#log-follow")
+    assert page.eval_on_selector("#log", "log => log.scrollTop + log.clientHeight >= log.scrollHeight - 2")
+
     # when it is cancelled from the page
     page.click("#cancel-btn")
     wait_for(lambda: Job.objects.get(pk=job.pk).state == Job.State.CANCELLED, timeout=60, what="the cancel")
