@@ -168,7 +168,6 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     }
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
-        context["checkpoints"] = report.checkpoints(job) if job.ranks.exists() else []
         context["config_path"] = job.job_dir / "config.json"
     return render(request, "jobs/detail.html", context)
 
@@ -298,6 +297,14 @@ def launch(request: HttpRequest) -> HttpResponse:
             messages.success(request, f"job {job.name} queued")
             return redirect("job-detail", job.pk)
     return render(request, "jobs/launch.html", {"form": form, "nav": "launch"})
+
+
+@require_GET
+def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
+    """Checkpoint files on the nodes of an ended job (asked over SSH: the page loads it after rendering)."""
+    job = get_object_or_404(Job, pk=pk)
+    found = report.checkpoints(job) if job.is_ended and job.ranks.exists() else []
+    return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
 
 
 @require_GET

@@ -248,6 +248,8 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     assert page.locator("#log img, #log script, select img").count() == 0
     assert page.locator("#metric-select option", has_text="<img src=x onerror=alert(3)>").count() == 1
     assert page.evaluate("window.__pwned") is None
+    # checkpoints are asked of the node after the page is up (the script saved none)
+    page.locator("#checkpoints", has_text="No checkpoints found on the nodes.").wait_for(timeout=30_000)
     page.screenshot(path=ARTIFACTS / "hostile-ended.png", full_page=True)
     assert not [e for e in errors if "pwned" in e], errors
 

@@ -62,7 +62,11 @@ def page_urls(job: Job) -> list[str]:
 
 
 def api_urls(job: Job) -> list[str]:
-    return [f"/api/jobs/{job.pk}/series?name=loss", f"/api/jobs/{job.pk}/logs?tail=10"]
+    return [
+        f"/api/jobs/{job.pk}/series?name=loss",
+        f"/api/jobs/{job.pk}/logs?tail=10",
+        f"/api/jobs/{job.pk}/checkpoints",
+    ]
 
 
 def test_logged_out_gets_login_redirect_and_no_data_from_every_page_and_endpoint(client, job):
@@ -101,6 +105,8 @@ def test_json_endpoints_give_series_and_log_lines(browser, job):
     logs = browser.get(f"/api/jobs/{job.pk}/logs?tail=1").json()
     assert [line[1:] for line in logs["lines"]] == [[0, "step 2 going"]]
     assert browser.get(f"/api/jobs/{job.pk}/logs?rank=x").status_code == 400
+    # a live job's checkpoints are not looked for (only once it has ended)
+    assert browser.get(f"/api/jobs/{job.pk}/checkpoints").json()["checkpoints"] == []
 
 
 def test_hostile_job_name_metric_name_and_reason_are_escaped(browser, node, settings, tmp_path):

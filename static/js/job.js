@@ -132,6 +132,47 @@
     if (follow.checked) log.scrollTop = log.scrollHeight;
   });
 
+  // ---- checkpoints (ended jobs: listed by asking the nodes, so after the page is up) ----
+  function megabytes(size) {
+    return size >= 1e9 ? (size / 1e9).toFixed(2) + " GB" : (size / 1e6).toFixed(1) + " MB";
+  }
+
+  async function loadCheckpoints() {
+    const table = document.getElementById("checkpoints");
+    if (!table) return;
+    const body = table.tBodies[0];
+    let rows;
+    try {
+      rows = (await UGRO.getJSON(table.dataset.url)).checkpoints;
+    } catch (err) {
+      body.replaceChildren(emptyRow("Could not ask the nodes."));
+      return;
+    }
+    if (!rows.length) {
+      body.replaceChildren(emptyRow("No checkpoints found on the nodes."));
+      return;
+    }
+    body.replaceChildren(
+      ...rows.map(function ([node, path, size]) {
+        const tr = UGRO.el("tr");
+        const code = UGRO.el("code", "", path);
+        const where = UGRO.el("td");
+        where.append(code);
+        tr.append(UGRO.el("td", "", node), where, UGRO.el("td", "num", megabytes(size)));
+        return tr;
+      })
+    );
+  }
+
+  function emptyRow(text) {
+    const tr = UGRO.el("tr");
+    const td = UGRO.el("td", "empty", text);
+    td.colSpan = 3;
+    tr.append(td);
+    return tr;
+  }
+  loadCheckpoints();
+
   // ---- elapsed ----
   function tickElapsed() {
     const el = document.getElementById("elapsed");
