@@ -105,6 +105,9 @@ class Node(models.Model):
     )
     breaker = models.JSONField(default=dict, blank=True, help_text="Circuit breaker state of the health monitor.")
     last_poll_at = models.DateTimeField(null=True, blank=True, help_text="Last probe attempt, good or not.")
+    poll_lease_until = models.DateTimeField(
+        null=True, blank=True, help_text="A poll is probing this node until then (overlapping polls skip it)."
+    )
 
     class Meta:
         ordering = ["order", "name"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Avg, Case, Count, IntegerField, Max, Sum, Value, When
+from django.db.models import Avg, Case, Count, IntegerField, Max, Q, Sum, Value, When
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
@@ -189,13 +189,32 @@ def publish(events: list[dict[str, Any]]) -> None:
         log.debug("could not publish %d node events: %s", len(events), exc)
 
 
-NODE_FIELDS = ["status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at"]
+NODE_FIELDS = ["status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at",
+               "poll_lease_until"]  # fmt: skip
+
+
+def _claim(due: list[Node], force: bool) -> list[Node]:
+    """Take a lease on the due nodes no other poll is probing, so failures are never counted twice.
+
+    Beat can start a poll while a slow one (a node timing out) still runs, in another worker.
+    `force` (someone asked for a reading now) probes regardless.
+    """
+    now = timezone.now()
+    lease = timedelta(seconds=ATTEMPTS_PER_POLL * settings.UGRO["PROBE_TIMEOUT_S"] + 10)
+    with transaction.atomic():
+        free = Node.objects.select_for_update(skip_locked=True).filter(pk__in=[n.pk for n in due])
+        if not force:
+            free = free.filter(Q(poll_lease_until__isnull=True) | Q(poll_lease_until__lt=now))
+        ids = set(free.values_list("pk", flat=True))
+        Node.objects.filter(pk__in=ids).update(poll_lease_until=now + lease)
+    return [n for n in due if n.pk in ids]
 
 
 def _judge(node, breaker, probed, job_tag, now, at, t, open_alerts) -> tuple[PollOutcome, HealthSample]:
     """Apply one node's probe result to its row (unsaved), its alerts, and a sample (unsaved)."""
     sample, rtt, error, went_down = probed
     node.last_poll_at = at
+    node.poll_lease_until = None
     node.breaker = breaker.to_dict()
     if sample is None:
         if breaker.state == "open":
@@ -241,6 +260,9 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
     context = _job_context(nodes)
     due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
+    if not due:
+        return []
+    due = _claim(due, force)
     if not due:
         return []
     breakers = {n.pk: Breaker.from_dict(n.breaker) for n in due}

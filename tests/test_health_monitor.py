@@ -154,9 +154,12 @@ def test_adaptive_interval_skips_nodes_polled_moments_ago(lab):
     monitor.poll_once(force=True)
     # when beat fires again right away: nothing is due (idle nodes wait 40 s)
     assert monitor.poll_once() == []
-    # when 41 s have passed (the clock is an argument): all are polled
+    # when 41 s have passed (the clock is an argument) while another poll still probes node2
+    Node.objects.filter(name="node2").update(poll_lease_until=timezone.now() + timedelta(seconds=30))
     later = timezone.now().timestamp() + 41
-    assert len(monitor.poll_once(now=later)) == 3
+    # then the other two are polled, node2 is left to the poll that holds it
+    assert sorted(o.node for o in monitor.poll_once(now=later)) == ["node1", "node3"]
+    assert Node.objects.get(name="node1").poll_lease_until is None
 
 
 def test_prune_turns_old_raw_samples_into_minute_aggregates(lab):
