@@ -32,6 +32,7 @@ from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
+PUBLISH_SLICE = 1000
 
 
 def follower_id() -> str:
@@ -161,14 +162,18 @@ class JobFollower:
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=self.job.metrics_bytes)
         for key, value in fields.items():
             setattr(rank, key, value)
-        if lines or points:
+        # Every line goes out (in slices that keep messages small); start/end are the byte offsets
+        # of this commit, so a page that loaded the log up to some offset can drop what it has.
+        for i in range(0, max(len(lines), len(points)), PUBLISH_SLICE):
             publish_job(
                 self.job,
                 "lines",
                 {
                     "rank": rank.index,
-                    "lines": lines[-500:],
-                    "points": [[p.rank, p.step, p.name, p.value] for p in points[-2000:]],
+                    "start": old,
+                    "end": old + len(data),
+                    "lines": lines[i : i + PUBLISH_SLICE],
+                    "points": [[p.rank, p.step, p.name, p.value] for p in points[i : i + PUBLISH_SLICE]],
                 },
             )
         return len(data)

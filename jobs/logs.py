@@ -61,9 +61,14 @@ def rank_lines(rank: Rank, start: int = 0, end: int | None = None) -> Iterator[t
             seq += 1
 
 
-def job_lines(job: Job, rank_index: int | None = None, tail: int | None = None) -> list[LogLine]:
-    """Committed lines of one rank, or of all ranks merged by arrival time (then rank)."""
-    ranks = list(job.ranks.order_by("index"))
+def job_lines(
+    job: Job, rank_index: int | None = None, tail: int | None = None, ranks: list[Rank] | None = None
+) -> list[LogLine]:
+    """Committed lines of one rank, or of all ranks merged by arrival time (then rank).
+
+    Pass `ranks` to read exactly up to the offsets those rows hold (what a caller reports with them).
+    """
+    ranks = list(job.ranks.order_by("index")) if ranks is None else ranks
     if rank_index is not None:
         ranks = [r for r in ranks if r.index == rank_index]
     streams = [(line for _, line in rank_lines(r)) for r in ranks]

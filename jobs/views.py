@@ -316,8 +316,16 @@ def api_logs(request: HttpRequest, pk: int) -> JsonResponse:
         tail = min(MAX_TAIL, max(1, int(request.GET.get("tail", 500))))
     except ValueError:
         return JsonResponse({"error": "rank and tail must be integers"}, status=400)
-    lines = job_lines(job, rank_index=rank, tail=tail)
-    return JsonResponse({"job": job.pk, "lines": [[ln.time, ln.rank, ln.text] for ln in lines]})
+    ranks = list(job.ranks.order_by("index"))
+    lines = job_lines(job, rank_index=rank, tail=tail, ranks=ranks)
+    return JsonResponse(
+        {
+            "job": job.pk,
+            "lines": [[ln.time, ln.rank, ln.text] for ln in lines],
+            # how far each rank's log was read: live events ending at or before it are already here
+            "offsets": {str(r.index): r.log_offset for r in ranks},
+        }
+    )
 
 
 __all__ = ["board", "detail", "cancel", "relaunch", "launch", "api_logs"]

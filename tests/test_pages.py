@@ -104,6 +104,8 @@ def test_json_endpoints_give_series_and_log_lines(browser, job):
     assert series["ranks"]["0"]["x"] == [1, 2, 3, 4, 5] and series["total_points"] == 5
     logs = browser.get(f"/api/jobs/{job.pk}/logs?tail=1").json()
     assert [line[1:] for line in logs["lines"]] == [[0, "step 2 going"]]
+    rank0 = job.ranks.get(index=0)
+    assert logs["offsets"] == {"0": rank0.log_offset}  # live events ending at or before it are dropped
     assert browser.get(f"/api/jobs/{job.pk}/logs?rank=x").status_code == 400
     # a live job's checkpoints are not looked for (only once it has ended)
     assert browser.get(f"/api/jobs/{job.pk}/checkpoints").json()["checkpoints"] == []

@@ -113,8 +113,11 @@
     if (follow.checked) log.scrollTop = log.scrollHeight;
   }
 
+  let loadedUpTo = {}; // rank -> byte offset the last loadLogs() covered
+
   async function loadLogs() {
     const json = await UGRO.getJSON(root.dataset.logsUrl + "?tail=1000");
+    loadedUpTo = json.offsets || {};
     log.replaceChildren();
     const frag = document.createDocumentFragment();
     for (const [, rank, text] of json.lines) {
@@ -201,7 +204,8 @@
     }
     const data = message.data || {};
     if (message.kind === "lines") {
-      if (Array.isArray(data.lines) && data.lines.length) appendLines(data.rank, data.lines);
+      const seen = data.end <= (loadedUpTo[String(data.rank)] ?? -1); // already in the loaded log
+      if (!seen && Array.isArray(data.lines) && data.lines.length) appendLines(data.rank, data.lines);
       if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
       refreshSometimes();
     } else if (message.kind === "state") {
