@@ -134,3 +134,22 @@ def test_env_python_is_found_next_to_torchrun_only():
     assert env_python(Node(torchrun_command="/opt/venv/bin/torchrun")) == "/opt/venv/bin/python"
     assert env_python(Node(torchrun_command="pixi run -e cuda torchrun")) is None
     assert env_python(Node(torchrun_command="torchrun")) is None
+
+
+def test_preflight_command_names_an_unreachable_node(lab, rdzv_port):
+    # given node2's sshd is down
+    from cluster.links import pool
+
+    lab.nodes[1].stop()
+    try:
+        out = io.StringIO()
+        # when the pre-flight runs on node1 and node2
+        with pytest.raises(CommandError, match="pre-flight failed"):
+            call_command("preflight", "--nodes", "node1", "node2", stdout=out)
+    finally:
+        lab.nodes[1].start()
+        pool.close_all()  # the next test starts from fresh links
+    # then one line names node2 as unreachable and nothing else is blamed on node1
+    lines = out.getvalue().splitlines()
+    assert any(line.startswith("node2: cannot reach node2") for line in lines), lines
+    assert not any(line.startswith("node1:") for line in lines), lines
