@@ -13,6 +13,8 @@ import time
 
 AGENT_VERSION = 1
 MAX_TAIL_BYTES = 4 * 1024 * 1024
+MAX_TAIL_WAIT_MS = 5000
+TAIL_POLL_S = 0.01
 
 
 class AgentError(Exception):
@@ -120,8 +122,33 @@ def _read_exit(path):
         return None
 
 
+def _tail_ready(items):
+    """True once a log has grown past what the caller saw (its offset, or `wait_above` when larger:
+    a partial last line it has seen but not taken) or a rank's exit record exists."""
+    for item in items:
+        seen = max(int(item["offset"]), int(item.get("wait_above") or 0))
+        try:
+            if os.stat(_expand(item["path"])).st_size > seen:
+                return True
+        except OSError:
+            pass
+        if item.get("exit_file") and os.path.exists(_expand(item["exit_file"])):
+            return True
+    return False
+
+
 def op_tail(req):
-    """Bytes of each log from its offset; the exit record is read first so EOF after it is final."""
+    """Bytes of each log from its offset; the exit record is read first so EOF after it is final.
+
+    wait_ms (optional, at most MAX_TAIL_WAIT_MS): a long poll. If no log has grown and no rank has
+    exited, wait up to that long (checking every TAIL_POLL_S) before answering, so a follower
+    hears of a new line within milliseconds without asking over and over.
+    """
+    wait = min(float(req.get("wait_ms") or 0), MAX_TAIL_WAIT_MS) / 1000.0
+    if wait > 0:
+        deadline = time.time() + wait
+        while not _tail_ready(req["files"]) and time.time() < deadline:
+            time.sleep(TAIL_POLL_S)
     out = []
     for item in req["files"]:
         path = _expand(item["path"])
@@ -149,20 +176,8 @@ def op_tail(req):
 
 
 def _job_pids(tag, node):
-    want = [("UGRO_JOB=%s" % tag).encode(), ("UGRO_NODE=%s" % node).encode()]
-    me = os.getpid()
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open("/proc/%s/environ" % name, "rb") as fh:
-                env = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if all(w in env for w in want):
-            pids.append(int(name))
-    return sorted(pids)
+    # ugro_tagged_procs comes from probe.py, which is always sent ahead of this file.
+    return sorted(pid for pid, job, where in ugro_tagged_procs() if job == tag and where == node)  # noqa: F821
 
 
 def op_procs(req):

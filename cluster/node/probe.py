@@ -284,36 +284,48 @@ def _probe_gpus(reader):
 # -- processes ------------------------------------------------------------------------------
 
 
-def _probe_job_procs():
-    """Processes (readable by this user) whose environment carries a UGRO_JOB tag."""
-    me = os.getpid()
-    procs = []
+def ugro_tagged_procs():
+    """(pid, job, node) of this user's processes whose environment carries a UGRO_JOB tag.
+
+    Shared with agent.py (sent after this file). Only processes owned by this user are read: UGRO
+    starts every rank as the SSH user, and reading other users' environments is most of the cost.
+    """
+    me, uid = os.getpid(), os.getuid()
     try:
         names = os.listdir("/proc")
     except OSError:
-        return procs
+        return
     for name in names:
         if not name.isdigit() or int(name) == me:
             continue
         try:
+            if os.stat("/proc/" + name).st_uid != uid:
+                continue
             with open("/proc/%s/environ" % name, "rb") as fh:
-                env = fh.read().split(b"\0")
+                env = fh.read()
         except OSError:
             continue
+        if b"UGRO_JOB=" not in env:
+            continue
         job = node = None
-        for item in env:
+        for item in env.split(b"\0"):
             if item.startswith(b"UGRO_JOB="):
                 job = item[len(b"UGRO_JOB=") :].decode("utf-8", "replace")
             elif item.startswith(b"UGRO_NODE="):
                 node = item[len(b"UGRO_NODE=") :].decode("utf-8", "replace")
-        if job is None:
-            continue
+        yield int(name), job, node
+
+
+def _probe_job_procs():
+    """Processes of UGRO jobs on this node, with their command lines."""
+    procs = []
+    for pid, job, node in ugro_tagged_procs():
         try:
-            with open("/proc/%s/cmdline" % name, "rb") as fh:
+            with open("/proc/%s/cmdline" % pid, "rb") as fh:
                 cmd = fh.read(4096).rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
         except OSError:
             cmd = ""
-        procs.append({"pid": int(name), "job": job, "node": node, "cmd": cmd[:PROBE_CMD_MAX]})
+        procs.append({"pid": pid, "job": job, "node": node, "cmd": cmd[:PROBE_CMD_MAX]})
     procs.sort(key=lambda p: p["pid"])
     return procs
 
