@@ -257,6 +257,7 @@ def launch(job: Job) -> Job:
     problems = run_preflight(job, ranks)
     if problems:
         return fail_job(job, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started.")
+    t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:
         left = max(1.0, window - (time.monotonic() - t0))

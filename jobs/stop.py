@@ -25,8 +25,11 @@ def _end(job: Job, state: str, reason: str = "") -> Job:
         )
     job.refresh_from_db()
     if updated:
+        from cluster.alerts import job_finished_alert
+
         from .scheduler import after_job_ended
 
+        job_finished_alert(job)
         after_job_ended(job)
     return job
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def loopback(tmp_path_factory):
     if not (NODE_ENV / "bin" / "torchrun").exists():
         pytest.fail(f"node training env missing: {NODE_ENV} (run .ci/run or see README)")
     cluster = LoopbackCluster(tmp_path_factory.mktemp("nodes"), count=4).start()
+    # c10d's store listens on every address: a port of our own keeps overlapping runs apart
+    cluster.rdzv_port = free_port()
     for node in cluster.nodes:
         shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
     yield cluster
@@ -39,7 +42,7 @@ def cluster_yaml(loopback, count: int) -> str:
         "cluster:",
         '  name: "Loopback lab"',
         f'  master_ip: "{loopback.nodes[0].address}"',
-        "  master_port: 29500",
+        f"  master_port: {getattr(loopback, 'rdzv_port', 29500)}",
         "nodes:",
     ]
     for i, node in enumerate(loopback.nodes[:count]):
@@ -93,6 +96,12 @@ def lab(loopback, transactional_db, fast_settings):
 
     import_cluster(cluster_yaml(loopback, 3))
     return loopback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def job_pids(tag: str) -> list[int]:

@@ -53,6 +53,11 @@ def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
     for r in ranks:
         assert f"--local-addr={r.node.address}" in cfg
     assert job_pids(job.tag) == []
+    # and people hear that it finished
+    from cluster.models import Alert
+
+    info = Alert.objects.get(key="job_finished:exp1")
+    assert info.severity == Alert.Severity.INFO and "exp1 succeeded" in info.message
 
 
 def test_fourth_node_added_by_yaml_reimport_takes_part(lab):
