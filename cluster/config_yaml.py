@@ -3,7 +3,8 @@
 The format (from the user's setup guide): `cluster.{name,master_ip,master_port}`,
 `nodes.<name>.{ip,user,hostname,gpu,vram_gb,rank,role}`, `training.*`, `paths.*`.
 UGRO also reads optional per-node keys for what the original scripts hard-coded:
-`ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`;
+`ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`,
+`gpu_reader`;
 and under `training:`, `script` and `args` (the script's argument template, with {model} {dataset}
 {epochs} {lr} {job}) for scripts that do not take train_production.py's arguments.
 """
@@ -22,7 +23,7 @@ from .models import ClusterSettings, Node
 from .names import check_name
 
 NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
-             "torchrun", "python", "workdir", "transport", "enabled", "env"}  # fmt: skip
+             "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader"}  # fmt: skip
 TOP_KEYS = {"cluster", "nodes", "training", "paths"}
 
 
@@ -176,6 +177,9 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
         transport = _get(doc, spec, "transport", str, path, "ssh")
         if transport not in ("ssh", "local"):
             raise doc.error("must be 'ssh' or 'local'", *path, "transport")
+        gpu_reader = _get(doc, spec, "gpu_reader", str, path, "auto")
+        if gpu_reader not in ("auto", "nvml", "nvidia-smi") and not gpu_reader.startswith("fixture:"):
+            raise doc.error("must be auto, nvml, nvidia-smi or fixture:<path>", *path, "gpu_reader")
         env = _get(doc, spec, "env", dict, path, {})
         user = _expand_user(str(_get(doc, spec, "user", str, path, "${USER}")))
         try:
@@ -200,6 +204,7 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
             "transport": transport,
             "enabled": bool(_get(doc, spec, "enabled", bool, path, True)),
             "env": {str(k): str(v) for k, v in env.items()},
+            "gpu_reader": gpu_reader,
         })  # fmt: skip
     if len(masters) > 1:
         raise doc.error(f"more than one node has role master ({', '.join(masters)})", "nodes")
@@ -245,6 +250,7 @@ def export_cluster() -> str:
             "transport": n.transport,
             "enabled": n.enabled,
             "env": n.env or {},
+            "gpu_reader": n.gpu_reader or "auto",
         }
     training = dict(cs.training or {})
     training.setdefault("script", cs.default_script)

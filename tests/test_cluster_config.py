@@ -106,6 +106,7 @@ def test_a_node_dropped_from_the_file_is_disabled_not_deleted():
         (('role: "worker"\n\n  gpu2', 'role: "master"\n\n  gpu2'), r"more than one node has role master"),
         (("nodes:", "nodes: [\n"), r"not valid YAML \(line \d+\)"),
         (('user: "ob"', 'user: "ob; rm -rf /"'), r"nodes\.gpu1\.user: user .* is not allowed"),
+        (('user: "ob"', 'user: "ob"\n    gpu_reader: "magic"'), r"nodes\.gpu1\.gpu_reader: must be auto"),
     ],
 )
 def test_a_bad_file_names_the_key_and_line_and_imports_nothing(edit, message):
