@@ -13,6 +13,7 @@ import base64
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,7 +37,10 @@ PUBLISH_SLICE = 1000
 
 
 def follower_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Who follows: host, process and thread. Per thread, because a threads-pool worker runs several
+    follow_jobs tasks at once (beat queues one every few seconds) and each must see the others'
+    leases as someone else's, or all of them follow the same job and trip over each other."""
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()}"
 
 
 def claim(job_id: int, owner: str, *, live_only: bool = True) -> bool:
