@@ -93,6 +93,8 @@ class JobFollower:
         self.job = job
         self.owner = owner
         self.streams: dict[int, RankStream] = {}
+        self.seen: dict[int, int] = {}  # rank pk -> log size at the last answer (partial line included)
+        self.hot_node: int | None = None  # the node whose ranks last had new lines
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -103,13 +105,19 @@ class JobFollower:
                 stream.parser.last_step = last.step  # inferred steps continue after a restart
         return stream
 
-    def step(self) -> int:
-        """One pass over every rank still running: returns the number of new bytes taken."""
+    def step(self, wait: float = 0.0) -> int:
+        """One pass over every rank still running: returns the number of new bytes taken.
+
+        wait: seconds one node may hold its answer until one of its logs grows (a long poll in
+        the agent). Only the node that last had new lines waits (the first node until one has):
+        the others answer at once, so a silent rank on another node never holds up rank 0's lines.
+        """
         job = self.job
         ranks = list(job.ranks.select_related("node").filter(state__in=[Rank.State.RUNNING, Rank.State.PENDING]))
         by_node: dict[int, list[Rank]] = {}
         for r in ranks:
             by_node.setdefault(r.node_id, []).append(r)
+        hot = self.hot_node if self.hot_node in by_node else next(iter(by_node), None)
 
         def tail(group: list[Rank]) -> dict:
             files = [
@@ -117,21 +125,30 @@ class JobFollower:
                     "key": r.pk,
                     "path": r.remote_log,
                     "offset": r.log_offset,
+                    "wait_above": self.seen.get(r.pk, 0),
                     "exit_file": r.remote_exit,
                     "max_bytes": TAIL_BYTES,
                 }
                 for r in group
             ]
-            return node_request(group[0].node, "tail", timeout=15, files=files)
+            node_wait = wait if group[0].node_id == hot else 0.0
+            return node_request(
+                group[0].node, "tail", timeout=15 + node_wait, files=files, wait_ms=int(node_wait * 1000)
+            )
 
         taken = 0
-        now = timezone.now()
+        now = None
         for group, result, err in on_each(list(by_node.values()), tail):
+            now = now or timezone.now()  # after the answers: a long poll may have waited
             if err is not None:
                 self._unreachable(group, err, now)
                 continue
             for rank, item in zip(group, result["files"], strict=True):
-                taken += self._take(rank, item, now)
+                self.seen[rank.pk] = item.get("size") or 0
+                got = self._take(rank, item, now)
+                if got:
+                    self.hot_node = rank.node_id
+                taken += got
         return taken
 
     def _take(self, rank: Rank, item: dict, now) -> int:
@@ -277,6 +294,7 @@ def follow(
     deadline = time.monotonic() + max_seconds
     try:
         while time.monotonic() < deadline:
+            started = time.monotonic()
             qs = Job.objects.filter(state=Job.State.RUNNING)
             if job_ids is not None:
                 qs = qs.filter(pk__in=job_ids)
@@ -284,6 +302,10 @@ def follow(
             if not running and (job_ids is not None):
                 return
             taken = 0
+            # Instead of sleeping between idle passes, each job's node long-polls its share of
+            # idle_sleep: a line is taken as soon as it is written, and an idle job costs the
+            # same round trips per second as before.
+            wait = min(idle_sleep / max(1, len(running)), max(0.0, deadline - time.monotonic()))
             for job in running:
                 if not claim(job.pk, owner):
                     followers.pop(job.pk, None)
@@ -292,7 +314,7 @@ def follow(
                 if f is None:
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
-                    taken += f.step()
+                    taken += f.step(wait=wait)
                     if finish_if_done(f):
                         followers.pop(job.pk, None)
                         release(job.pk, owner)
@@ -304,7 +326,9 @@ def follow(
             if exit_when_idle and not followers:
                 return
             if not taken:
-                time.sleep(idle_sleep)
+                # What the long polls did not already wait (all of it when nothing was polled;
+                # also guards against a node answering early without new whole lines).
+                time.sleep(max(0.0, min(idle_sleep - (time.monotonic() - started), deadline - time.monotonic())))
     finally:
         for job_id in list(followers):
             release(job_id, owner)

@@ -1,0 +1,79 @@
+"""The node agent's tail long poll, through a real agent process (the local transport's pipe)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import pytest
+
+from cluster.links import Endpoint, NodeLink
+
+
+@pytest.fixture
+def agent():
+    link = NodeLink(Endpoint(name="local-agent", address="127.0.0.1", transport="local"), connect_timeout=10)
+    yield link
+    link.close()
+
+
+def tail(link, path, offset=0, wait_ms=0, wait_above=0, exit_file=None):
+    item = {"key": 1, "path": str(path), "offset": offset, "wait_above": wait_above, "max_bytes": 1 << 20}
+    if exit_file:
+        item["exit_file"] = str(exit_file)
+    t0 = time.monotonic()
+    result = link.request("tail", timeout=10, files=[item], wait_ms=wait_ms)["files"][0]
+    return time.monotonic() - t0, base64.b64decode(result["data"]), result
+
+
+def test_a_line_written_during_the_wait_is_answered_at_once(agent, tmp_path):
+    log = tmp_path / "rank.log"
+    log.write_bytes(b"old\n")
+
+    def write_later():
+        time.sleep(0.3)
+        with open(log, "ab") as fh:
+            fh.write(b"new line\n")
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    elapsed, data, _ = tail(agent, log, offset=4, wait_ms=4000)
+    writer.join()
+    assert data == b"new line\n"
+    assert 0.25 <= elapsed < 2.0
+
+
+def test_a_silent_log_waits_about_wait_ms_then_answers_empty(agent, tmp_path):
+    log = tmp_path / "rank.log"
+    log.write_bytes(b"a\n")
+    elapsed, data, result = tail(agent, log, offset=2, wait_ms=400)
+    assert data == b"" and result["eof"] and result["size"] == 2
+    assert 0.35 <= elapsed < 2.0
+    # no wait_ms: the old behaviour, an immediate answer
+    elapsed, _, _ = tail(agent, log, offset=2)
+    assert elapsed < 0.3
+
+
+def test_data_already_there_is_answered_without_waiting(agent, tmp_path):
+    log = tmp_path / "rank.log"
+    log.write_bytes(b"one\ntwo\n")
+    elapsed, data, _ = tail(agent, log, offset=0, wait_ms=4000)
+    assert data == b"one\ntwo\n" and elapsed < 1.0
+
+
+def test_a_partial_line_already_seen_does_not_end_the_wait_but_an_exit_does(agent, tmp_path):
+    log, exit_file = tmp_path / "rank.log", tmp_path / "rank.exit"
+    log.write_bytes(b"done\nprogress 10%")  # the caller took "done\n" and saw the partial line
+    elapsed, data, _ = tail(agent, log, offset=5, wait_above=17, wait_ms=400, exit_file=exit_file)
+    assert data == b"progress 10%" and elapsed >= 0.35
+    exit_file.write_text('{"rc": 0, "ended": 1.0}')
+    elapsed, data, result = tail(agent, log, offset=5, wait_above=17, wait_ms=4000, exit_file=exit_file)
+    assert result["exit"] == {"rc": 0, "ended": 1.0} and elapsed < 1.0
+
+
+def test_a_missing_log_waits_and_the_wait_is_capped(agent, tmp_path):
+    elapsed, data, result = tail(agent, tmp_path / "not-yet.log", wait_ms=300)
+    assert data == b"" and result["size"] is None and 0.25 <= elapsed < 2.0
+    elapsed, _, _ = tail(agent, tmp_path / "not-yet.log", wait_ms=10**9)  # capped at MAX_TAIL_WAIT_MS (5 s)
+    assert 4.5 <= elapsed < 8.0
