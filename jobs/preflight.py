@@ -28,11 +28,21 @@ from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 
+# Reads torch/version.py without importing torch (an import costs seconds on every launch);
+# a torch that is present but broken still fails fast at rank start, with its last lines shown.
 VERSION_CODE = (
-    "import json,sys\n"
+    "import ast,importlib.util,json,os\n"
     "try:\n"
-    "    import torch\n"
-    "    print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda}))\n"
+    "    spec = importlib.util.find_spec('torch')\n"
+    "    if spec is None or not spec.submodule_search_locations:\n"
+    "        raise ImportError('No module named torch')\n"
+    "    path = os.path.join(list(spec.submodule_search_locations)[0], 'version.py')\n"
+    "    found = {}\n"
+    "    for st in ast.parse(open(path).read()).body:\n"
+    "        target = st.targets[0] if isinstance(st, ast.Assign) else getattr(st, 'target', None)\n"
+    "        if isinstance(target, ast.Name) and target.id in ('__version__', 'cuda') and st.value is not None:\n"
+    "            found[target.id] = ast.literal_eval(st.value)\n"
+    "    print(json.dumps({'torch': found.get('__version__'), 'cuda': found.get('cuda')}))\n"
     "except Exception as e:\n"
     "    print(json.dumps({'error': '%s: %s' % (type(e).__name__, e)}))\n"
 )

@@ -44,8 +44,12 @@ def schedule() -> list[Job]:
     return launched
 
 
-def after_job_ended(job: Job) -> None:
-    """Nodes were freed: let the worker start what waits (if a worker runs; waiting CLIs poll too)."""
+def request_schedule() -> None:
+    """After this transaction commits, ask the worker to start what can start (if a broker answers).
+
+    Without one, jobs wait QUEUED for beat's next tick or a waiting `launch` command, which
+    schedules for itself; Celery's own publish would retry for seconds first.
+    """
 
     def kick() -> None:
         from ugro_site.celery import broker_answers
@@ -56,7 +60,12 @@ def after_job_ended(job: Job) -> None:
             return
         try:
             schedule_jobs.apply_async(retry=False)
-        except Exception as exc:  # no broker: waiting `launch` commands schedule for themselves
+        except Exception as exc:  # the broker went away in between: same as above
             log.debug("could not queue schedule_jobs: %s", exc)
 
     transaction.on_commit(kick)
+
+
+def after_job_ended(job: Job) -> None:
+    """Nodes were freed: let what waits start."""
+    request_schedule()

@@ -7,7 +7,6 @@ import shlex
 
 from django import forms
 from django.contrib import messages
-from django.db import transaction
 from django.db.models import Max, Prefetch
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -22,6 +21,7 @@ from . import report
 from .launch import LaunchError, LaunchRequest, create_job
 from .logs import job_lines
 from .models import Job, Rank
+from .scheduler import request_schedule
 from .stop import cancel_job
 
 LANES = (
@@ -41,12 +41,6 @@ def human_duration(seconds: float | None) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
-
-
-def _queue_start() -> None:
-    from . import tasks
-
-    transaction.on_commit(lambda: tasks.schedule_jobs.delay())
 
 
 def _with_ranks(qs):
@@ -223,7 +217,7 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
     except LaunchError as exc:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
-    _queue_start()
+    request_schedule()
     messages.success(request, f"job {new.name} queued (relaunch of {job.name})")
     return redirect("job-detail", new.pk)
 
@@ -293,7 +287,7 @@ def launch(request: HttpRequest) -> HttpResponse:
         except LaunchError as exc:
             form.add_error(None, str(exc))
         else:
-            _queue_start()
+            request_schedule()
             messages.success(request, f"job {job.name} queued")
             return redirect("job-detail", job.pk)
     return render(request, "jobs/launch.html", {"form": form, "nav": "launch"})
