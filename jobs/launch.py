@@ -237,6 +237,7 @@ def write_job_config(job: Job, ranks: list[Rank]) -> None:
 
 def launch(job: Job) -> Job:
     """Start every rank of a STARTING job concurrently; the job ends RUNNING or FAILED."""
+    from .follow import follower_id
     from .preflight import run_preflight
     from .stop import fail_job, stop_processes
 
@@ -245,7 +246,8 @@ def launch(job: Job) -> Job:
     window = job.sync_window_s
     cs = ClusterSettings.load()
     job.rdzv_endpoint = f"{ranks[0].node.address}:{cs.rendezvous_port}"
-    job.save(update_fields=["rdzv_endpoint"])
+    job.launcher = follower_id()
+    job.save(update_fields=["rdzv_endpoint", "launcher"])
     write_job_config(job, ranks)
 
     # Connect (or reuse warm links) to every node at once; an unreachable node fails fast.

@@ -45,6 +45,7 @@ class Job(models.Model):
     running_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     metrics_bytes = models.BigIntegerField(default=0, help_text="Committed size of metrics.jsonl.")
+    launcher = models.CharField(max_length=100, blank=True, help_text="The process that started the ranks.")
     follower = models.CharField(max_length=100, blank=True)
     follower_until = models.DateTimeField(null=True, blank=True)
     resumed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")

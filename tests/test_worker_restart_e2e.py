@@ -62,3 +62,27 @@ def test_worker_killed_mid_run_loses_and_repeats_no_line(lab, controller_env, tm
     assert dupes and max(dupes.values()) == 1
     steps = set(MetricPoint.objects.filter(job=job, name="loss", rank=0).values_list("step", flat=True))
     assert steps == set(range(1, 121))
+
+
+def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
+    import socket
+
+    from .conftest import FAST_TRAIN
+
+    worker = start_worker(controller_env, tmp_path, "w3")
+    try:
+        from ugro_site.celery import worker_alive
+
+        wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
+        # when a launch command runs while the worker is up
+        done = subprocess.run([str(REPO / ".venv" / "bin" / "ugro"), "launch", "--name", "handed", "--detach", "--",
+                               *FAST_TRAIN], env=controller_env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        # then the worker, with its warm links, started the ranks, and follows the job to its end
+        job = Job.objects.get(name="handed")
+        assert job.launcher.split(":")[:2] == [socket.gethostname(), str(worker.pid)]
+        assert "job handed running: rank 0 on node1" in done.stdout
+        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=120, what="the job to end")
+        assert Job.objects.get(pk=job.pk).state == Job.State.SUCCEEDED
+    finally:
+        kill_worker(worker)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from celery import Celery
+from celery import Celery, signals
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
 
@@ -26,3 +26,50 @@ def broker_answers(timeout: float = 0.3) -> bool:
             return True
     except OSError:
         return False
+
+
+# A worker says it is alive through a short-lived Redis key, so a `launch` command can hand the
+# start to it (its links to the nodes are warm) instead of connecting to every node itself.
+HEARTBEAT_KEY = "ugro:worker-alive"
+HEARTBEAT_TTL_S = 10
+
+
+def _redis(timeout: float = 0.3):
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+def worker_alive() -> bool:
+    """Whether a UGRO worker has said it is alive in the last few seconds."""
+    if not broker_answers():
+        return False
+    try:
+        return bool(_redis().exists(HEARTBEAT_KEY))
+    except Exception:  # no answer is the same as no worker: the caller launches by itself
+        return False
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(**kwargs) -> None:
+    import threading
+    import time
+
+    def beat() -> None:
+        while True:
+            try:
+                _redis().set(HEARTBEAT_KEY, f"{os.uname().nodename}:{os.getpid()}", ex=HEARTBEAT_TTL_S)
+            except Exception:  # Redis away for a moment: say it again next time
+                pass
+            time.sleep(HEARTBEAT_TTL_S / 3)
+
+    threading.Thread(target=beat, name="ugro-heartbeat", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(**kwargs) -> None:
+    try:
+        _redis().delete(HEARTBEAT_KEY)
+    except Exception:  # it expires by itself
+        pass

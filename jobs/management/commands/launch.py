@@ -11,7 +11,8 @@ from jobs.follow import follow, follower_id
 from jobs.launch import LaunchError, LaunchRequest, create_job
 from jobs.logs import rank_lines
 from jobs.models import Job
-from jobs.scheduler import schedule
+from jobs.scheduler import request_schedule, schedule
+from ugro_site.celery import worker_alive
 
 
 class Command(BaseCommand):
@@ -43,8 +44,7 @@ class Command(BaseCommand):
         except LaunchError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued (id {job.pk})")
-        schedule()
-        job.refresh_from_db()
+        job = start(job)
         if o["detach"]:
             return self._report_detached(job)
         watcher = Watcher(job, self.stdout)
@@ -70,6 +70,27 @@ class Command(BaseCommand):
         self.stdout.write(f"job {job.name} {job.state} after {job.duration() or 0:.1f}s{spread}")
         if job.state != Job.State.SUCCEEDED:
             raise CommandError(job.failure_reason.splitlines()[0] if job.failure_reason else job.state)
+
+
+def start(job: Job, handover_s: float = 5.0) -> Job:
+    """Hand the start to a live worker (warm links to the nodes); launch here if none takes it."""
+    if worker_alive():
+        request_schedule()  # runs now: a command's connection is in autocommit
+        deadline = time.monotonic() + handover_s
+        while time.monotonic() < deadline:
+            job.refresh_from_db()
+            if job.state != Job.State.QUEUED:
+                break
+            time.sleep(0.02)
+        # the worker is launching it: wait (bounded) until the ranks are up or it failed
+        deadline = time.monotonic() + job.sync_window_s + 60
+        while job.state == Job.State.STARTING and time.monotonic() < deadline:
+            time.sleep(0.05)
+            job.refresh_from_db()
+    if job.state == Job.State.QUEUED:
+        schedule()
+        job.refresh_from_db()
+    return job
 
 
 class Watcher:
