@@ -75,8 +75,8 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
 
         wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
         # when a launch command runs while the worker is up
-        done = subprocess.run([str(REPO / ".venv" / "bin" / "ugro"), "launch", "--name", "handed", "--detach", "--",
-                               *FAST_TRAIN], env=controller_env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        argv = [str(REPO / ".venv" / "bin" / "ugro"), "launch", "--name", "handed", "--detach", "--", *FAST_TRAIN]
+        done = subprocess.run(argv, env=controller_env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         # then the worker, with its warm links, started the ranks, and follows the job to its end
         job = Job.objects.get(name="handed")
