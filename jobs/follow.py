@@ -93,6 +93,7 @@ class JobFollower:
         self.job = job
         self.owner = owner
         self.streams: dict[int, RankStream] = {}
+        self.lost_reasons: dict[int, str] = {}  # rank pk -> why its node could not be reached
         self.seen: dict[int, int] = {}  # rank pk -> log size at the last answer (partial line included)
         self.hot_node: int | None = None  # the node whose ranks last had new lines
 
@@ -212,17 +213,16 @@ class JobFollower:
             if (now - since).total_seconds() > lost_after:
                 Rank.objects.filter(pk=rank.pk).update(state=Rank.State.LOST)
                 rank.state = Rank.State.LOST
-                rank.lost_reason = str(err)
+                self.lost_reasons[rank.pk] = str(err)
 
-    def verdict(self) -> tuple[str, str] | None:
-        """(state, reason) once the job's outcome is known from its ranks, else None."""
+    def verdict(self) -> tuple[str, str, Rank | None] | None:
+        """(state, reason, the rank at fault) once the ranks say how the job ended, else None."""
         ranks = list(self.job.ranks.select_related("node").order_by("index"))
         lost = [r for r in ranks if r.state == Rank.State.LOST]
         if lost:
             r = lost[0]
-            return Job.State.FAILED, (
-                f"node {r.node.name} (rank {r.index}) stopped answering: {getattr(r, 'lost_reason', 'no contact')}"
-            )
+            reason = self.lost_reasons.get(r.pk, "no contact")
+            return Job.State.FAILED, f"node {r.node.name} (rank {r.index}) stopped answering: {reason}", r
         failed = sorted(
             (r for r in ranks if r.state == Rank.State.EXITED and r.exit_code != 0),
             key=lambda r: (r.ended_at or timezone.now(), r.index),
@@ -230,12 +230,14 @@ class JobFollower:
         if failed:
             r = failed[0]
             lines = "\n".join("    " + ln for ln in last_lines(r))
-            return Job.State.FAILED, (
+            return (
+                Job.State.FAILED,
                 f"rank {r.index} on {r.node.name} exited with code {r.exit_text()}"
-                + (f"; last lines:\n{lines}" if lines else "")
+                + (f"; last lines:\n{lines}" if lines else ""),
+                r,
             )
         if all(r.state == Rank.State.EXITED for r in ranks):
-            return Job.State.SUCCEEDED, ""
+            return Job.State.SUCCEEDED, "", None
         return None
 
 
@@ -246,9 +248,13 @@ def finish_if_done(follower: JobFollower) -> bool:
     outcome = follower.verdict()
     if outcome is None:
         return False
-    state, reason = outcome
+    state, reason, culprit = outcome
     job = _end(follower.job, state, reason)
     if job.state == state and state == Job.State.FAILED:
+        if culprit is not None and culprit.state == Rank.State.EXITED:
+            from cluster.alerts import rank_died_alert
+
+            rank_died_alert(culprit)  # a lost node is the health monitor's alert to raise
         stop_processes(job)
         drain(follower)
     release_nodes(job)

@@ -119,6 +119,10 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     assert "rank 1 on node2 exited with code" in job.failure_reason
     assert "last lines" in job.failure_reason
     assert job_pids(job.tag) == []
+    from cluster.models import Alert
+
+    died = Alert.objects.get(key="rank_died:killme", resolved_at__isnull=True)
+    assert died.severity == Alert.Severity.CRITICAL and died.node.name == "node2"
 
 
 def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
@@ -168,7 +172,8 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
         job.refresh_from_db()
         # then the job fails naming the node, and the ranks UGRO could still reach are stopped
         assert job.state == Job.State.FAILED
-        assert "node node3 (rank 2) stopped answering" in job.failure_reason
+        assert "node node3 (rank 2) stopped answering: " in job.failure_reason
+        assert "no contact" not in job.failure_reason  # the link's own error says why
         reachable = [p for p in job_pids(job.tag) if b"UGRO_NODE=node3" not in Path(f"/proc/{p}/environ").read_bytes()]
         assert reachable == []
     finally:
