@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
 
-from .models import Job, Rank
+from .models import Job
 from .nodes import node_request
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
@@ -22,13 +22,14 @@ def get_job(name: str) -> Job:
         raise CommandError(f"no job named {name!r} (see: ugro status)") from None
 
 
-def _dur(seconds: float | None) -> str:
+def human_duration(seconds: float | None, *, empty: str = "-", sep: str = "") -> str:
+    """1h02m03s (terminal) or, with sep=" ", 1h 02m 03s (pages); `empty` when there is none."""
     if seconds is None:
-        return "-"
+        return empty
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+    return f"{h}h{sep}{m:02d}m{sep}{s:02d}s" if h else f"{m}m{sep}{s:02d}s"
 
 
 def jobs_table(jobs: list[Job]) -> list[str]:
@@ -38,7 +39,8 @@ def jobs_table(jobs: list[Job]) -> list[str]:
             ",".join(job.requested_nodes) or f"{job.requested_count or '?'} nodes"
         )
         started = timezone.localtime(job.started_at).strftime("%Y-%m-%d %H:%M:%S") if job.started_at else "-"
-        rows.append(f"{job.name[:24]:24} {job.state:10} {nodes[:28]:28} {started:20} {_dur(job.duration()):>9}")
+        took = human_duration(job.duration())
+        rows.append(f"{job.name[:24]:24} {job.state:10} {nodes[:28]:28} {started:20} {took:>9}")
     return rows
 
 
@@ -46,7 +48,7 @@ def job_detail(job: Job) -> list[str]:
     out = [
         f"job {job.name} (id {job.pk}): {job.state}",
         f"  script: {job.script} {' '.join(json.dumps(a) if ' ' in a else a for a in job.script_args)}",
-        f"  created {job.created_at:%Y-%m-%d %H:%M:%S}, duration {_dur(job.duration())}",
+        f"  created {job.created_at:%Y-%m-%d %H:%M:%S}, duration {human_duration(job.duration())}",
     ]
     if job.rdzv_endpoint:
         out.append(f"  rendezvous {job.rdzv_endpoint}, id {job.tag}")
@@ -96,13 +98,3 @@ def results(job: Job) -> list[str]:
     for node, path, size in ckpts:
         out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")
     return out
-
-
-def rank_state_counts(job: Job) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for state in job.ranks.values_list("state", flat=True):
-        counts[state] = counts.get(state, 0) + 1
-    return counts
-
-
-__all__ = ["Rank", "get_job", "jobs_table", "job_detail", "results", "checkpoints", "rank_state_counts"]

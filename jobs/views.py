@@ -35,12 +35,7 @@ MAX_TAIL = 5000
 
 
 def human_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+    return report.human_duration(seconds, empty="", sep=" ")
 
 
 def _with_ranks(qs):

@@ -8,7 +8,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from jobs.models import Job
-from jobs.views import human_duration
+from jobs.report import human_duration
 
 from .models import MetricPoint
 from .series import series
@@ -55,7 +55,9 @@ def compare(request: HttpRequest) -> HttpResponse:
     chosen_ids = chosen_ids[:COMPARE_MAX]
     by_id = {j.pk: j for j in Job.objects.filter(pk__in=chosen_ids)}
     chosen = [by_id[i] for i in chosen_ids if i in by_id]
-    rows = [{"job": job, "duration": human_duration(job.duration()), **final_loss(job)} for job in chosen]
+    rows = [
+        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **final_loss(job)} for job in chosen
+    ]
     return render(
         request,
         "metrics/compare.html",
