@@ -1,4 +1,5 @@
 """Admin views of jobs and ranks (read-mostly: jobs are changed through launch/cancel)."""
+
 from __future__ import annotations
 
 from django.contrib import admin

@@ -1,4 +1,5 @@
 """URL routes of the jobs app (included at the site root)."""
+
 from __future__ import annotations
 
 from django.urls import path

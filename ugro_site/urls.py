@@ -1,4 +1,5 @@
 """URL routes: each app's pages and JSON endpoints, admin and auth."""
+
 from __future__ import annotations
 
 from django.contrib import admin
