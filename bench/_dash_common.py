@@ -106,10 +106,12 @@ def cluster_yaml(cluster, count: int) -> str:
              "nodes:"]  # fmt: skip
     for i, node in enumerate(cluster.nodes[:count]):
         lines += [
-            f"  {node.name}:", f'    ip: "{node.address}"', f'    user: "{cluster.user}"', f'    hostname: "{node.name}"',
+            f"  {node.name}:", f'    ip: "{node.address}"', f'    user: "{cluster.user}"',
+            f'    hostname: "{node.name}"',
             '    gpu: "none"', "    vram_gb: 0", "    gpus: 0", f"    rank: {i}",
             f'    role: "{"master" if i == 0 else "worker"}"', f"    ssh_port: {node.port}",
-            f'    key: "{cluster.client_key}"', f'    torchrun: "{NODE_ENV}/bin/torchrun"', f'    workdir: "{node.workdir}"',
+            f'    key: "{cluster.client_key}"', f'    torchrun: "{NODE_ENV}/bin/torchrun"',
+            f'    workdir: "{node.workdir}"',
         ]  # fmt: skip
     lines += ["training:", '  default_model: "tiny"', '  default_dataset: "none"', "  script: bench_rank.py"]
     return "\n".join(lines) + "\n"
@@ -128,7 +130,7 @@ def start_cluster(tmp: Path, count: int = 1):
 
 
 # The rank: waits for GO (bounded), then prints what bench_rank.json in its workdir asks for.
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import json, math, os, sys, time
 here = os.path.dirname(os.path.abspath(__file__))
 cfg = json.load(open(os.path.join(here, "bench_rank.json")))
@@ -166,7 +168,7 @@ else:
 t1 = time.time()
 with open(os.path.join(here, "rank_done.json"), "w") as fh:
     json.dump({"printed": printed, "t_first": t0, "t_last": t1}, fh)
-'''
+"""
 
 
 # ---- processes ---------------------------------------------------------------------------------
@@ -224,7 +226,8 @@ def start_daphne(env: dict, tmp: Path) -> tuple[subprocess.Popen, str]:
 
 def start_worker(env: dict, tmp: Path) -> subprocess.Popen:
     return start([str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-                  "-n", "bench3@%h", "-s", str(tmp / "beat"), "--loglevel=warning"], env, tmp / "worker.log")  # fmt: skip
+                  "-n", "bench3@%h", "-s", str(tmp / "beat"), "--loglevel=warning"],
+                 env, tmp / "worker.log")  # fmt: skip
 
 
 def session_cookie(username: str = "bench", password: str = "bench-pw-123") -> str:
@@ -407,9 +410,15 @@ def wsclient(url: str, cookie: str, origin: str, out: str, ready: str, max_secon
                                 tp.append([obj["step"], obj["t_print"]])
                             except (ValueError, KeyError):
                                 pass
-                    rec.update(rank=data.get("rank"), start=data.get("start"), end=data.get("end"), n=len(lines),
-                               np=len(data.get("points") or []), tp=tp,
-                               bench=sum(1 for ln in lines if ln.startswith("BENCHLOG ") or ln.startswith('{"step"')))
+                    rec.update(
+                        rank=data.get("rank"),
+                        start=data.get("start"),
+                        end=data.get("end"),
+                        n=len(lines),
+                        np=len(data.get("points") or []),
+                        tp=tp,
+                        bench=sum(1 for ln in lines if ln.startswith("BENCHLOG ") or ln.startswith('{"step"')),
+                    )
                 elif msg.get("kind") == "state":
                     rec["state"] = data.get("state")
                     if data.get("state") in TERMINAL:

@@ -76,8 +76,9 @@ def main() -> None:
         from jobs.scheduler import schedule
         from metrics.models import MetricPoint
 
-        write_rank_config(cluster, {"mode": "throughput", "count": args.lines, "metric_every": args.metric_every,
-                                    "rate": args.rate})
+        write_rank_config(
+            cluster, {"mode": "throughput", "count": args.lines, "metric_every": args.metric_every, "rate": args.rate}
+        )
         job = create_job(LaunchRequest(name="throughput", count=1, script="bench_rank.py"))
         schedule()
         job.refresh_from_db()
@@ -118,7 +119,9 @@ def main() -> None:
     ws_bench = sum(r["bench"] for r in lines_ev)
     # byte ranges: each commit's lines go out as one or more slices with the same (start, end)
     ranges = sorted({(r["start"], r["end"]) for r in lines_ev})
-    contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and (not ranges or ranges[0][0] == 0)
+    contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)) and (
+        not ranges or ranges[0][0] == 0
+    )
     t_first = rank_done["t_first"]
     t_last_ws = max(r["t"] for r in lines_ev) if lines_ev else None
     in_lines = remote.count(b"\n")

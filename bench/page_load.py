@@ -95,7 +95,8 @@ w = EventFileWriter(logdir, max_queue_size=10000, flush_secs=5)
 t0 = time.time()
 for s in range(steps):
     v = 2.0 * math.exp(-s / 150000.0) + 0.1 * math.sin(s * 0.37 + rank * 1.3) + (1.5 if s % 50000 == 777 else 0.0)
-    w.add_event(Event(wall_time=t0 + s * 0.001, step=s, summary=Summary(value=[Summary.Value(tag="loss", simple_value=v)])))
+    summary = Summary(value=[Summary.Value(tag="loss", simple_value=v)])
+    w.add_event(Event(wall_time=t0 + s * 0.001, step=s, summary=summary))
 w.close()
 """
 
@@ -178,8 +179,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tb-venv", default="/tmp/tbvenv")
     ap.add_argument("--skip-tb", action="store_true")
-    ap.add_argument("--tb-python-loader", action="store_true",
-                    help="also time TensorBoard with --load_fast=false (its Python loader), same event files")
+    ap.add_argument(
+        "--tb-python-loader",
+        action="store_true",
+        help="also time TensorBoard with --load_fast=false (its Python loader), same event files",
+    )
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--label", default="current", help="key of this run's UGRO figures under ugro_runs (kept)")
     ap.add_argument("--note", default="")
@@ -201,7 +205,8 @@ def main() -> None:
 
         now = timezone.now()
         job = Job.objects.create(name="million-points", script="train/train_production.py",
-                                 state=Job.State.SUCCEEDED, started_at=now, running_at=now, finished_at=now)  # fmt: skip
+                                 state=Job.State.SUCCEEDED, started_at=now, running_at=now,
+                                 finished_at=now)  # fmt: skip
         insert_s = insert_points(job.pk, args.ranks, args.steps)
         print(f"inserted {total:,} points in {insert_s:.1f} s")
         User.objects.create_user("bench", password="bench-pw-123")
@@ -248,8 +253,8 @@ def main() -> None:
             api = [get_series(buckets) for _ in range(args.repeat)]
             payload = api[-1][1]
             window = -(-args.steps // buckets)
-            ugro_spikes = spikes_seen([list(zip(xy["x"], xy["y"])) for xy in payload["ranks"].values()], args.steps,
-                                      window)  # fmt: skip
+            sent = [list(zip(xy["x"], xy["y"], strict=True)) for xy in payload["ranks"].values()]
+            ugro_spikes = spikes_seen(sent, args.steps, window)
             result["ugro"] = {
                 "points": total,
                 "insert_s": round(insert_s, 2),
@@ -271,9 +276,10 @@ def main() -> None:
                 result["tensorboard"] = tensorboard(args, tmp, browser, procs, window)
                 print("TB:", json.dumps({k: v for k, v in result["tensorboard"].items() if k != "samples"}))
                 if args.tb_python_loader:
-                    result["tensorboard_load_fast_false"] = tensorboard(args, tmp, browser, procs, window, "false")
-                    print("TB python loader:", json.dumps({k: v for k, v in result["tensorboard_load_fast_false"].items()
-                                                           if k != "samples"}))  # fmt: skip
+                    slow = result["tensorboard_load_fast_false"] = tensorboard(
+                        args, tmp, browser, procs, window, "false"
+                    )
+                    print("TB python loader:", json.dumps({k: v for k, v in slow.items() if k != "samples"}))
             browser.close()
         Path(RESULTS).mkdir(parents=True, exist_ok=True)
         for name in ("ugro-1m.png", "tensorboard-1m.png"):
