@@ -88,3 +88,21 @@ def test_another_jobs_events_are_not_relayed():
         await ws.disconnect()
 
     async_to_sync(run)()
+
+
+def test_an_idle_websocket_stays_open_and_still_relays():
+    job = Job.objects.create(name="quiet", script="s.py")
+    cookie = session_cookie()
+
+    async def run():
+        ws, connected, _ = await connect(f"/ws/jobs/{job.pk}/", cookie)
+        assert connected
+        # given nothing is published for longer than the layer's 5 s receive wait
+        assert await ws.receive_nothing(timeout=7, interval=0.5)
+        # then the socket is still open and the next event arrives
+        await sync_to_async(publish_job)(job, "state", {"state": "running", "reason": ""})
+        event = await ws.receive_json_from(timeout=5)
+        assert event["kind"] == "state"
+        await ws.disconnect()
+
+    async_to_sync(run)()

@@ -117,7 +117,9 @@ REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 30},
+        # The layer waits up to 5 s for a message; redis-py's own 5 s read timeout would cut that
+        # wait and close idle websockets, so reads get more room than the wait.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 5000, "expiry": 30},
     }
 }
 
