@@ -33,6 +33,9 @@ SSH_OPTS = [
 ]  # fmt: skip
 # Celery's broker must not reach anybody's Redis: a closed loopback port fails at once.
 DEAD_REDIS = "redis://127.0.0.1:9/0"
+# The benchmarks that run a real Celery worker (and the `ugro` commands beside it) use this Redis
+# database, flushed before and after: one of the benchmark's own, never another run's.
+BENCH_REDIS = os.environ.get("UGRO_BENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 
 
 def ugro_env(tmp: Path) -> dict[str, str]:
@@ -75,8 +78,8 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Every process on this machine whose environment carries UGRO_JOB=<tag>."""
+def tagged_pids(tag: str, prefix: bool = False) -> list[int]:
+    """Every process on this machine whose environment carries UGRO_JOB=<tag> (or UGRO_JOB=<tag>...)."""
     want = f"UGRO_JOB={tag}".encode()
     me = os.getpid()
     out = []
@@ -84,16 +87,23 @@ def tagged_pids(tag: str) -> list[int]:
         if not name.isdigit() or int(name) == me:
             continue
         env = _read(f"/proc/{name}/environ")
-        if env and want in env.split(b"\0"):
+        if not env:
+            continue
+        entries = env.split(b"\0")
+        if any(e.startswith(want) for e in entries) if prefix else want in entries:
             out.append(int(name))
     return out
 
 
-def kill_tagged(tag: str, timeout: float = 15.0) -> int:
-    """SIGKILL every process carrying the tag and wait (bounded) until none is left; returns survivors."""
+def kill_tagged(tag: str, timeout: float = 15.0, prefix: bool = False) -> int:
+    """SIGKILL every process carrying the tag and wait (bounded) until none is left; returns survivors.
+
+    prefix=True: every process whose UGRO_JOB starts with `tag` (a job name plus "-", before the
+    benchmark knows the tag UGRO chose).
+    """
     deadline = time.monotonic() + timeout
     while True:
-        pids = tagged_pids(tag)
+        pids = tagged_pids(tag, prefix)
         if not pids:
             return 0
         if time.monotonic() > deadline:

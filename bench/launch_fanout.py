@@ -15,9 +15,19 @@ UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
              nodes at once (SSH + agent bootstrap + hello), then one agent `start` per node at once
   ugro_warm  the same `start` requests from this process over links opened before the clock
              starts (as the Celery worker holds them)
+  ugro_cli   the real user command, `ugro launch --detach --name X --nodes N` (a fresh process),
+             with no worker running: it connects to the nodes, runs pre-flight and starts the
+             ranks itself. The nodes are imported into the throwaway DB as a UGRO cluster whose
+             `torchrun` is a fake that execs the same sleeping rank.
+  ugro_cli_worker
+             the same command while a real Celery worker (`celery -A ugro_site worker -B -P threads
+             -c 4`, Redis db 11) is up and warm: the command hands the start to it. Between its
+             own trials the worker is paused (SIGSTOP, heartbeat key deleted) so the other methods
+             run with no worker, and resumed (SIGCONT, heartbeat back) before each of its trials.
 
 The clock runs from just before the command is issued until a separate watcher process
-(bench/_procwatch.py, polling /proc every 5 ms) sees N exec'd rank processes with the tag.
+(bench/_procwatch.py, polling /proc every 5 ms; bench/_procwatch_prefix.py for the ugro_cli
+methods, whose tag UGRO picks) sees N exec'd rank processes with the tag.
 Results: bench/results/launch_fanout.json (overwritten) and a table on stdout.
 """
 
@@ -29,6 +39,8 @@ import os
 import resource
 import shlex
 import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -38,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     BENCH,
+    BENCH_REDIS,
     CONTROLLER_PY,
     NODE_PY,
     REPO,
@@ -56,26 +69,33 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm")
+METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli", "ugro_cli_worker")
+CLI_METHODS = ("ugro_cli", "ugro_cli_worker")
 SLEEP_CODE = "import time; time.sleep(30)"
 RANK_ARGV = [str(NODE_PY), "-c", SLEEP_CODE]
 DETECT_TIMEOUT = 60.0
+CLI_DETECT_TIMEOUT = 40.0  # a failed `ugro launch` starts nothing: do not wait a minute for it
+UGRO_BIN = REPO / ".venv" / "bin" / "ugro"
+RANK_SCRIPT = "bench_rank.py"  # training.script: an empty file in each node's workdir (pre-flight stats it)
+HEARTBEAT_KEY = "ugro:worker-alive"  # ugro_site.celery.HEARTBEAT_KEY
 
 
 class Watcher:
     """The /proc watcher subprocess: arm it with a tag, then read when the ranks appeared."""
 
-    def __init__(self) -> None:
+    def __init__(self, script: str = "_procwatch.py") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(BENCH / "_procwatch.py")],
+            [sys.executable, str(BENCH / script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
         )
 
-    def arm(self, tag: str, count: int) -> None:
-        req = {"tag": tag, "count": count, "argv": RANK_ARGV, "timeout": DETECT_TIMEOUT, "interval": 0.005}
+    def arm(self, tag: str, count: int, prefix: bool = False, timeout: float = DETECT_TIMEOUT) -> None:
+        """Watch for `count` ranks with UGRO_JOB=tag (prefix=True: UGRO_JOB=tag..., the prefix watcher)."""
+        req = {"tag_prefix" if prefix else "tag": tag, "count": count, "argv": RANK_ARGV, "timeout": timeout,
+               "interval": 0.005}  # fmt: skip
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -109,6 +129,170 @@ def remote_oneliner(tag: str, node_expr: str) -> str:
     return f"UGRO_JOB={tag} UGRO_NODE={node_expr} nohup setsid {cmd} >/dev/null 2>&1 &"
 
 
+def _redis():
+    import redis
+
+    return redis.Redis.from_url(BENCH_REDIS, socket_timeout=2, socket_connect_timeout=2)
+
+
+def heartbeat_present() -> bool:
+    """What ugro_site.celery.worker_alive() answers for a command pointed at BENCH_REDIS."""
+    return bool(_redis().exists(HEARTBEAT_KEY))
+
+
+def sqlite_write_free(db_path: str) -> bool:
+    """Whether nobody holds the SQLite database's write lock right now (a paused writer would)."""
+    try:
+        conn = sqlite3.connect(db_path, timeout=0.05)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.rollback()
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()
+
+
+class Worker:
+    """A real UGRO Celery worker (beat embedded, thread pool), started as tests/test_worker_restart_e2e.py
+    does, in its own session; paused with SIGSTOP between its trials so it takes no CPU (and no launch)
+    while the other methods run."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], db_path: str) -> None:
+        self.tmp, self.env, self.db_path = tmp, env, db_path
+        self.proc: subprocess.Popen | None = None
+        self.paused = False
+        self.log = tmp / "worker.log"
+        self.pause_retries = 0
+
+    def start(self, timeout: float = 90.0) -> float:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
+                 "-n", "bench@%h", "-s", str(self.tmp / "worker-beat"), "--loglevel=warning"],
+                cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        t0 = time.monotonic()
+        self.wait_alive(timeout)
+        return time.monotonic() - t0
+
+    def wait_alive(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not heartbeat_present():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}): {self.log.read_text()[-1500:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no worker heartbeat after {timeout:.0f}s: {self.log.read_text()[-1500:]}")
+            time.sleep(0.05)
+
+    def group_pids(self) -> list[int]:
+        """The worker and its children (the embedded beat process): its process group."""
+        out = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(name)) == self.proc.pid:
+                    out.append(int(name))
+            except (ProcessLookupError, PermissionError):
+                pass
+        return out
+
+    def cpu(self) -> float:
+        """CPU seconds (user+sys, threads and reaped children included) of the worker's process group."""
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in self.group_pids():
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        return total / tick
+
+    def pause(self) -> None:
+        """SIGSTOP the worker, never while it holds the database's write lock; drop its heartbeat."""
+        for _ in range(50):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            if sqlite_write_free(self.db_path):
+                break
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.pause_retries += 1
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("the worker kept the database's write lock for 5 s")
+        self.paused = True
+        _redis().delete(HEARTBEAT_KEY)  # a command now sees no worker, as with none running
+
+    def resume(self, settle: float = 1.0) -> None:
+        """SIGCONT; wait for its heartbeat, then let beat's catch-up ticks (missed while paused) pass."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+        self.wait_alive(15.0)
+        time.sleep(settle)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in self.group_pids():  # children of the group (beat) that outlived the leader
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _redis().delete(HEARTBEAT_KEY)
+        except Exception:  # noqa: BLE001 - the key expires by itself in 10 s
+            pass
+
+
+def fake_torchrun_cluster_yaml(cluster, bin_dir: Path, port: int) -> str:
+    """cluster.yaml (tests/conftest.py's format) for the loopback nodes with a fake torchrun.
+
+    bin_dir/torchrun execs the same sleeping rank as the other methods (UGRO's torchrun arguments
+    are ignored); bin_dir/python execs the node env's python, which pre-flight finds next to
+    torchrun and uses to read torch's version.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(f"#!/bin/sh\nexec {shlex.join(RANK_ARGV)}\n")
+    torchrun.chmod(0o755)
+    # A wrapper, not a symlink: a venv's python reached through a symlink in another directory
+    # does not find the venv's pyvenv.cfg, so not its site-packages (nor torch).
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(NODE_PY))} "$@"\n')
+    python.chmod(0o755)
+    lines = ["cluster:", '  name: "bench"', f'  master_ip: "{cluster.nodes[0].address}"', f"  master_port: {port}"]
+    lines.append("nodes:")
+    for i, node in enumerate(cluster.nodes):
+        (node.workdir / RANK_SCRIPT).touch()
+        lines += [
+            f"  {node.name}:",
+            f'    ip: "{node.address}"',
+            f'    user: "{cluster.user}"',
+            "    gpus: 0",
+            f"    rank: {i}",
+            f'    role: "{"master" if i == 0 else "worker"}"',
+            f"    ssh_port: {node.port}",
+            f'    key: "{cluster.client_key}"',
+            f'    torchrun: "{torchrun}"',
+            f'    workdir: "{node.workdir}"',
+        ]
+    lines += ["training:", f"  script: {RANK_SCRIPT}"]
+    return "\n".join(lines) + "\n"
+
+
 class Bench:
     def __init__(self, cluster, tmp: Path) -> None:
         self.cluster = cluster
@@ -129,8 +313,13 @@ class Bench:
             for n in cluster.nodes
         ]
         self.ssh_base = ["ssh", "-i", str(cluster.client_key), "-p", str(cluster.port), *SSH_OPTS]
+        # the ugro_cli methods: set up by main() when they run
+        self.cli_env: dict[str, str] = {}
+        self.worker: Worker | None = None
+        self.prefix_watcher: Watcher | None = None
+        self.rdzv_port = 29700
 
-    # -- the four ways of issuing ----------------------------------------------------------------
+    # -- the ways of issuing ----------------------------------------------------------------
     def issue_seq_ssh(self, tag: str, n: int) -> dict:
         stderr = []
         for node in self.nodes[:n]:
@@ -199,17 +388,90 @@ class Bench:
             raise RuntimeError("ugro_warm start failed: " + "; ".join(errs))
         return {}
 
+    def next_rdzv_port(self) -> int:
+        """A rendezvous port of this trial's own (pre-flight listens on it on the first node)."""
+        from cluster.loopback import _port_free
+        from cluster.models import ClusterSettings
+
+        for _ in range(500):
+            self.rdzv_port += 1
+            if all(_port_free(n.address, self.rdzv_port) for n in self.cluster.nodes):
+                ClusterSettings.objects.filter(pk=1).update(rendezvous_port=self.rdzv_port)
+                return self.rdzv_port
+        raise RuntimeError("no free rendezvous port")
+
+    def _issue_cli(self, name: str, n: int) -> dict:
+        proc = subprocess.run(
+            [str(UGRO_BIN), "launch", "--detach", "--name", name, "--nodes", str(n)],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=self.cli_env, cwd=self.tmp,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"ugro launch exited {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]}")
+        return {"stdout_tail": proc.stdout.strip().splitlines()[-1:]}
+
+    def issue_ugro_cli(self, name: str, n: int) -> dict:
+        return self._issue_cli(name, n)
+
+    def issue_ugro_cli_worker(self, name: str, n: int) -> dict:
+        return self._issue_cli(name, n)
+
+    def finish_cli(self, name: str, t0_wall: float) -> dict:
+        """After a ugro_cli trial: the job's timeline from the DB, then cancel it (as `ugro cancel`)."""
+        from jobs.models import Job
+        from jobs.stop import cancel_job
+
+        job = Job.objects.filter(name=name).first()
+        out: dict = {}
+        if job is None:
+            return {"job": None}
+        launcher = job.launcher.split(":")
+        worker_pid = str(self.worker.proc.pid) if self.worker and self.worker.proc else None
+        out.update(job_state=job.state, job_tag=job.tag, launched_by="worker" if launcher[1:2] == [worker_pid] else
+                   "command" if launcher[1:2] else "-")  # fmt: skip
+        if job.failure_reason:
+            out["failure_reason"] = job.failure_reason[:400]
+        stamps = [("created", job.created_at), ("placed", job.started_at), ("running", job.running_at)]
+        if all(ts is not None for _, ts in stamps):
+            # wall-clock stamps UGRO recorded, against the wall clock at the bench's t0
+            out["cli_breakdown_s"] = {
+                "start_to_job_created": round(job.created_at.timestamp() - t0_wall, 4),
+                "created_to_placed": round((job.started_at - job.created_at).total_seconds(), 4),
+                "placed_to_running": round((job.running_at - job.started_at).total_seconds(), 4),
+            }
+        if not job.is_ended:
+            t = time.monotonic()
+            job, unclean = cancel_job(job)
+            out["cancel_s"] = round(time.monotonic() - t, 3)
+            if unclean:
+                out["cancel_unclean"] = unclean
+        return out
+
     # -- one timed trial ---------------------------------------------------------------------------
     def trial(self, watcher: Watcher, method: str, n: int, max_busy: float = 1.0, quiet_s: float = 0.0) -> dict:
         tag = f"bench-{method}-{n}-{uuid.uuid4().hex[:8]}"
+        cli = method in CLI_METHODS
+        if cli:
+            # UGRO picks the job's tag (<name>-<8 hex>): watch for the name's prefix.
+            tag = f"bf{'w' if method == 'ugro_cli_worker' else 'c'}{n}-{uuid.uuid4().hex[:8]}"
+            watcher = self.prefix_watcher
+            self.next_rdzv_port()
+            if method == "ugro_cli_worker":
+                self.worker.resume()
+            elif heartbeat_present():
+                raise RuntimeError("a worker heartbeat is present for a no-worker trial")
         if method == "ugro_warm":
             self.warm_up(n)  # links are warm before the clock starts, as in the worker
         issue = getattr(self, f"issue_{method}")
         # Other people's work shares these 2 cores: wait (bounded) for a quiet moment, and record it.
         busy = wait_quiet(max_busy, quiet_s) if quiet_s > 0 else cpu_busy(0.1)
         load = os.getloadavg()[0]
-        watcher.arm(tag, n)
+        if cli:
+            watcher.arm(tag + "-", n, prefix=True, timeout=CLI_DETECT_TIMEOUT)
+        else:
+            watcher.arm(tag, n)
+        worker_cpu0 = self.worker.cpu() if method == "ugro_cli_worker" else 0.0
         cpu0 = controller_cpu()
+        t0_wall = time.time()
         t0 = time.monotonic()
         info: dict = {}
         error = None
@@ -219,8 +481,21 @@ class Bench:
             error = f"{type(exc).__name__}: {exc}"
         t_returned = time.monotonic()
         cpu = controller_cpu() - cpu0
+        worker_cpu = None
+        if method == "ugro_cli_worker":
+            worker_cpu = self.worker.cpu() - worker_cpu0
+            cpu += worker_cpu
         seen = watcher.result()
-        survivors = kill_tagged(tag)
+        if cli:
+            try:
+                info.update(self.finish_cli(tag, t0_wall))
+            except Exception as exc:  # noqa: BLE001 - recorded; the tagged processes are killed below
+                error = (error + "; " if error else "") + f"cleanup {type(exc).__name__}: {exc}"
+            survivors = kill_tagged(tag + "-", prefix=True)
+            if method == "ugro_cli_worker":
+                self.worker.pause()
+        else:
+            survivors = kill_tagged(tag)
         row = {
             "method": method,
             "n": n,
@@ -233,6 +508,14 @@ class Bench:
             "ranks_seen": len(seen["pids"]),
             "polls": seen["polls"],
         }
+        if worker_cpu is not None:
+            row["worker_cpu_s"] = round(worker_cpu, 4)
+        if cli:
+            for key in ("job_state", "job_tag", "launched_by", "cli_breakdown_s", "cancel_s", "cancel_unclean",
+                        "failure_reason", "stdout_tail"):  # fmt: skip
+                if key in info:
+                    row[key] = info[key]
+            row["job_name"] = tag
         if method == "ugro_cold" and "t_main" in info:
             row["cold_breakdown_s"] = {
                 "process_start_to_main": round(info["t_main"] - t0, 4),
@@ -248,6 +531,9 @@ class Bench:
         if survivors:
             row["survivors_after_kill"] = survivors
         return row
+
+
+UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli", "ugro_cli_worker")
 
 
 def summarize(rows: list[dict], sizes: list[int]) -> dict:
@@ -270,8 +556,7 @@ def summarize(rows: list[dict], sizes: list[int]) -> dict:
     for n in sizes:
         p = med["pdsh"][str(n)]
         ugro_le_pdsh[str(n)] = {
-            k: (med[k][str(n)] is not None and p is not None and med[k][str(n)] <= p)
-            for k in ("ugro_warm", "ugro_cold")
+            k: (med[k][str(n)] is not None and p is not None and med[k][str(n)] <= p) for k in UGRO_METHODS
         }
     cpu = {
         m: {str(n): median([r["controller_cpu_s"] for r in rows if r["method"] == m and r["n"] == n]) for n in sizes}
@@ -292,21 +577,19 @@ def summarize(rows: list[dict], sizes: list[int]) -> dict:
     }
 
 
-def cold_breakdown(rows: list[dict], sizes: list[int]) -> dict:
+def cold_breakdown(
+    rows: list[dict], sizes: list[int], method: str = "ugro_cold", key: str = "cold_breakdown_s"
+) -> dict:
     out = {}
     for n in sizes:
-        parts = [
-            r["cold_breakdown_s"]
-            for r in rows
-            if r["method"] == "ugro_cold" and r["n"] == n and "cold_breakdown_s" in r
-        ]
+        parts = [r[key] for r in rows if r["method"] == method and r["n"] == n and key in r]
         if parts:
             out[str(n)] = {k: median([p[k] for p in parts]) for k in parts[0]}
     return out
 
 
 def print_table(summary: dict, sizes: list[int], breakdown: dict) -> None:
-    head = f"{'method':<11}" + "".join(f"{'N=' + str(n):>10}" for n in sizes)
+    head = f"{'method':<16}" + "".join(f"{'N=' + str(n):>10}" for n in sizes)
     ratio_key = next(k for k in summary if k.startswith("ratio_") and not k.endswith("_of_min"))
     for title, key, rkey in (
         ("median", "median_all_running_s", ratio_key),
@@ -320,20 +603,21 @@ def print_table(summary: dict, sizes: list[int], breakdown: dict) -> None:
                 f"{table[m][str(n)]:>10.3f}" if table[m][str(n)] is not None else f"{'-':>10}" for n in sizes
             )
             r = summary[rkey][m]
-            print(f"{m:<11}{cells}{(f'{r:.2f}' if r else '-'):>12}")
-    print("\nUGRO <= pdsh at each N (warm / cold):")
+            print(f"{m:<16}{cells}{(f'{r:.2f}' if r else '-'):>12}")
+    print("\nUGRO median <= pdsh median at each N:")
     for n in sizes:
         v = summary["ugro_le_pdsh"][str(n)]
-        print(f"  N={n:<3} warm={v['ugro_warm']!s:<6} cold={v['ugro_cold']!s}")
+        print(f"  N={n:<3} " + "  ".join(f"{k}={v[k]!s:<6}" for k in UGRO_METHODS))
     print("\nmedian controller-side CPU seconds per launch (this process + reaped children)")
     print(head)
     for m in METHODS:
         row = summary["median_controller_cpu_s"][m]
-        print(f"{m:<11}" + "".join(f"{row[str(n)]:>10.3f}" if row[str(n)] is not None else f"{'-':>10}" for n in sizes))
-    if breakdown:
-        print("\nugro_cold breakdown (medians, s):")
-        for n, parts in breakdown.items():
-            print(f"  N={n:<3} " + "  ".join(f"{k}={v:.3f}" for k, v in parts.items()))
+        print(f"{m:<16}" + "".join(f"{row[str(n)]:>10.3f}" if row[str(n)] is not None else f"{'-':>10}" for n in sizes))
+    for name, parts_by_n in breakdown.items():
+        if parts_by_n:
+            print(f"\n{name} breakdown (medians, s):")
+            for n, parts in parts_by_n.items():
+                print(f"  N={n:<3} " + "  ".join(f"{k}={v:.3f}" for k, v in parts.items()))
 
 
 def main() -> int:
@@ -345,6 +629,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (nodes, DB) afterwards")
     ap.add_argument("--max-busy", type=float, default=0.6, help="wait for CPU busy <= this before a trial")
     ap.add_argument("--quiet-wait", type=float, default=3.0, help="longest wait for that, seconds (0: never)")
+    ap.add_argument("--budget", type=float, default=510.0, help="start no repeat expected to end after this (s)")
     args = ap.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     methods = [m for m in args.methods.split(",") if m]
@@ -357,7 +642,7 @@ def main() -> int:
         return 2
 
     tmp = make_tmp("ugro-bench-fanout-")
-    setup_django(tmp)
+    env = setup_django(tmp)
     from cluster.links import pool
     from cluster.loopback import LoopbackCluster
 
@@ -365,19 +650,47 @@ def main() -> int:
     meta["bashrc"] = bashrc_cost()
     meta.update({"sizes": sizes, "repeat": args.repeat, "methods": methods, "tmp": str(tmp), "subnet": SUBNET})
     meta.update({"max_busy": args.max_busy, "quiet_wait_s": args.quiet_wait, "poll_interval_s": 0.005})
+    meta["budget_s"] = args.budget
     rows: list[dict] = []
     t_start = time.monotonic()
     cluster = LoopbackCluster(tmp / "nodes", max(sizes), subnet=SUBNET, first_octet=2)
-    watcher = None
+    watcher = bench = None
+    cli = [m for m in methods if m in CLI_METHODS]
     try:
         cluster.start()
         watcher = Watcher()
         bench = Bench(cluster, tmp)
+        if cli:
+            from cluster.config_yaml import import_cluster
+
+            import_cluster(fake_torchrun_cluster_yaml(cluster, tmp / "fake-bin", bench.rdzv_port))
+            _redis().flushdb()  # the benchmark's own Redis database: no stale heartbeat or task
+            bench.cli_env = {**os.environ, **env, "REDIS_URL": BENCH_REDIS, "PYTHONUNBUFFERED": "1"}
+            bench.prefix_watcher = Watcher("_procwatch_prefix.py")
+            meta["redis"] = BENCH_REDIS
+            meta["fake_torchrun"] = (tmp / "fake-bin" / "torchrun").read_text()
+        if "ugro_cli_worker" in cli:
+            bench.worker = Worker(tmp, bench.cli_env, str(tmp / "bench.sqlite3"))
+            meta["worker_start_s"] = round(bench.worker.start(), 2)
+            meta["worker_pid"] = bench.worker.proc.pid
+            # Warm it: one launch through it on every node (its health polls reach them all too).
+            row = bench.trial(watcher, "ugro_cli_worker", max(sizes))
+            meta["worker_warmup_trial"] = row
+            print(f"worker up in {meta['worker_start_s']}s; warm-up launch on {max(sizes)} nodes: "
+                  f"{row['all_running_s']}s {row.get('error', '')}", flush=True)  # fmt: skip
         # One untimed round first: page cache, sshd's first fork, pdsh/ssh binaries.
         for m in methods:
             bench.trial(watcher, m, min(sizes))
-        for n in sizes:
-            for rep in range(args.repeat):
+        # Each repeat runs every size, so drifting load on the shared machine hits all sizes alike;
+        # a repeat starts only if it is expected to end within --budget (then fewer repeats are run).
+        last_rep_s = 0.0
+        for rep in range(args.repeat):
+            elapsed = time.monotonic() - t_start
+            if rep and elapsed + 1.15 * last_rep_s > args.budget:
+                print(f"stopping after {rep} repeats: {elapsed:.0f}s spent, budget {args.budget:.0f}s", flush=True)
+                break
+            t_rep = time.monotonic()
+            for n in sizes:
                 # Rotate the order each repeat so no method always runs right after another.
                 order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
                 for m in order:
@@ -385,23 +698,46 @@ def main() -> int:
                     row["repeat"] = rep
                     rows.append(row)
                     shown = f"{row['all_running_s']:.3f}s" if row["all_running_s"] is not None else "TIMEOUT"
-                    print(f"N={n:<3} rep={rep} {m:<10} {shown}  (busy {row['cpu_busy_before']:.0%})" +
+                    print(f"N={n:<3} rep={rep} {m:<15} {shown}  (busy {row['cpu_busy_before']:.0%})" +
                           (f"  ERROR {row['error']}" if "error" in row else ""), flush=True)  # fmt: skip
+            last_rep_s = time.monotonic() - t_rep
+            meta["repeats_done"] = rep + 1
     finally:
+        if bench is not None and bench.worker is not None:
+            meta["worker_pause_retries"] = bench.worker.pause_retries
+            bench.worker.stop()
         pool.close_all()
-        if watcher is not None:
-            watcher.close()
+        for w in (watcher, bench.prefix_watcher if bench is not None else None):
+            if w is not None:
+                w.close()
         cluster.stop()
-        left = [r["tag"] for r in rows if tagged_pids(r["tag"])]
-        for tag in left:
-            kill_tagged(tag)
+        for r in rows:
+            prefix = r["method"] in CLI_METHODS
+            tag = r["tag"] + "-" if prefix else r["tag"]
+            if tagged_pids(tag, prefix):
+                kill_tagged(tag, prefix=prefix)
+        # anything of this run's cli jobs (warm-up and untimed trials included): names start bfc/bfw
+        for tag in ("bfc", "bfw"):
+            kill_tagged(tag, prefix=True)
+        if cli:
+            try:
+                _redis().flushdb()
+            except Exception:  # noqa: BLE001 - Redis gone: nothing to clean
+                pass
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["elapsed_s"] = round(time.monotonic() - t_start, 1)
     summary = summarize(rows, sizes)
-    breakdown = cold_breakdown(rows, sizes)
-    write_json(Path(args.out), {"meta": meta, "summary": summary, "ugro_cold_breakdown_s": breakdown, "trials": rows})
+    breakdown = {
+        "ugro_cold": cold_breakdown(rows, sizes),
+        "ugro_cli": cold_breakdown(rows, sizes, "ugro_cli", "cli_breakdown_s"),
+        "ugro_cli_worker": cold_breakdown(rows, sizes, "ugro_cli_worker", "cli_breakdown_s"),
+    }
+    write_json(Path(args.out), {
+        "meta": meta, "summary": summary, "ugro_cold_breakdown_s": breakdown["ugro_cold"],
+        "ugro_cli_breakdown_s": {k: v for k, v in breakdown.items() if k != "ugro_cold"}, "trials": rows,
+    })  # fmt: skip
     print_table(summary, sizes, breakdown)
     b = meta["bashrc"]
     print(
