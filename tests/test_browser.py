@@ -24,7 +24,8 @@ ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
-TRAIN_ARGS = "--max-steps 300 --seq-len 16 --batch-size 4 --log-every 1 --step-sleep 0.1"
+# long enough to still run when the page has shown its first points (one epoch is only 182 steps)
+TRAIN_ARGS = "--max-steps 1000 --num-epochs 10 --seq-len 16 --batch-size 4 --log-every 1 --step-sleep 0.1"
 # Printed by a rank: must show as text and run nothing.
 HOSTILE_SCRIPT = """\
 import json, time

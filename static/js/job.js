@@ -21,7 +21,8 @@
       info.textContent = series.count + " points shown";
     }
   }
-  const drawSoon = UGRO.debounce(draw, 200);
+  // throttle, not debounce: points stream in faster than 200 ms apart and a debounce would never draw
+  const drawSoon = UGRO.throttle(draw, 200);
 
   async function loadSeries() {
     const name = metric;

@@ -3,7 +3,7 @@
   "use strict";
   const UGRO = window.UGRO;
   if (!document.querySelector('[data-source="cluster"]')) return;
-  const refresh = UGRO.debounce(function () {
+  const refresh = UGRO.throttle(function () {
     UGRO.refreshRegions().catch(function () {});
   }, 300);
   UGRO.socket("/ws/cluster/", refresh, refresh);
