@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -82,18 +83,62 @@ def stop_processes(job: Job, ranks: list[Rank] | None = None) -> list[str]:
     return unclean
 
 
-def cancel_job(job: Job) -> tuple[Job, list[str]]:
-    """Cancel a queued or live job; returns it and any node that could not be confirmed clean."""
-    from .follow import drain_job
+def cancel_job(job: Job, *, background: bool = False) -> tuple[Job, list[str]]:
+    """Cancel a queued or live job; returns it and any node that could not be confirmed clean.
 
+    The job is CANCELLED in the DB at once; its nodes stay held until its processes are gone.
+    background=True hands the stopping to a live worker (a web request should not wait out the
+    kill grace period); without one, or without background, it is done here.
+    """
     was = job.state
     if job.is_ended:
         raise ValueError(f"job {job.name} already {job.state}")
     job = _end(job, Job.State.CANCELLED, "cancelled by user")
-    if job.state != Job.State.CANCELLED or was == Job.State.QUEUED:
+    if job.state != Job.State.CANCELLED:
+        return job, []  # it ended on its own meanwhile; whoever ended it cleans up
+    if was == Job.State.QUEUED:
         release_nodes(job)
         return job, []
+    if background and _hand_to_worker(job):
+        return job, []
+    return job, finish_stopping(job)
+
+
+def finish_stopping(job: Job) -> list[str]:
+    """Stop an ended job's processes, take their last lines, then free its nodes."""
+    from .follow import drain_job
+
     unclean = stop_processes(job)
     drain_job(job)
     release_nodes(job)
-    return job, unclean
+    return unclean
+
+
+def _hand_to_worker(job: Job) -> bool:
+    from ugro_site.celery import worker_alive
+
+    from .tasks import stop_job
+
+    if not worker_alive():
+        return False
+    try:
+        stop_job.apply_async((job.pk,), retry=False)
+    except Exception as exc:  # the broker went away in between: stop it here instead
+        log.warning("could not hand stopping %s to the worker: %s", job.name, exc)
+        return False
+    return True
+
+
+REAP_AFTER_S = 120.0
+
+
+def reap_ended_jobs() -> list[str]:
+    """Finish stopping jobs that ended but still hold nodes (a worker or command died mid-stop)."""
+    cutoff = timezone.now() - timedelta(seconds=REAP_AFTER_S)
+    stale = Job.objects.filter(state__in=Job.ENDED_STATES, finished_at__lt=cutoff, ranks__active=True).distinct()
+    reaped = []
+    for job in stale:
+        log.warning("job %s ended %s but still held its nodes: stopping it now", job.name, job.finished_at)
+        finish_stopping(job)
+        reaped.append(job.name)
+    return reaped

@@ -165,7 +165,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     try:
-        job, unclean = cancel_job(job)
+        job, unclean = cancel_job(job, background=True)
     except ValueError as exc:
         messages.error(request, str(exc))
     else:

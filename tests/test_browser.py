@@ -17,7 +17,7 @@ from django.db import connections
 
 from jobs.models import Job
 
-from .conftest import REPO, wait_for
+from .conftest import REPO, job_pids, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 ARTIFACTS = REPO / "test-artifacts"
@@ -208,7 +208,9 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     page.click("#cancel-btn")
     wait_for(lambda: Job.objects.get(pk=job.pk).state == Job.State.CANCELLED, timeout=60, what="the cancel")
     page.wait_for_selector("#job-state.badge-cancelled", timeout=30_000)
-    assert not job.ranks.filter(active=True).exists()
+    # the worker stops its processes in the background, then frees the nodes
+    wait_for(lambda: not job.ranks.filter(active=True).exists(), timeout=60, what="the nodes to be freed")
+    assert job_pids(job.tag) == []
     page.screenshot(path=ARTIFACTS / "job-cancelled.png", full_page=True)
 
     page.goto(server + "/jobs/")

@@ -196,3 +196,23 @@ def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab,
     assert "Everything started was stopped" in job.failure_reason
     assert job_pids(job.tag) == []
     assert not Rank.objects.filter(job=job, active=True).exists()
+
+
+def test_a_job_that_ended_but_still_holds_nodes_is_stopped_by_the_reaper(lab):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.stop import reap_ended_jobs
+
+    # given a running job whose canceller died after marking it (processes alive, nodes held)
+    launch("--name", "orphan", "--detach", "--", *SLOW_TRAIN)
+    job = _running_with_lines("orphan", lines=1)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLED, finished_at=timezone.now() - timedelta(hours=1))
+    assert job_pids(job.tag)
+    # when the scheduler's periodic pass runs
+    assert reap_ended_jobs() == ["orphan"]
+    # then nothing of it is left and its nodes are free again
+    assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    assert reap_ended_jobs() == []
