@@ -71,6 +71,16 @@ def _append(path: Path, offset: int, chunk: bytes) -> None:
         os.close(fd)
 
 
+def split_lines(data: bytes) -> list[str]:
+    """Lines as the log file has them: split at b"\n" only (a tqdm bar's \r stays inside its line)."""
+    if not data:
+        return []
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def times_path(rank: Rank) -> Path:
     return rank.local_log.with_suffix(".times")
 
@@ -159,7 +169,7 @@ class JobFollower:
         if not final:
             cut = data.rfind(b"\n")
             data = data[: cut + 1] if cut >= 0 else b""
-        lines = data.decode("utf-8", "replace").splitlines() if data else []
+        lines = split_lines(data)
         stream = self._stream(rank)
         points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now)
         old = rank.log_offset

@@ -255,3 +255,11 @@ def test_garbage_does_not_disturb_later_lines() -> None:
     assert parser.feed('{"step": 42, "loss": 0.5}') == [Point(42, "loss", 0.5, None)]
     assert parser.malformed == len(GARBAGE)
     assert parser.metric_lines == 1
+
+
+def test_follower_splits_at_newlines_only():
+    from jobs.follow import split_lines
+
+    data = b"a\r\n 10%|#  | 1/10\r 20%|## | 2/10\rdone\nx\x0cy\xc2\x85z\nlast"
+    assert split_lines(data) == ["a\r", " 10%|#  | 1/10\r 20%|## | 2/10\rdone", "x\x0cy\x85z", "last"]
+    assert split_lines(b"") == [] and split_lines(b"one\n") == ["one"]
