@@ -26,7 +26,7 @@ UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
              run with no worker, and resumed (SIGCONT, heartbeat back) before each of its trials.
 
 The clock runs from just before the command is issued until a separate watcher process
-(bench/_procwatch.py, polling /proc every 5 ms; bench/_procwatch_prefix.py for the ugro_cli
+(bench/_procwatch.py, polling /proc every 5 ms; by tag prefix for the ugro_cli
 methods, whose tag UGRO picks) sees N exec'd rank processes with the tag.
 Results: bench/results/launch_fanout.json (overwritten) and a table on stdout.
 """
@@ -666,7 +666,7 @@ def main() -> int:
             import_cluster(fake_torchrun_cluster_yaml(cluster, tmp / "fake-bin", bench.rdzv_port))
             _redis().flushdb()  # the benchmark's own Redis database: no stale heartbeat or task
             bench.cli_env = {**os.environ, **env, "REDIS_URL": BENCH_REDIS, "PYTHONUNBUFFERED": "1"}
-            bench.prefix_watcher = Watcher("_procwatch_prefix.py")
+            bench.prefix_watcher = Watcher("_procwatch.py")
             meta["redis"] = BENCH_REDIS
             meta["fake_torchrun"] = (tmp / "fake-bin" / "torchrun").read_text()
         if "ugro_cli_worker" in cli:
