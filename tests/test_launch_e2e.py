@@ -85,7 +85,8 @@ def _running_with_lines(job_name: str, lines: int = 3) -> Job:
 
 
 def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
-    launch("--name", "long1", "--detach", "--", *SLOW_TRAIN)
+    out = launch("--name", "long1", "--detach", "--", *SLOW_TRAIN)
+    assert "job long1 running: rank 0 on node1" in out and "no UGRO worker is running" in out
     job = _running_with_lines("long1")
     assert len(job_pids(job.tag)) >= 6  # torchrun agent + worker on each of 3 nodes
     out = io.StringIO()

@@ -61,9 +61,13 @@ class Command(BaseCommand):
 
     def _report_detached(self, job: Job) -> None:
         if job.state == Job.State.FAILED:
-            raise CommandError(f"job {job.name} failed: {job.failure_reason}")
+            raise CommandError(f"job {job.name} failed: {job.failure_reason.splitlines()[0]}")
         where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
         self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
+        if not worker_alive():
+            # nothing else would follow it (or start it once nodes free up) until a worker runs
+            self.stdout.write(f"no UGRO worker is running: `ugro logs {job.name} --follow` follows it, "
+                              "bin/start runs the worker")  # fmt: skip
 
     def _finish(self, job: Job) -> None:
         spread = f", rank start spread {job.launch_spread_s * 1000:.0f} ms" if job.launch_spread_s else ""
