@@ -19,10 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from _common import make_tmp, tagged_pids, write_json  # noqa: E402,F401  (re-exported to the dashboard benchmarks)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -95,10 +98,6 @@ def setup(tmp: Path, **extra: str) -> dict[str, str]:
 
     call_command("migrate", verbosity=0)
     return env
-
-
-def make_tmp(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
 def cluster_yaml(cluster, count: int) -> str:
@@ -274,44 +273,18 @@ def go(cluster) -> float:
 
 
 def machine_info() -> dict:
-    import platform
-    from datetime import UTC, datetime
-
-    info = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "cpus": os.cpu_count(),
-        "controller_python": platform.python_version(),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-        "database": "PostgreSQL (127.0.0.1:5432, database ugro_bench3)",
-        "channel_layer": "channels_redis, Redis 127.0.0.1:6379 db 12",
-    }
+    """The launch benchmarks' machine facts plus this benchmark's database and channel layer."""
+    info = _common.machine_info()
+    info["database"] = f"PostgreSQL (127.0.0.1:5432, database {DB_NAME})"
+    info["channel_layer"] = f"channels_redis, Redis {REDIS_URL}"
     try:
-        info["cpu_model"] = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
         info["mem_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
         pg = subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-tAc", "show server_version"],
                             capture_output=True, text=True, timeout=10)  # fmt: skip
         info["postgres"] = pg.stdout.strip()
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "jobs", "metrics", "cluster", "static"],
-                               cwd=REPO, capture_output=True, text=True)  # fmt: skip
-        info["git_head"] = head.stdout.strip()
-        info["git_uncommitted_app_paths"] = dirty.stdout.split()[1::2]
-    except (OSError, StopIteration, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):
         pass
     return info
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -320,22 +293,6 @@ def pct(values: list[float], q: float) -> float | None:
     s = sorted(values)
     k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
     return s[k]
-
-
-def job_pids(tags: list[str]) -> list[int]:
-    """Processes (ranks, torchrun) carrying UGRO_JOB=<tag> of one of this benchmark's jobs."""
-    want = {f"UGRO_JOB={t}".encode() for t in tags}
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if want.intersection(env):
-            pids.append(int(name))
-    return pids
 
 
 def cleanup(cluster, procs: list, tmp: Path, keep: bool) -> None:
@@ -348,7 +305,7 @@ def cleanup(cluster, procs: list, tmp: Path, keep: bool) -> None:
     except Exception:
         tags = []
     for _ in range(50):  # bounded: SIGKILL what this benchmark's jobs left running
-        pids = job_pids(tags) if tags else []
+        pids = sorted({pid for tag in tags for pid in tagged_pids(tag)})
         if not pids:
             break
         for pid in pids:
