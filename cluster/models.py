@@ -125,6 +125,10 @@ class Node(models.Model):
         if not isinstance(self.env, dict) or not all(isinstance(k, str) for k in self.env):
             raise ValidationError({"env": "must be a mapping of names to values"})
 
+    def placement_key(self) -> tuple[bool, int, str]:
+        """Order in which nodes take ranks: masters first (rank 0 hosts the rendezvous), then order, name."""
+        return (self.role != self.Role.MASTER, self.order, self.name)
+
     @property
     def torchrun_argv(self) -> list[str]:
         return shlex.split(self.torchrun_command)

@@ -135,8 +135,7 @@ def create_job(req: LaunchRequest) -> Job:
 def _free_nodes() -> list[Node]:
     busy = Rank.objects.filter(active=True).values("node_id")
     nodes = Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN).exclude(pk__in=busy)
-    # Masters first: rank 0 hosts the rendezvous.
-    return sorted(nodes, key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name))
+    return sorted(nodes, key=Node.placement_key)
 
 
 def place(job: Job) -> bool:
@@ -146,9 +145,7 @@ def place(job: Job) -> bool:
         by_name = {n.name: n for n in free}
         if any(name not in by_name for name in job.requested_nodes):
             return False
-        chosen = sorted(
-            (by_name[n] for n in job.requested_nodes), key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name)
-        )
+        chosen = sorted((by_name[n] for n in job.requested_nodes), key=Node.placement_key)
     else:
         if len(free) < (job.requested_count or 1):
             return False

@@ -28,7 +28,7 @@ class Command(BaseCommand):
         if not chosen:
             raise CommandError("no enabled nodes; import cluster.yaml or add nodes in admin")
         # Rank 0 (the rendezvous host) is a master when there is one, as at launch.
-        chosen.sort(key=lambda n: (n.role != Node.Role.MASTER, n.order, n.name))
+        chosen.sort(key=Node.placement_key)
         host = chosen[0].address
         report = check_nodes(chosen, script or cs.default_script, host, cs.rendezvous_port)
         for note in report.notes:
