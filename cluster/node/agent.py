@@ -11,10 +11,14 @@ import subprocess
 import sys
 import time
 
-AGENT_VERSION = 1
+AGENT_VERSION = 2
 MAX_TAIL_BYTES = 4 * 1024 * 1024
 MAX_TAIL_WAIT_MS = 5000
 TAIL_POLL_S = 0.01
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# A second start with the same key waits this long for the first one (another agent) to finish.
+START_CLAIM_WAIT_S = 15.0
+START_CLAIM_POLL_S = 0.02
 
 
 class AgentError(Exception):
@@ -26,10 +30,56 @@ def _expand(path):
 
 
 def _write_atomic(path, text):
-    tmp = path + ".tmp"
+    tmp = "%s.tmp.%d" % (path, os.getpid())  # per process: two agents may write the same record
     with open(tmp, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
+
+def _boot_id():
+    """This boot's id (changes when the node reboots), or None where the kernel has none."""
+    try:
+        with open(BOOT_ID_PATH) as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def _proc_start_time(pid):
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot), or None if unreadable.
+
+    A pid with the same start time is the same process: pids are reused, start times are not.
+    """
+    try:
+        with open("/proc/%d/stat" % int(pid), "rb") as fh:
+            stat = fh.read()
+        # comm (field 2) may hold spaces and parentheses: the fields after it follow the last ')'
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _proc_alive(pid, start_time):
+    """True while pid runs (a zombie has ended) and, when start_time is known, is that same process."""
+    if not pid:
+        return False
+    try:
+        with open("/proc/%d/stat" % int(pid), "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:  # no /proc here: the pid alone is all there is to go on
+            os.kill(int(pid), 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return False
+    return start_time is None or int(fields[19]) == int(start_time)
 
 
 def _resolve_executable(exe, env):
@@ -53,21 +103,110 @@ def op_hello(req):
         "executable": sys.executable,
         "platform": sys.platform,
         "time": time.time(),
+        "boot_id": _boot_id(),
     }
 
 
+def _read_json(path):
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _claim(record, claim):
+    """Create the start record exclusively, complete from its first byte; False if it exists."""
+    tmp = "%s.claim.%d" % (record, os.getpid())
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(claim))
+    try:
+        os.link(tmp, record)  # atomic and exclusive: of two racing agents exactly one wins
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a filesystem without hard links: O_EXCL is as exclusive, readers wait out the write
+        try:
+            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(claim))
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def _start_result(rec, duplicate):
+    out = {k: rec.get(k) for k in ("key", "pid", "pid_start", "wrapper_pid", "wrapper_start", "boot_id", "started")}
+    out["duplicate"] = duplicate
+    return out
+
+
+def _repeat_start(record, key):
+    """A start whose record exists: the first start's result (duplicate), its failure, or a refusal."""
+    deadline = time.time() + START_CLAIM_WAIT_S
+    gone_since = None
+    while True:
+        rec = _read_json(record)
+        if rec is not None and rec.get("key") != key:
+            raise AgentError(
+                "start record %s belongs to start key %r, not %r: a new attempt needs new paths"
+                % (record, rec.get("key"), key)
+            )
+        if rec is not None and rec.get("pid"):
+            return _start_result(rec, True)
+        if rec is not None and rec.get("error"):
+            raise AgentError(rec["error"])
+        now = time.time()
+        if rec is not None and (
+            rec.get("boot_id") != _boot_id() or not _proc_alive(rec.get("agent_pid"), rec.get("agent_start"))
+        ):
+            # The claiming agent is gone; its wrapper may still be about to write the record.
+            gone_since = gone_since or now
+            if now - gone_since >= 1.0:
+                raise AgentError(
+                    "the first start with key %r did not finish (its agent is gone); not starting again" % key
+                )
+        if now >= deadline:
+            if rec is None:
+                raise AgentError("start record %s is unreadable; not starting %s again" % (record, key))
+            raise AgentError("the first start with key %r is still in progress" % key)
+        time.sleep(START_CLAIM_POLL_S)
+
+
 def op_start(req):
-    """Start argv detached (own session, survives the link) with output appended to req['log']."""
+    """Start argv detached (own session, survives the link) with output appended to req['log'].
+
+    With a `key` the start is idempotent: the first start creates its record (`record`, default
+    exit_file + ".start") exclusively and the rank wrapper fills in the pids; a repeat of the key
+    starts nothing and returns the first start's result with "duplicate": true (or its failure);
+    another key over an existing record is refused.
+    """
     argv = [str(a) for a in req["argv"]]
     cwd = _expand(req.get("cwd") or "~")
     log_path = _expand(req["log"])
     exit_path = _expand(req["exit_file"])
+    key = req.get("key")
+    if key is not None and (not isinstance(key, str) or not key):
+        raise AgentError("start key must be a non-empty string, got %r" % (key,))
+    record = _expand(req.get("record") or exit_path + ".start") if key is not None else None
+    if record is not None and os.path.exists(record):
+        return _repeat_start(record, key)
     if not os.path.isdir(cwd):
         raise AgentError("working directory %s does not exist on this node" % cwd)
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     argv[0] = _resolve_executable(argv[0], env)
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    boot_id = _boot_id()
+    if record is not None:
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        me = os.getpid()
+        claim = {"key": key, "state": "starting", "agent_pid": me, "agent_start": _proc_start_time(me),
+                 "boot_id": boot_id, "claimed": time.time()}  # fmt: skip
+        if not _claim(record, claim):
+            return _repeat_start(record, key)  # another agent won the race for this key
     if os.path.exists(exit_path):
         os.unlink(exit_path)
     rfd, wfd = os.pipe()
@@ -85,13 +224,26 @@ def op_start(req):
             try:
                 proc = subprocess.Popen(argv, stdin=devnull, stdout=logfd, stderr=logfd, cwd=cwd, env=env)
             except OSError as exc:
-                os.write(wfd, json.dumps({"error": "could not start %s: %s" % (argv[0], exc)}).encode())
+                failed = {"key": key, "state": "failed", "error": "could not start %s: %s" % (argv[0], exc),
+                          "boot_id": boot_id, "ended": time.time()}  # fmt: skip
+                if record is not None:
+                    _write_atomic(record, json.dumps(failed))
+                os.write(wfd, json.dumps(failed).encode())
                 os._exit(1)
-            os.write(wfd, json.dumps({"pid": proc.pid, "started": time.time()}).encode())
+            me = os.getpid()
+            started = {"key": key, "state": "started", "pid": proc.pid, "pid_start": _proc_start_time(proc.pid),
+                       "wrapper_pid": me, "wrapper_start": _proc_start_time(me), "boot_id": boot_id,
+                       "started": time.time()}  # fmt: skip
+            # The wrapper writes its own record: it holds even if the agent or the link dies now.
+            if record is not None:
+                _write_atomic(record, json.dumps(started))
+            os.write(wfd, json.dumps(started).encode())
             os.close(wfd)
             os.close(logfd)
             rc = proc.wait()
-            _write_atomic(exit_path, json.dumps({"rc": rc, "ended": time.time()}))
+            # rc < 0: killed by signal -rc (Popen's convention), recorded both ways
+            ended = {"rc": rc, "signal": -rc if rc < 0 else None, "ended": time.time(), "key": key}
+            _write_atomic(exit_path, json.dumps(ended))
         finally:
             os._exit(0)
     os.close(wfd)
@@ -110,16 +262,15 @@ def op_start(req):
     if "error" in result:
         raise AgentError(result["error"])
     if "pid" not in result:
-        raise AgentError("the rank wrapper died before starting %s" % argv[0])
-    return result
+        error = "the rank wrapper died before starting %s" % argv[0]
+        if record is not None:
+            _write_atomic(record, json.dumps({"key": key, "state": "failed", "error": error, "boot_id": boot_id}))
+        raise AgentError(error)
+    return _start_result(result, False)
 
 
 def _read_exit(path):
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    return _read_json(path)
 
 
 def _tail_ready(items):
@@ -197,6 +348,71 @@ def op_kill(req):
     return {"pids": hit}
 
 
+def _tag_table(node):
+    """{tag: [pids]} of this node's processes carrying a UGRO_JOB tag (one /proc scan)."""
+    table = {}
+    for pid, job, where in ugro_tagged_procs():  # noqa: F821
+        if job and where == node:
+            table.setdefault(job, []).append(pid)
+    return {job: sorted(pids) for job, pids in table.items()}
+
+
+def op_tagged(req):
+    """Every job tag with live processes on this node (for node name req['node']), with their pids."""
+    return {"tags": _tag_table(req["node"])}
+
+
+def _rank_status(item, tables, boot_now):
+    exit_path = _expand(item["exit_file"])
+    record = _expand(item.get("record") or exit_path + ".start")
+    key = item.get("key")
+    exit_info = _read_exit(exit_path)
+    rec = _read_json(record)
+    exists = rec is not None or os.path.exists(record)
+    ours = rec is not None and (key is None or rec.get("key") == key)
+    boot_then = rec.get("boot_id") if rec else None
+    same_boot = ours and boot_then == boot_now
+    wrapper_alive = bool(same_boot and _proc_alive(rec.get("wrapper_pid"), rec.get("wrapper_start")))
+    torchrun_alive = bool(same_boot and _proc_alive(rec.get("pid"), rec.get("pid_start")))
+    if exit_info is None and not wrapper_alive:
+        exit_info = _read_exit(exit_path)  # the wrapper writes it just before it exits
+    pids = []
+    if item.get("tag"):
+        node = item.get("node")
+        if node not in tables:
+            tables[node] = _tag_table(node)
+        pids = tables[node].get(item["tag"], [])
+    return {
+        "key": key,
+        "record": exists,
+        "record_key": rec.get("key") if rec else None,
+        "key_matches": ours,
+        "state": rec.get("state") if ours else None,
+        "error": rec.get("error") if ours else None,
+        "pid": rec.get("pid") if ours else None,
+        "wrapper_pid": rec.get("wrapper_pid") if ours else None,
+        "exit": exit_info,
+        "wrapper_alive": wrapper_alive,
+        "torchrun_alive": torchrun_alive,
+        "tagged_pids": pids,
+        "boot_id_at_start": boot_then,
+        "boot_id": boot_now,
+        "rebooted": bool(ours and boot_then and boot_now and boot_then != boot_now),
+    }
+
+
+def op_rank_status(req):
+    """What is true of each rank on this node: exit record, wrapper and torchrun alive, tagged pids, boot.
+
+    A rank whose wrapper is dead with no exit record (or whose node rebooted) is lost. Liveness is
+    read from the start record and counts only for a record of the item's key, from this boot, for a
+    pid with the recorded start time.
+    """
+    boot_now = _boot_id()
+    tables = {}
+    return {"ranks": [_rank_status(item, tables, boot_now) for item in req["ranks"]]}
+
+
 def op_exec(req):
     """Run a short command (no shell) and return its exit code and output, for checks."""
     argv = [str(a) for a in req["argv"]]
@@ -246,6 +462,8 @@ OPS = {
     "tail": op_tail,
     "procs": op_procs,
     "kill": op_kill,
+    "tagged": op_tagged,
+    "rank_status": op_rank_status,
     "exec": op_exec,
     "stat": op_stat,
     "listdir": op_listdir,
@@ -259,6 +477,8 @@ def serve(stdin, stdout):
         line = stdin.readline()
         if not line:
             return
+        if not line.endswith(b"\n"):
+            return  # a request cut off by a broken link: the controller knows it was never delivered
         try:
             req = json.loads(line)
             rid = req.get("id")
