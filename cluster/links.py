@@ -33,7 +33,16 @@ BOOTSTRAP = (
 
 
 class LinkError(Exception):
-    """The node could not be reached, or the link broke: the message says which and why."""
+    """The node could not be reached, or the link broke: the message says which and why.
+
+    `delivered` is False only when the request provably never reached the agent (connecting
+    failed, or the link was dead before the request was fully written): only then is it safe to
+    send again. True means it may have run on the node.
+    """
+
+    def __init__(self, message: str, delivered: bool = False) -> None:
+        super().__init__(message)
+        self.delivered = delivered
 
 
 class AgentRequestError(Exception):
@@ -59,20 +68,25 @@ class Endpoint:
         return f"{self.name} ({who}{self.address}:{self.port})"
 
 
-def agent_source() -> bytes:
+def agent_source(extra: bytes = b"") -> bytes:
+    """The agent's files in order, with `extra` source placed just before the last (serving) one."""
     parts = []
     for name in AGENT_FILES:
         path = NODE_CODE_DIR / name
         if path.exists():
             parts.append(path.read_bytes())
+    if extra:
+        parts.insert(len(parts) - 1, extra)
     return b"\n\n".join(parts)
 
 
 class _Pipe:
-    """A byte stream in each direction with a select-able read side."""
+    """A byte stream in each direction with a select-able read side; `alive()` is False once the
+    far end is known to be gone (the agent exited or the channel closed)."""
 
-    def __init__(self, send, recv, fileno, close, stderr) -> None:
+    def __init__(self, send, recv, fileno, close, stderr, alive) -> None:
         self.send, self.recv, self.fileno, self._close, self.stderr = send, recv, fileno, close, stderr
+        self.alive = alive
 
     def close(self) -> None:
         try:
@@ -110,7 +124,7 @@ def _open_local(ep: Endpoint, timeout: float) -> _Pipe:
         return proc.stderr.read().decode("utf-8", "replace")[-2000:]
 
     fd = proc.stdout.fileno()
-    return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr)
+    return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None)
 
 
 def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
@@ -138,7 +152,13 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
 
     def send(data: bytes) -> None:
-        chan.sendall(data)
+        try:
+            chan.sendall(data)
+        except (SSHException, EOFError) as exc:
+            raise OSError(str(exc) or type(exc).__name__) from None
+
+    def alive() -> bool:
+        return not (chan.closed or chan.eof_received or chan.exit_status_ready()) and transport.is_active()
 
     def stderr() -> str:
         out = b""
@@ -150,15 +170,22 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         chan.close()
         conn.close()
 
-    return _Pipe(send, chan.recv, chan.fileno, close, stderr)
+    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive)
 
 
 class NodeLink:
-    """One warm agent on one node. Requests are serialised per link; links run side by side."""
+    """One warm agent on one node. Requests are serialised per link; links run side by side.
 
-    def __init__(self, ep: Endpoint, connect_timeout: float = 5.0) -> None:
+    A request is sent again (once, on a fresh connection) only when it provably never reached the
+    agent; anything that fails after it was written raises LinkError(delivered=True) and drops the
+    link, so a slow `start` never runs twice. `extra_source` is agent source sent ahead of
+    agent.py (tests use it to wrap ops through EXTRA_OPS).
+    """
+
+    def __init__(self, ep: Endpoint, connect_timeout: float = 5.0, extra_source: bytes = b"") -> None:
         self.ep = ep
         self.connect_timeout = connect_timeout
+        self.extra_source = extra_source
         self._lock = threading.Lock()
         self._pipe: _Pipe | None = None
         self._buf = b""
@@ -176,12 +203,12 @@ class NodeLink:
             raise
         except OSError as exc:
             raise LinkError(f"cannot start the agent on {self.ep.describe()}: {exc}") from None
-        src = agent_source()
+        src = agent_source(self.extra_source)
         self._pipe, self._buf = pipe, b""
         try:
             pipe.send(b"%d\n" % len(src) + src)
             self.hello = self._roundtrip({"op": "hello"}, self.connect_timeout)
-        except LinkError as exc:
+        except (LinkError, OSError) as exc:
             detail = pipe.stderr().strip()
             self._drop()
             if detail:
@@ -202,56 +229,111 @@ class NodeLink:
     def connected(self) -> bool:
         return self._pipe is not None
 
+    @property
+    def boot_id(self) -> str | None:
+        """The node's boot id from the last hello (None before one, or where the node has none)."""
+        return (self.hello or {}).get("boot_id")
+
+    def _gone(self) -> bool:
+        """True if the warm link is known dead before anything is sent on it (EOF or exited agent)."""
+        assert self._pipe is not None
+        try:
+            for _ in range(64):  # bounded: pending bytes are kept, an EOF ends the loop
+                ready, _, _ = select.select([self._pipe.fileno()], [], [], 0)
+                if not ready:
+                    break
+                chunk = self._pipe.recv(1 << 20)
+                if not chunk:
+                    return True
+                self._buf += chunk
+            return not self._pipe.alive()
+        except (OSError, ValueError):
+            return True
+
     # -- requests ---------------------------------------------------------------------------
     def _readline(self, deadline: float) -> bytes:
         assert self._pipe is not None
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LinkError(f"{self.ep.describe()} did not answer in time")
+                raise LinkError("no answer in time")
             ready, _, _ = select.select([self._pipe.fileno()], [], [], left)
             if not ready:
                 continue
             try:
                 chunk = self._pipe.recv(1 << 20)
             except OSError as exc:
-                raise LinkError(f"link to {self.ep.describe()} broke: {exc}") from None
+                raise LinkError(f"the link broke: {exc}") from None
             if not chunk:
-                raise LinkError(f"link to {self.ep.describe()} closed")
+                raise LinkError("the link closed")
             self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
-    def _roundtrip(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _send(self, payload: dict[str, Any]) -> int:
+        """Write one request line; OSError means the agent never got all of it (it ignores a cut line)."""
         assert self._pipe is not None
         rid = next(self._ids)
-        payload = {**payload, "id": rid}
-        try:
-            self._pipe.send(json.dumps(payload).encode() + b"\n")
-        except OSError as exc:
-            raise LinkError(f"link to {self.ep.describe()} broke: {exc}") from None
+        self._pipe.send(json.dumps({**payload, "id": rid}).encode() + b"\n")
+        return rid
+
+    def _answer(self, rid: int, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
-            resp = json.loads(self._readline(deadline))
-            if resp.get("id") == rid:
+            line = self._readline(deadline)
+            try:
+                resp = json.loads(line)
+            except ValueError:
+                raise LinkError(f"a garbled answer: {line[:200]!r}") from None
+            if isinstance(resp, dict) and resp.get("id") == rid:
                 break
         if not resp.get("ok"):
             raise AgentRequestError(resp.get("error") or "agent error")
         return resp["result"]
 
+    def _roundtrip(self, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        try:
+            return self._answer(self._send(payload), timeout)
+        except OSError as exc:
+            raise LinkError(f"{self.ep.describe()}: the link broke: {exc}") from None
+        except LinkError as exc:
+            raise LinkError(f"{self.ep.describe()}: {exc}") from None
+
     def request(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
-        """Send one request; reconnect once if the warm link had gone stale."""
+        """Send one request and wait up to `timeout` s for its answer.
+
+        Sent again only if it never reached the agent: the warm link was found dead before or while
+        writing it (then once, on a fresh connection). A failure after it was written is not retried:
+        LinkError(delivered=True), and the link is dropped (a late answer would be out of step).
+        """
         with self._lock:
             for attempt in (1, 2):
+                if self._pipe is not None and self._gone():
+                    self._drop()
                 fresh = self._pipe is None
                 if fresh:
-                    self._connect()
+                    self._connect()  # LinkError(delivered=False): nothing was sent
                 try:
-                    return self._roundtrip({"op": op, **fields}, timeout)
-                except LinkError:
+                    rid = self._send({"op": op, **fields})
+                except OSError as exc:
                     self._drop()
                     if fresh or attempt == 2:
-                        raise
+                        raise LinkError(
+                            f"{self.ep.describe()}: the link broke before {op} was sent: {exc}", delivered=False
+                        ) from None
+                    continue  # the warm link was dead: the agent never saw the request
+                try:
+                    result = self._answer(rid, timeout)
+                except LinkError as exc:
+                    self._drop()
+                    raise LinkError(
+                        f"{self.ep.describe()}: {op} was sent, then {exc} (timeout {timeout:g}s); "
+                        "not sent again, it may have run there",
+                        delivered=True,
+                    ) from None
+                if op == "hello":
+                    self.hello = result
+                return result
             raise AssertionError("unreachable")
 
 
