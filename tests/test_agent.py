@@ -77,3 +77,21 @@ def test_a_missing_log_waits_and_the_wait_is_capped(agent, tmp_path):
     assert data == b"" and result["size"] is None and 0.25 <= elapsed < 2.0
     elapsed, _, _ = tail(agent, tmp_path / "not-yet.log", wait_ms=10**9)  # capped at MAX_TAIL_WAIT_MS (5 s)
     assert 4.5 <= elapsed < 8.0
+
+
+def test_a_5_mib_line_without_a_newline_comes_back_whole_in_1_mib_reads(agent, tmp_path):
+    log = tmp_path / "rank.log"
+    line = bytes(range(256)) * (5 * 4096)  # 5 MiB, every byte value, no newline
+    log.write_bytes(line.replace(b"\n", b"\r"))
+    want = log.read_bytes()
+    got, offset, reads = b"", 0, 0
+    # when a follower reads it from successive offsets, 1 MiB at a time
+    while reads < 10:
+        _, data, result = tail(agent, log, offset=offset)
+        reads += 1
+        assert len(data) == min(1 << 20, len(want) - offset) and result["size"] == len(want)
+        got, offset = got + data, offset + len(data)
+        if result["eof"]:
+            break
+    # then it has every byte in order, in five reads, and the last one says end of file
+    assert reads == 5 and got == want and b"\n" not in got
