@@ -108,11 +108,13 @@ def op_hello(req):
 
 
 def _read_json(path):
+    """A record (JSON object) from path, or None when absent, half-written or not a record."""
     try:
         with open(path) as fh:
-            return json.load(fh)
+            data = json.load(fh)
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def _claim(record, claim):
