@@ -209,10 +209,16 @@ def op_start(req):
                  "boot_id": boot_id, "claimed": time.time()}  # fmt: skip
         if not _claim(record, claim):
             return _repeat_start(record, key)  # another agent won the race for this key
-    if os.path.exists(exit_path):
-        os.unlink(exit_path)
-    rfd, wfd = os.pipe()
-    child = os.fork()
+    try:
+        if os.path.exists(exit_path):
+            os.unlink(exit_path)
+        rfd, wfd = os.pipe()
+        child = os.fork()
+    except OSError as exc:  # nothing started: say so in the record, or a repeat would wait on it
+        error = "could not start %s: %s" % (argv[0], exc)
+        if record is not None:
+            _write_atomic(record, json.dumps({"key": key, "state": "failed", "error": error, "boot_id": boot_id}))
+        raise AgentError(error)
     if child == 0:
         try:
             os.close(rfd)
