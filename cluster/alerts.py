@@ -69,11 +69,13 @@ def open_alert(
     return alert
 
 
-def record_event(node: Node | None, key: str, message: str, job_name: str = "") -> Alert:
-    """An INFO alert: something people want to know that needs no action (it is resolved at once)."""
+def record_event(
+    node: Node | None, key: str, message: str, job_name: str = "", severity: str = Alert.Severity.INFO
+) -> Alert:
+    """Something people want to know that needs no action now (the alert is resolved when made)."""
     now = timezone.now()
     alert = Alert.objects.create(
-        node=node, key=key, severity=Alert.Severity.INFO, message=message[:1000], job_name=job_name,
+        node=node, key=key, severity=severity, message=message[:1000], job_name=job_name,
         opened_at=now, updated_at=now, resolved_at=now,
     )  # fmt: skip
     notify(alert)
@@ -114,6 +116,18 @@ def job_finished_alert(job: Any) -> Alert:
     """INFO: a job ended (succeeded, failed or was cancelled). Called by the jobs app."""
     reason = f": {job.failure_reason}" if getattr(job, "failure_reason", "") else ""
     return record_event(None, f"job_finished:{job.name}", f"job {job.name} {job.state}{reason}", job_name=job.name)
+
+
+def job_ended_alerts(job: Any) -> None:
+    """A job reached its final state: its open alerts resolve, people hear how it ended, and a failure
+    stays open as one CRITICAL alert (kind, rank, exit code, decisive line) on the failing node until
+    the job is resumed or retried."""
+    resolve_job_alerts(job.name)
+    job_finished_alert(job)
+    if job.state == "failed":
+        node = Node.objects.filter(name=job.failure_node).first() if job.failure_node else None
+        open_alert(node, f"job_failed:{job.name}", Alert.Severity.CRITICAL, f"job {job.name} failed: "
+                   f"{job.failure_reason}", job_name=job.name)  # fmt: skip
 
 
 def rank_died_alert(rank: Any) -> Alert | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterator
+from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
@@ -87,6 +88,21 @@ class ClusterCollector:
             jobs.add_metric([state], float(counts.get(state, 0)))
         yield jobs
         yield GaugeMetricFamily("ugro_queue_length", "Jobs waiting for nodes", value=counts.get(Job.State.QUEUED, 0))
+
+        # Failures of the last day, one series per job: what failed, where, and the decisive line.
+        failed = GaugeMetricFamily(
+            "ugro_job_failed", "1 per job that failed in the last 24 h, labelled with its failure",
+            labels=["job", "kind", "rank", "node", "exit_code", "line"],
+        )  # fmt: skip
+        since = now - timedelta(hours=24)
+        for job in Job.objects.filter(state=Job.State.FAILED, finished_at__gte=since).order_by("-finished_at")[:100]:
+            failed.add_metric(
+                [job.name, job.failure_kind or "UNKNOWN", "" if job.failure_rank is None else str(job.failure_rank),
+                 job.failure_node, "" if job.failure_exit_code is None else str(job.failure_exit_code),
+                 (job.failure_line or "")[:200]],
+                1.0,
+            )  # fmt: skip
+        yield failed
 
         alerts = GaugeMetricFamily("ugro_alerts_open", "Open alerts by severity", labels=["severity"])
         open_counts = dict(

@@ -1,10 +1,16 @@
-"""Following a running job: copy each rank's log from its node, ingest metrics, notice how it ended.
+"""Following a job: copy each rank's log from its node, ingest metrics, notice how the ranks ended.
 
-Exactly-once across controller restarts: the central copy of a rank's log is truncated to the
+One follower per job, by a lease in the job's row. The follower owns what it writes: the lease is
+renewed before each round of node reads, no node read may outlast half the lease, and every write
+(central log, arrival times, metrics.jsonl, metric rows, offsets) happens inside a transaction that
+first renews the lease with an UPDATE (a row lock), so a follower that lost its lease writes nothing
+and a new one waits for the old one's last commit.
+
+Exactly once across controller restarts: the central copy of a rank's log is truncated to the
 offset stored in the DB before new bytes are appended, and the offset advances in the same
-transaction as the metric points taken from those bytes. A crash between the write and the commit
-leaves bytes past the offset that the next step overwrites: nothing lost, nothing repeated.
-Only whole lines are taken while a rank runs; its last partial line is taken once it has exited.
+transaction as the metric points taken from those bytes. Only whole lines are taken while a rank
+runs (a line with no newline is taken in LINE_CUT pieces once it is that long); its last partial
+line is taken once it has exited.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -27,13 +33,21 @@ from cluster.links import AgentRequestError, LinkError
 from metrics.ingest import RankStream, parse_lines
 from metrics.models import MetricPoint
 
+from . import lifecycle
 from .events import publish_job
-from .models import Job, Rank
+from .logs import LINE_CUT, display_text, times_path
+from .models import Checkpoint, Job, Rank
 from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
 PUBLISH_SLICE = 1000
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
+CHECKPOINT_SCAN_S = 30.0  # how often a running rank's checkpoint directory is listed
+
+
+class LeaseLost(Exception):
+    """Another follower holds the job now: this one must write nothing more."""
 
 
 def follower_id() -> str:
@@ -43,15 +57,30 @@ def follower_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()}"
 
 
-def claim(job_id: int, owner: str, *, live_only: bool = True) -> bool:
-    """Take or renew the right to follow a job (one follower per job; a lease, so a dead one is replaced)."""
+def _lease_s() -> float:
+    return float(settings.UGRO["FOLLOW_LEASE_S"])
+
+
+def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
+    """Take or renew the right to follow a job with output to copy (one follower per job; a lease, so a
+    dead follower is replaced). any_state: also a job with no running rank (to fetch a lost rank's rest)."""
     now = timezone.now()
     qs = Job.objects.filter(pk=job_id).filter(
         Q(follower="") | Q(follower=owner) | Q(follower_until__lt=now) | Q(follower_until__isnull=True)
     )
-    if live_only:
-        qs = qs.filter(state=Job.State.RUNNING)
-    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=settings.UGRO["FOLLOW_LEASE_S"])))
+    if not any_state:
+        qs = qs.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("pk"))
+    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=_lease_s())))
+
+
+def renew(job_id: int, owner: str) -> None:
+    """Extend this follower's lease if it still holds it; LeaseLost otherwise. Inside a transaction the
+    UPDATE also locks the job's row until commit."""
+    now = timezone.now()
+    if not Job.objects.filter(pk=job_id, follower=owner, follower_until__gt=now).update(
+        follower_until=now + timedelta(seconds=_lease_s())
+    ):
+        raise LeaseLost(f"job {job_id}: lease lost to another follower")
 
 
 def release(job_id: int, owner: str) -> None:
@@ -72,28 +101,46 @@ def _append(path: Path, offset: int, chunk: bytes) -> None:
 
 
 def split_lines(data: bytes) -> list[str]:
-    """Lines as the log file has them: split at b"\n" only (a tqdm bar's \r stays inside its line)."""
+    """Lines as the log file has them: split at b"\n" only (a tqdm bar's \r stays inside its line),
+    and pieces of at most LINE_CUT bytes (the log view reads the file the same way)."""
     if not data:
         return []
-    lines = data.decode("utf-8", "replace").split("\n")
-    if lines[-1] == "":
+    lines = []
+    for raw in data.split(b"\n"):
+        for i in range(0, max(1, len(raw)), LINE_CUT):
+            lines.append(raw[i : i + LINE_CUT].decode("utf-8", "replace"))
+    if data.endswith(b"\n"):
         lines.pop()
     return lines
 
 
-def times_path(rank: Rank) -> Path:
-    return rank.local_log.with_suffix(".times")
+def takeable(data: bytes, final: bool) -> bytes:
+    """The part of new log bytes to take now: whole lines, plus whole LINE_CUT pieces of a line that has
+    no newline yet (a progress bar redrawn with \r, a binary dump), or everything once the rank exited."""
+    if final:
+        return data
+    cut = data.rfind(b"\n") + 1
+    rest = len(data) - cut
+    return data[: cut + (rest // LINE_CUT) * LINE_CUT]
 
 
-def last_lines(rank: Rank, count: int = 5) -> list[str]:
-    try:
-        with open(rank.local_log, "rb") as fh:
-            fh.seek(max(0, os.fstat(fh.fileno()).st_size - 8192))
-            tail = fh.read()
-    except OSError:
-        return []
-    lines = [ln for ln in tail.decode("utf-8", "replace").splitlines() if ln.strip()]
-    return [ln[:300] for ln in lines[-count:]]
+def checkpoint_dir(rank: Rank) -> str:
+    """Where a rank's checkpoints are looked for: <workdir>/outputs/<job> (train_production.py's place)."""
+    return f"{rank.node.workdir.rstrip('/')}/outputs/{rank.job.name}"
+
+
+def record_checkpoints(rank: Rank) -> int:
+    """Ask the rank's node for its checkpoint files and record them; the number recorded or updated."""
+    entries = node_request(rank.node, "listdir", timeout=10, path=checkpoint_dir(rank))["entries"]
+    n = 0
+    for e in entries:
+        if e["name"].endswith(CHECKPOINT_SUFFIXES) and not e["name"].endswith(".tmp"):
+            Checkpoint.objects.update_or_create(
+                job_id=rank.job_id, node_id=rank.node_id, path=f"{checkpoint_dir(rank)}/{e['name']}",
+                defaults={"size": e["size"], "mtime": e["mtime"]},
+            )  # fmt: skip
+            n += 1
+    return n
 
 
 class JobFollower:
@@ -103,9 +150,9 @@ class JobFollower:
         self.job = job
         self.owner = owner
         self.streams: dict[int, RankStream] = {}
-        self.lost_reasons: dict[int, str] = {}  # rank pk -> why its node could not be reached
         self.seen: dict[int, int] = {}  # rank pk -> log size at the last answer (partial line included)
         self.hot_node: int | None = None  # the node whose ranks last had new lines
+        self.scanned: dict[int, float] = {}  # rank pk -> monotonic time its checkpoints were last listed
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -122,13 +169,17 @@ class JobFollower:
         wait: seconds one node may hold its answer until one of its logs grows (a long poll in
         the agent). Only the node that last had new lines waits (the first node until one has):
         the others answer at once, so a silent rank on another node never holds up rank 0's lines.
+        Raises LeaseLost when another follower took the job.
         """
         job = self.job
-        ranks = list(job.ranks.select_related("node").filter(state__in=[Rank.State.RUNNING, Rank.State.PENDING]))
+        ranks = list(job.ranks.select_related("node").filter(state=Rank.State.RUNNING))
         by_node: dict[int, list[Rank]] = {}
         for r in ranks:
             by_node.setdefault(r.node_id, []).append(r)
         hot = self.hot_node if self.hot_node in by_node else next(iter(by_node), None)
+        # No read may outlast the lease: half of it to answer, a quarter of it to wait for lines.
+        wait = min(wait, _lease_s() / 4)
+        read_timeout = _lease_s() / 2
 
         def tail(group: list[Rank]) -> dict:
             files = [
@@ -144,9 +195,10 @@ class JobFollower:
             ]
             node_wait = wait if group[0].node_id == hot else 0.0
             return node_request(
-                group[0].node, "tail", timeout=15 + node_wait, files=files, wait_ms=int(node_wait * 1000)
+                group[0].node, "tail", timeout=read_timeout + node_wait, files=files, wait_ms=int(node_wait * 1000)
             )
 
+        renew(job.pk, self.owner)
         taken = 0
         now = None
         for group, result, err in on_each(list(by_node.values()), tail):
@@ -160,135 +212,119 @@ class JobFollower:
                 if got:
                     self.hot_node = rank.node_id
                 taken += got
+                self._scan_checkpoints(rank)
         return taken
 
-    def _take(self, rank: Rank, item: dict, now) -> int:
-        data = base64.b64decode(item["data"])
+    def _scan_checkpoints(self, rank: Rank) -> None:
+        """Record the rank's checkpoints every CHECKPOINT_SCAN_S while it runs, and once when it ends."""
+        last = self.scanned.get(rank.pk)
+        ended = rank.state != Rank.State.RUNNING
+        if not ended and last is not None and time.monotonic() - last < CHECKPOINT_SCAN_S:
+            return
+        self.scanned[rank.pk] = time.monotonic()
+        try:
+            record_checkpoints(rank)
+        except (LinkError, AgentRequestError) as exc:
+            log.info("checkpoints of %s: %s", rank, exc)
+
+    def recover(self) -> int:
+        """Fetch what lost ranks wrote after they were lost, once their node answers again. A rank is
+        drained when its exit record is read to the end, or when its node rebooted (nothing more comes)."""
+        ranks = list(self.job.ranks.select_related("node", "job").filter(state=Rank.State.LOST, drained=False))
+        taken = 0
+        renew(self.job.pk, self.owner)
+        for rank in ranks:
+            try:
+                boot_now = (node_request(rank.node, "hello", timeout=5) or {}).get("boot_id") or ""
+                item = node_request(
+                    rank.node, "tail", timeout=_lease_s() / 2,
+                    files=[{"key": rank.pk, "path": rank.remote_log, "offset": rank.log_offset,
+                            "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES}],
+                )["files"][0]  # fmt: skip
+            except (LinkError, AgentRequestError, OSError):
+                continue  # still away
+            rebooted = bool(rank.boot_id and boot_now and boot_now != rank.boot_id)
+            taken += self._take(rank, item, timezone.now(), final=rebooted and item["eof"])
+            if rebooted and item["eof"]:
+                lifecycle.rank_drained(rank)
+        return taken
+
+    def _take(self, rank: Rank, item: dict, now: datetime, final: bool = False) -> int:
+        raw = base64.b64decode(item["data"])
         exited = item["exit"] is not None
-        final = exited and item["eof"]
-        if not final:
-            cut = data.rfind(b"\n")
-            data = data[: cut + 1] if cut >= 0 else b""
+        final = final or (exited and item["eof"])
+        data = takeable(raw, final)
+        if not data and not final:
+            Rank.objects.filter(pk=rank.pk).update(last_contact=now)
+            return 0
         lines = split_lines(data)
         stream = self._stream(rank)
         points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now)
         old = rank.log_offset
-        if data:
-            _append(rank.local_log, old, data)
-            with open(times_path(rank), "a") as fh:  # when each chunk arrived, for merged views
-                fh.write(f"{old + len(data)} {now.timestamp():.3f}\n")
         fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
-        if final:
-            rc = int(item["exit"]["rc"])
-            ended = item["exit"].get("ended")
-            fields.update(
-                state=Rank.State.EXITED, exit_code=rc, ended_at=datetime.fromtimestamp(ended, tz=UTC) if ended else now
-            )
         with transaction.atomic():
+            renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
+            if data:
+                _append(rank.local_log, old, data)
+                _append(
+                    times_path(rank), _size(times_path(rank)), f"{old + len(data)} {now.timestamp():.3f}\n".encode()
+                )
             if points:
-                self._append_jsonl(jsonl)
+                committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
+                size = self._append_jsonl(committed, jsonl)
                 MetricPoint.objects.bulk_create(points, batch_size=2000)
-            if not Rank.objects.filter(pk=rank.pk, log_offset=old).update(**fields):
-                raise RuntimeError(f"rank {rank.index} of {self.job.name} was advanced by another follower")
-            if points:
-                Job.objects.filter(pk=self.job.pk).update(metrics_bytes=self.job.metrics_bytes)
-        for key, value in fields.items():
-            setattr(rank, key, value)
+                Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
+            if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
+                raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
+        self._publish(rank, old, len(data), lines, points)
+        return len(data)
+
+    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[MetricPoint]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
         # of this commit, so a page that loaded the log up to some offset can drop what it has.
-        for i in range(0, max(len(lines), len(points)), PUBLISH_SLICE):
+        shown = [display_text(ln) for ln in lines]
+        for i in range(0, max(len(shown), len(points)), PUBLISH_SLICE):
             publish_job(
                 self.job,
                 "lines",
                 {
                     "rank": rank.index,
                     "start": old,
-                    "end": old + len(data),
-                    "lines": lines[i : i + PUBLISH_SLICE],
+                    "end": old + size,
+                    "lines": shown[i : i + PUBLISH_SLICE],
                     "points": [[p.rank, p.step, p.name, p.value] for p in points[i : i + PUBLISH_SLICE]],
                 },
             )
-        return len(data)
 
-    def _append_jsonl(self, jsonl: list[str]) -> None:
+    def _append_jsonl(self, committed: int, jsonl: list[str]) -> int:
         # Same rule as the logs: cut back to the committed size, append, commit the new size.
         chunk = ("\n".join(jsonl) + "\n").encode()
-        _append(self.job.job_dir / "metrics.jsonl", self.job.metrics_bytes, chunk)
-        self.job.metrics_bytes += len(chunk)
+        _append(self.job.job_dir / "metrics.jsonl", committed, chunk)
+        return committed + len(chunk)
 
-    def _unreachable(self, group: list[Rank], err: Exception, now) -> None:
+    def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:
         lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
         for rank in group:
             since = rank.last_contact or rank.started_at or now
             if (now - since).total_seconds() > lost_after:
-                Rank.objects.filter(pk=rank.pk).update(state=Rank.State.LOST)
-                rank.state = Rank.State.LOST
-                self.lost_reasons[rank.pk] = str(err)
-
-    def verdict(self) -> tuple[str, str, Rank | None] | None:
-        """(state, reason, the rank at fault) once the ranks say how the job ended, else None."""
-        ranks = list(self.job.ranks.select_related("node").order_by("index"))
-        lost = [r for r in ranks if r.state == Rank.State.LOST]
-        if lost:
-            r = lost[0]
-            reason = self.lost_reasons.get(r.pk, "no contact")
-            return Job.State.FAILED, f"node {r.node.name} (rank {r.index}) stopped answering: {reason}", r
-        failed = sorted(
-            (r for r in ranks if r.state == Rank.State.EXITED and r.exit_code != 0),
-            key=lambda r: (r.ended_at or timezone.now(), r.index),
-        )
-        if failed:
-            r = failed[0]
-            lines = "\n".join("    " + ln for ln in last_lines(r))
-            return (
-                Job.State.FAILED,
-                f"rank {r.index} on {r.node.name} exited with code {r.exit_text()}"
-                + (f"; last lines:\n{lines}" if lines else ""),
-                r,
-            )
-        if all(r.state == Rank.State.EXITED for r in ranks):
-            return Job.State.SUCCEEDED, "", None
-        return None
+                lifecycle.rank_lost(rank, f"node {rank.node.name} stopped answering: {err}")
 
 
-def finish_if_done(follower: JobFollower) -> bool:
-    """End the job when its ranks say so: stop the rest on failure. True if the job ended."""
-    from .stop import _end, release_nodes, stop_processes
-
-    outcome = follower.verdict()
-    if outcome is None:
-        return False
-    state, reason, culprit = outcome
-    job = _end(follower.job, state, reason)
-    if job.state == state and state == Job.State.FAILED:
-        if culprit is not None and culprit.state == Rank.State.EXITED:
-            from cluster.alerts import rank_died_alert
-
-            rank_died_alert(culprit)  # a lost node is the health monitor's alert to raise
-        stop_processes(job)
-        drain(follower)
-    release_nodes(job)
-    publish_job(job, "state", {"state": job.state, "reason": job.failure_reason})
-    return True
-
-
-def drain(follower: JobFollower, timeout: float = 10.0) -> None:
-    """Take what the stopped ranks wrote last (their wrappers record exit codes after the kill)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        follower.step()
-        if not follower.job.ranks.filter(state__in=[Rank.State.RUNNING, Rank.State.PENDING]).exists():
-            return
-        time.sleep(0.2)
-
-
-def drain_job(job: Job, timeout: float = 10.0) -> None:
-    owner = follower_id() + ":drain"
-    deadline = time.monotonic() + settings.UGRO["FOLLOW_LEASE_S"] + 1
-    while not claim(job.pk, owner, live_only=False) and time.monotonic() < deadline:
-        time.sleep(0.2)  # let the current follower finish its step
+def _size(path: Path) -> int:
     try:
-        drain(JobFollower(job, owner), timeout)
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def recover_output(job: Job, owner: str) -> bool:
+    """Fetch the rest of a lost rank's output (an ended job's); True if anything was taken."""
+    if not claim(job.pk, owner, any_state=True):
+        return False
+    try:
+        return JobFollower(job, owner).recover() > 0
+    except LeaseLost:
+        return False
     finally:
         release(job.pk, owner)
 
@@ -300,10 +336,11 @@ def follow(
     idle_sleep: float = 0.25,
     exit_when_idle: bool = False,
 ) -> None:
-    """Follow running jobs (all, or the given ones) until none is left or max_seconds pass.
+    """Follow jobs with output to copy (all, or the given ones) until none is left or max_seconds pass.
 
-    exit_when_idle: return as soon as a pass finds no job this follower may follow (another
-    follower holds them all, or none runs), so periodic tasks do not pile up.
+    After each pass a RUNNING job is judged: its end (success, or failure and the stopping of the
+    rest) is decided by jobs/lifecycle.py. exit_when_idle: return as soon as a pass finds no job this
+    follower may follow (another follower holds them all, or none runs), so periodic tasks do not pile up.
     """
     owner = owner or follower_id()
     followers: dict[int, JobFollower] = {}
@@ -311,18 +348,18 @@ def follow(
     try:
         while time.monotonic() < deadline:
             started = time.monotonic()
-            qs = Job.objects.filter(state=Job.State.RUNNING)
+            qs = Job.objects.filter(lifecycle.followable()).distinct()
             if job_ids is not None:
                 qs = qs.filter(pk__in=job_ids)
-            running = list(qs)
-            if not running and (job_ids is not None):
+            active = list(qs)
+            if not active and (job_ids is not None):
                 return
             taken = 0
             # Instead of sleeping between idle passes, each job's node long-polls its share of
             # idle_sleep: a line is taken as soon as it is written, and an idle job costs the
             # same round trips per second as before.
-            wait = min(idle_sleep / max(1, len(running)), max(0.0, deadline - time.monotonic()))
-            for job in running:
+            wait = min(idle_sleep / max(1, len(active)), max(0.0, deadline - time.monotonic()))
+            for job in active:
                 if not claim(job.pk, owner):
                     followers.pop(job.pk, None)
                     continue
@@ -331,9 +368,11 @@ def follow(
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
                     taken += f.step(wait=wait)
-                    if finish_if_done(f):
-                        followers.pop(job.pk, None)
-                        release(job.pk, owner)
+                    f.job.refresh_from_db()
+                    lifecycle.judge(f.job)
+                except LeaseLost as exc:
+                    log.info("following %s: %s", job.name, exc)
+                    followers.pop(job.pk, None)
                 except (LinkError, AgentRequestError) as exc:
                     log.warning("following %s: %s", job.name, exc)
                 except Exception:  # one job's trouble must not stop the others being followed

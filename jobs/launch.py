@@ -11,19 +11,22 @@ from __future__ import annotations
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
-from django.utils import timezone
+from django.db import transaction
 
 from cluster.models import ClusterSettings, Node
 from cluster.names import check_name
 
+from . import lifecycle
+from .failure import Failure, FailureKind
+from .follow import follower_id
 from .models import Job, Rank
 from .nodes import node_request, on_each
+from .preflight import run_preflight
+from .stop import stop_processes
 
 # The train_production.py interface; a cluster can name another script and template.
 DEFAULT_ARGS_TEMPLATE = [
@@ -79,8 +82,15 @@ def create_job(req: LaunchRequest) -> Job:
         check_name(req.name, "job name")
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
+    never_ran = Job.objects.none()
     if Job.objects.filter(name=req.name).exists():
-        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+        # A job that never ran because its checks refused it leaves its name free for the fixed launch.
+        never_ran = Job.objects.filter(
+            name=req.name, state=Job.State.FAILED, running_at__isnull=True,
+            failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
+        )  # fmt: skip
+        if not never_ran.exists():
+            raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
     cs = ClusterSettings.load()
     training = cs.training or {}
     model = _check_arg(req.model or str(training.get("default_model") or "tiny"), "model")
@@ -119,17 +129,19 @@ def create_job(req: LaunchRequest) -> Job:
 
     values = {"model": model, "dataset": dataset, "epochs": str(epochs), "lr": repr(lr), "job": req.name}
     args = render_args(cs.script_args_template or DEFAULT_ARGS_TEMPLATE, values) + extra
-    return Job.objects.create(
-        name=req.name,
-        script=script,
-        script_args=args,
-        params={"model": model, "dataset": dataset, "epochs": epochs, "lr": lr, "extra": extra},
-        requested_nodes=list(req.nodes),
-        requested_count=None if req.nodes else count,
-        nproc_per_node=req.nproc_per_node,
-        priority=req.priority,
-        sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
-    )
+    with transaction.atomic():
+        never_ran.delete()
+        return Job.objects.create(
+            name=req.name,
+            script=script,
+            script_args=args,
+            params={"model": model, "dataset": dataset, "epochs": epochs, "lr": lr, "extra": extra},
+            requested_nodes=list(req.nodes),
+            requested_count=None if req.nodes else count,
+            nproc_per_node=req.nproc_per_node,
+            priority=req.priority,
+            sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
+        )
 
 
 def _free_nodes() -> list[Node]:
@@ -150,25 +162,7 @@ def place(job: Job) -> bool:
         if len(free) < (job.requested_count or 1):
             return False
         chosen = free[: job.requested_count or 1]
-    tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        with transaction.atomic():
-            updated = Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).update(
-                state=Job.State.STARTING, started_at=timezone.now(), tag=tag
-            )
-            if not updated:
-                return False
-            for index, node in enumerate(chosen):
-                base = f"{node.workdir.rstrip('/') or '/'}/.ugro/jobs/{tag}"
-                Rank.objects.create(
-                    job=job, node=node, index=index,
-                    remote_log=f"{base}/rank_{index}.log", remote_exit=f"{base}/rank_{index}.exit",
-                )  # fmt: skip
-    except IntegrityError:
-        # Another scheduler claimed one of these nodes first: the database said no.
-        return False
-    job.refresh_from_db()
-    return True
+    return lifecycle.claim_nodes(job, chosen)
 
 
 def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
@@ -200,6 +194,8 @@ def rank_env(job: Job, rank: Rank) -> dict[str, str]:
         "UGRO_JOB_ID": str(job.pk),
         "UGRO_NODE_RANK": str(rank.index),
         "PYTHONUNBUFFERED": "1",
+        # torchrun writes the failing worker's error (exit code, traceback) here, as it documents
+        "TORCHELASTIC_ERROR_FILE": rank.remote_error,
     })  # fmt: skip
     return env
 
@@ -233,13 +229,12 @@ def write_job_config(job: Job, ranks: list[Rank]) -> None:
 
 
 def launch(job: Job) -> Job:
-    """Start every rank of a STARTING job concurrently; the job ends RUNNING or FAILED."""
-    from .follow import follower_id
-    from .preflight import run_preflight
-    from .stop import fail_job, stop_processes
+    """Start every rank of a STARTING job concurrently; the job ends RUNNING, FAILING or FAILED.
 
-    ranks = list(job.ranks.select_related("node").order_by("index"))
-    t0 = time.monotonic()
+    Nothing started (unreachable node, pre-flight): FAILED at once, nodes freed. A rank that did not
+    start, or a start past the sync window: FAILING, and the teardown stops whatever did start.
+    """
+    ranks = list(job.ranks.select_related("node", "job").order_by("index"))
     window = job.sync_window_s
     cs = ClusterSettings.load()
     job.rdzv_endpoint = f"{ranks[0].node.address}:{cs.rendezvous_port}"
@@ -251,11 +246,18 @@ def launch(job: Job) -> Job:
     reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"]))
     down = [f"node {r.node.name}: {err}" for r, _, err in reached if err]
     if down:
-        return fail_job(job, "cannot reach " + "; ".join(down) + ". Nothing was started.")
+        lifecycle.fail_unstarted(
+            job, FailureKind.NODE_LOST, "cannot reach " + "; ".join(down) + ". Nothing was started."
+        )
+        return job
+    boot_ids = {r.pk: (hello or {}).get("boot_id") or "" for r, hello, _ in reached}
 
     problems = run_preflight(job, ranks)
     if problems:
-        return fail_job(job, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started.")
+        lifecycle.fail_unstarted(
+            job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
+        )
+        return job
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:
@@ -264,31 +266,29 @@ def launch(job: Job) -> Job:
             rank.node, "start", timeout=left,
             argv=rank_command(job, rank, len(ranks), job.rdzv_endpoint),
             env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
+            key=rank.start_key, record=rank.start_record,
         )  # fmt: skip
         rank.pid = result["pid"]
         return time.monotonic()
 
     started = on_each(ranks, start)
-    now = timezone.now()
     ok_times = [t for _, t, err in started if err is None]
-    for rank, _, err in started:
-        if err is None:
-            Rank.objects.filter(pk=rank.pk).update(
-                pid=rank.pid, state=Rank.State.RUNNING, started_at=now, last_contact=now
-            )
     spread = (max(ok_times) - min(ok_times)) if ok_times else None
-    job.launch_spread_s = spread
-    job.save(update_fields=["launch_spread_s"])
-    errors = [f"rank {r.index} on {r.node.name}: {err}" for r, _, err in started if err]
+    up = [lifecycle.Started(r, r.pid, boot_ids.get(r.pk, "")) for r, _, err in started if err is None]
+    errors = [(r, err) for r, _, err in started if err]
     elapsed = time.monotonic() - t0
-    if errors or elapsed > window:
-        stop_processes(job, ranks)
-        reason = "; ".join(errors) if errors else f"ranks took {elapsed:.1f}s to start (sync window {window:g}s)"
-        return fail_job(job, f"launch failed: {reason}. Everything started was stopped.")
-    updated = Job.objects.filter(pk=job.pk, state=Job.State.STARTING).update(
-        state=Job.State.RUNNING, running_at=timezone.now()
-    )
-    job.refresh_from_db()
-    if not updated and job.state == Job.State.CANCELLED:
-        stop_processes(job, ranks)
+    if not errors and elapsed <= window:
+        if not lifecycle.ranks_started(job, up, spread):
+            # Cancelled or timed out meanwhile: whoever moved it stops the job; make sure of it here too.
+            stop_processes(job, ranks)
+        return job
+    lifecycle.ranks_started_partly(job, up, spread)
+    if errors:
+        r, err = errors[0]
+        failure = Failure(kind=FailureKind.UNKNOWN, rank=r.index, node=r.node.name, exit_code=None, signal=None,
+                          line=f"rank {r.index} on {r.node.name} did not start: {err}")  # fmt: skip
+    else:
+        failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None,
+                          line=f"ranks took {elapsed:.1f}s to start (sync window {window:g}s)")  # fmt: skip
+    lifecycle.fail(job, failure)
     return job

@@ -1,14 +1,57 @@
-"""Reading the central copies of rank logs: one rank, or all merged in arrival order."""
+"""Reading the central copies of rank logs: one rank, or all merged in arrival order.
+
+The central copy is byte for byte what the rank wrote. What people see of a line is its last
+carriage-return state (a progress bar redrawn 100,000 times shows once, as it ended), and a line
+longer than LINE_CUT bytes is shown in LINE_CUT pieces (the follower cuts it there too).
+"""
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from .follow import times_path
 from .models import Job, Rank
+
+LINE_CUT = 1024 * 1024  # bytes: a longer "line" (no newline yet) is taken and shown in pieces
+TAIL_READ_BYTES = 256 * 1024  # a tail reads at most this much from the end of each log
+
+
+def times_path(rank: Rank) -> Path:
+    """When each chunk of a rank's log arrived (byte offset, time), for merged views."""
+    return rank.local_log.with_suffix(".times")
+
+
+def display_text(text: str) -> str:
+    """What a terminal would show of a line: its last non-empty carriage-return segment."""
+    if "\r" not in text:
+        return text
+    for segment in reversed(text.split("\r")):
+        if segment.strip():
+            return segment
+    return ""
+
+
+def tail_lines(rank: Rank, count: int = 200, max_bytes: int = TAIL_READ_BYTES) -> list[str]:
+    """The last `count` committed lines of a rank's central log, read from its end (bounded)."""
+    end = rank.log_offset
+    start = max(0, end - max_bytes)
+    try:
+        with open(rank.local_log, "rb") as fh:
+            fh.seek(start)
+            data = fh.read(end - start)
+    except OSError:
+        return []
+    if start > 0:
+        cut = data.find(b"\n")
+        data = data[cut + 1 :] if cut >= 0 else data
+    lines = [display_text(ln) for ln in data.decode("utf-8", "replace").split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines[-count:]
 
 
 @dataclass(frozen=True)
@@ -50,13 +93,13 @@ def rank_lines(rank: Rank, start: int = 0, end: int | None = None) -> Iterator[t
         fh.seek(start)
         pos, seq = start, 0
         while pos < end:
-            raw = fh.readline(min(end - pos, 1 << 20))
+            raw = fh.readline(min(end - pos, LINE_CUT))
             if not raw:
                 break
             pos += len(raw)
             i = bisect.bisect_left(ends, pos)
             when = times[i] if i < len(times) else (times[-1] if times else 0.0)
-            text = raw.rstrip(b"\n").decode("utf-8", "replace")
+            text = display_text(raw.rstrip(b"\n").decode("utf-8", "replace"))
             yield pos, LogLine(when, rank.index, seq, text)
             seq += 1
 
@@ -71,6 +114,38 @@ def job_lines(
     ranks = list(job.ranks.order_by("index")) if ranks is None else ranks
     if rank_index is not None:
         ranks = [r for r in ranks if r.index == rank_index]
-    streams = [(line for _, line in rank_lines(r)) for r in ranks]
+    start = {}
+    if tail:
+        # Read only the end of each log: each rank contributes at most `tail` lines to a merged tail.
+        start = {r.pk: _tail_start(r, tail) for r in ranks}
+    streams = [(line for _, line in rank_lines(r, start.get(r.pk, 0))) for r in ranks]
     merged = list(heapq.merge(*streams, key=lambda ln: (ln.time, ln.rank, ln.seq)))
     return merged[-tail:] if tail else merged
+
+
+def _tail_start(rank: Rank, count: int) -> int:
+    """A line-start offset at or before the `count`-th last committed line (reading back in blocks)."""
+    end = rank.log_offset
+    pos, newlines, block = end, 0, 64 * 1024
+    try:
+        fd = os.open(rank.local_log, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        while pos > 0:
+            read_from = max(0, pos - block)
+            data = os.pread(fd, pos - read_from, read_from)
+            # the last line's own newline does not separate it from the one before
+            stop = len(data) - 1 if pos == end and data.endswith(b"\n") else len(data)
+            i = stop
+            while True:
+                i = data.rfind(b"\n", 0, i)
+                if i < 0:
+                    break
+                newlines += 1
+                if newlines >= count:
+                    return read_from + i + 1
+            pos = read_from
+    finally:
+        os.close(fd)
+    return 0

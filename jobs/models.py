@@ -13,17 +13,26 @@ from cluster.names import validate_safe_name
 
 
 class Job(models.Model):
-    """One distributed training run: QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+    """One distributed training run. Only jobs/lifecycle.py changes `state` (docs/lifecycle.md):
+
+    QUEUED -> STARTING -> RUNNING -> SUCCEEDED; STARTING | RUNNING -> FAILING -> FAILED;
+    QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED.
+    FAILING and CANCELLING hold the nodes while the job's processes are stopped; the final states
+    release every node in the same transaction that sets them.
+    """
 
     class State(models.TextChoices):
         QUEUED = "queued", "queued"
         STARTING = "starting", "starting"
         RUNNING = "running", "running"
+        CANCELLING = "cancelling", "cancelling"
+        FAILING = "failing", "failing"
         SUCCEEDED = "succeeded", "succeeded"
         FAILED = "failed", "failed"
         CANCELLED = "cancelled", "cancelled"
 
     LIVE_STATES = (State.STARTING, State.RUNNING)
+    STOPPING_STATES = (State.CANCELLING, State.FAILING)
     ENDED_STATES = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
 
     name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
@@ -39,7 +48,15 @@ class Job(models.Model):
     rdzv_endpoint = models.CharField(max_length=300, blank=True)
     sync_window_s = models.FloatField(default=30.0)
     launch_spread_s = models.FloatField(null=True, blank=True, help_text="First to last rank start.")
-    failure_reason = models.TextField(blank=True)
+    failure_reason = models.TextField(blank=True, help_text="One line: kind, rank, exit code and the decisive line.")
+    failure_kind = models.CharField(max_length=16, blank=True, db_index=True)
+    failure_rank = models.IntegerField(null=True, blank=True, help_text="The first failing rank (node rank).")
+    failure_node = models.CharField(max_length=64, blank=True)
+    failure_exit_code = models.IntegerField(null=True, blank=True, help_text="The script's own exit code.")
+    failure_signal = models.IntegerField(null=True, blank=True)
+    failure_line = models.TextField(blank=True, help_text="The decisive line of the failing rank's output.")
+    attempt = models.PositiveIntegerField(default=1, help_text="Resume and retry make attempt N+1 of the job.")
+    state_changed_at = models.DateTimeField(null=True, blank=True, help_text="When the job entered its state.")
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     running_at = models.DateTimeField(null=True, blank=True)
@@ -59,6 +76,10 @@ class Job(models.Model):
     @property
     def is_live(self) -> bool:
         return self.state in self.LIVE_STATES
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.state in self.STOPPING_STATES
 
     @property
     def is_ended(self) -> bool:
@@ -99,6 +120,11 @@ class Rank(models.Model):
     ended_at = models.DateTimeField(null=True, blank=True)
     remote_log = models.CharField(max_length=1000, blank=True)
     remote_exit = models.CharField(max_length=1000, blank=True)
+    remote_error = models.CharField(max_length=1000, blank=True, help_text="torchrun's TORCHELASTIC_ERROR_FILE.")
+    start_record = models.CharField(max_length=1000, blank=True, help_text="The agent's record of the start.")
+    boot_id = models.CharField(max_length=64, blank=True, help_text="The node's boot id when the rank started.")
+    lost_reason = models.TextField(blank=True)
+    drained = models.BooleanField(default=False, help_text="All of the rank's output was copied.")
     log_offset = models.BigIntegerField(default=0, help_text="Bytes of the node's log already copied.")
     log_lines = models.BigIntegerField(default=0)
     last_contact = models.DateTimeField(null=True, blank=True)
@@ -119,9 +145,32 @@ class Rank(models.Model):
     def local_log(self) -> Path:
         return self.job.logs_dir / f"rank_{self.index}.log"
 
+    @property
+    def start_key(self) -> str:
+        """The idempotency key of this rank's start: a retried start never starts a second torchrun."""
+        return f"{self.job.tag}:{self.index}:{self.job.attempt}"
+
     def exit_text(self) -> str:
         if self.exit_code is None:
             return "-"
         if self.exit_code < 0:
             return f"killed by signal {-self.exit_code}"
         return str(self.exit_code)
+
+
+class Checkpoint(models.Model):
+    """A checkpoint file a rank wrote on its node, as the follower recorded it (pages never ask nodes)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+")
+    path = models.CharField(max_length=1000)
+    size = models.BigIntegerField()
+    mtime = models.FloatField(help_text="Modification time on the node (the node's clock).")
+    recorded_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "path"]
+        constraints = [models.UniqueConstraint(fields=["job", "node", "path"], name="checkpoint_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}:{self.path}"

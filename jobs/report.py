@@ -7,12 +7,7 @@ import json
 from django.core.management.base import CommandError
 from django.utils import timezone
 
-from cluster.links import AgentRequestError, LinkError
-
 from .models import Job
-from .nodes import node_request
-
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
 
 
 def get_job(name: str) -> Job:
@@ -65,18 +60,8 @@ def job_detail(job: Job) -> list[str]:
 
 
 def checkpoints(job: Job) -> list[tuple[str, str, int]]:
-    """(node, path, size) of checkpoint files in each node's outputs/<job> directory."""
-    found = []
-    for r in job.ranks.select_related("node").order_by("index"):
-        directory = f"{r.node.workdir.rstrip('/')}/outputs/{job.name}"
-        try:
-            entries = node_request(r.node, "listdir", timeout=10, path=directory)["entries"]
-        except (LinkError, AgentRequestError):
-            continue
-        for e in entries:
-            if e["name"].endswith(CHECKPOINT_SUFFIXES):
-                found.append((r.node.name, f"{directory}/{e['name']}", e["size"]))
-    return found
+    """(node, path, size) of the checkpoints the follower recorded for the job."""
+    return [(c.node.name, c.path, c.size) for c in job.checkpoints.select_related("node").order_by("path")]
 
 
 def results(job: Job) -> list[str]:
@@ -93,7 +78,7 @@ def results(job: Job) -> list[str]:
         final.setdefault(p.rank, p)
     for rank, p in sorted(final.items()):
         out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
-    ckpts = checkpoints(job) if job.ranks.exists() else []
+    ckpts = checkpoints(job)
     out.append(f"  checkpoints: {len(ckpts)}")
     for node, path, size in ckpts:
         out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")

@@ -1,33 +1,48 @@
-"""Celery tasks: thin wrappers that call the scheduler and the follower."""
+"""Celery tasks: thin wrappers around the scheduler, the follower, the lifecycle and the reconciler.
+
+All are safe to run twice (acks_late: a task lost with its worker is delivered again).
+"""
 
 from __future__ import annotations
+
+import logging
 
 from celery import shared_task
 from django.conf import settings
 
+from ugro_site.celery import send_task
+
+from . import lifecycle
 from .follow import follow
 from .models import Job
+from .reconcile import reconcile
 from .scheduler import schedule
-from .stop import finish_stopping, reap_ended_jobs
+
+log = logging.getLogger(__name__)
 
 
-@shared_task(ignore_result=True)
+@shared_task(ignore_result=True, acks_late=True)
 def schedule_jobs() -> None:
-    reap_ended_jobs()
     schedule()
 
 
-@shared_task(ignore_result=True)
-def stop_job(job_id: int) -> None:
-    """Stop a cancelled job's processes on its nodes (the web request only marked it)."""
+@shared_task(ignore_result=True, acks_late=True)
+def teardown_job(job_id: int) -> None:
+    """Stop a cancelling or failing job's processes and make its end final."""
     job = Job.objects.filter(pk=job_id).first()
     if job is not None:
-        finish_stopping(job)
+        lifecycle.teardown(job)
 
 
-@shared_task(ignore_result=True)
+@shared_task(ignore_result=True, acks_late=True)
+def reconcile_jobs() -> None:
+    reconcile()
+
+
+@shared_task(ignore_result=True, acks_late=True)
 def follow_jobs() -> None:
-    """Follow running jobs for up to a minute, then hand over to a fresh task (never a long-held one)."""
+    """Follow jobs for up to a minute, then hand over to a fresh task (never a long-held one)."""
     follow(settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True)
-    if Job.objects.filter(state=Job.State.RUNNING, follower="").exists():
-        follow_jobs.apply_async(retry=False)
+    if Job.objects.filter(lifecycle.followable(), follower="").exists():
+        # Redis away: no successor now; beat queues a follow task every few seconds anyway.
+        send_task("jobs.tasks.follow_jobs")

@@ -17,16 +17,15 @@ from django.views.decorators.http import require_GET, require_POST
 from cluster.models import Node
 from metrics.models import MetricPoint
 
-from . import report
+from . import lifecycle, report
 from .launch import LaunchError, LaunchRequest, create_job
 from .logs import job_lines
 from .models import Job, Rank
 from .scheduler import request_schedule
-from .stop import cancel_job
 
 LANES = (
     ("queued", "Queued", (Job.State.QUEUED,)),
-    ("running", "Running", Job.LIVE_STATES),
+    ("running", "Running", (*Job.LIVE_STATES, *Job.STOPPING_STATES)),
     ("done", "Done", Job.ENDED_STATES),
 )
 DONE_LIMIT = 50
@@ -165,14 +164,11 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     try:
-        job, unclean = cancel_job(job, background=True)
+        job = lifecycle.cancel(job)  # returns at once: a worker (or the reconciler) stops the processes
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
-        if unclean:
-            messages.warning(request, f"job {job.name} cancelled; not confirmed clean: {'; '.join(unclean)}")
-        else:
-            messages.success(request, f"job {job.name} cancelled")
+        messages.success(request, f"job {job.name} {job.state}")
     return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
 
 
@@ -290,9 +286,9 @@ def launch(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
-    """Checkpoint files on the nodes of an ended job (asked over SSH: the page loads it after rendering)."""
+    """The checkpoints the follower recorded for a job (no node is asked during the request)."""
     job = get_object_or_404(Job, pk=pk)
-    found = report.checkpoints(job) if job.is_ended and job.ranks.exists() else []
+    found = report.checkpoints(job)
     return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
 
 

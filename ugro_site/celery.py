@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery, signals
+from celery.beat import PersistentScheduler
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
 
@@ -26,6 +27,24 @@ def broker_answers(timeout: float = 0.3) -> bool:
             return True
     except OSError:
         return False
+
+
+def send_task(name: str, *args) -> bool:
+    """Queue a task by name if the broker answers; False (never an exception) when it does not.
+
+    By name, so that domain modules can queue work without importing the tasks module above them.
+    Whoever needed the task also has a fallback: the reconciler repeats what was never queued.
+    """
+    import logging
+
+    if not broker_answers():
+        return False
+    try:
+        app.send_task(name, args=list(args), retry=False)
+    except Exception as exc:  # the broker went away in between
+        logging.getLogger(__name__).info("could not queue %s: %s", name, exc)
+        return False
+    return True
 
 
 # A worker says it is alive through a short-lived Redis key, so a `launch` command can hand the
@@ -73,3 +92,28 @@ def _stop_heartbeat(**kwargs) -> None:
         _redis().delete(HEARTBEAT_KEY)
     except Exception:  # it expires by itself
         pass
+
+
+class QuietScheduler(PersistentScheduler):
+    """Beat's scheduler, saying one line when the broker goes away and one when it is back, instead of
+    a ~150-line traceback on every tick of every entry while Redis is down."""
+
+    _broker_down_since: float | None = None
+
+    def apply_entry(self, entry, producer=None):
+        import logging
+        import time
+
+        logger = logging.getLogger("ugro.beat")
+        if not broker_answers():
+            if self._broker_down_since is None:
+                self._broker_down_since = time.monotonic()
+                logger.warning("broker unreachable: scheduled tasks wait until it is back")
+            return
+        if self._broker_down_since is not None:
+            logger.warning("broker back after %.0fs", time.monotonic() - self._broker_down_since)
+            self._broker_down_since = None
+        try:
+            self.apply_async(entry, producer=producer, advance=False)
+        except Exception as exc:  # it went away between the check and the send: the next tick retries
+            logger.warning("could not send %s: %s", entry.task, exc)

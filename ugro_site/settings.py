@@ -132,7 +132,9 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "schedule-jobs": {"task": "jobs.tasks.schedule_jobs", "schedule": 10.0},
     "follow-jobs": {"task": "jobs.tasks.follow_jobs", "schedule": 5.0},
+    "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": 5.0},
 }
+CELERY_BEAT_SCHEDULER = "ugro_site.celery:QuietScheduler"
 
 from django.utils.csp import CSP  # noqa: E402
 
@@ -156,6 +158,10 @@ UGRO = {
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0),
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0),
     "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0),
+    # Per-state time limits (docs/lifecycle.md): STARTING may last the sync window plus this (connect,
+    # pre-flight); CANCELLING/FAILING are torn down again by the reconciler after the kill grace plus this.
+    "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0),
+    "STOPPING_RETRY_S": env_float("UGRO_STOPPING_RETRY_S", 15.0, minimum=1.0),
 }
 
 LOGGING = {

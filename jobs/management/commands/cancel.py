@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
+from jobs import lifecycle
 from jobs.report import get_job
-from jobs.stop import cancel_job
 
 
 class Command(BaseCommand):
@@ -15,9 +15,16 @@ class Command(BaseCommand):
     def handle(self, name, **options):
         job = get_job(name)
         try:
-            job, unclean = cancel_job(job)
+            job = lifecycle.cancel(job)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-        if unclean:
-            raise CommandError(f"job {job.name} cancelled, but not confirmed clean on: {'; '.join(unclean)}")
+        if job.is_stopping:
+            lifecycle.teardown(job)  # here and now (a worker may be doing the same: both are safe)
+            job.refresh_from_db()
+        if job.is_stopping:
+            raise CommandError(f"job {job.name} is {job.state}: its processes are still being stopped")
+        if job.state != "cancelled":
+            raise CommandError(f"job {job.name} {job.state} before it could be cancelled")
+        if "not confirmed stopped" in job.failure_reason:
+            raise CommandError(f"job {job.name} cancelled, but {job.failure_reason.split('; ', 1)[1]}")
         self.stdout.write(f"job {job.name} cancelled; no process of it remains on its nodes")

@@ -1,17 +1,16 @@
 from __future__ import annotations
 
 import sys
-import threading
 import time
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connections
 
-from jobs.follow import follow, follower_id
 from jobs.launch import LaunchError, LaunchRequest, create_job
 from jobs.logs import rank_lines
 from jobs.models import Job
 from jobs.scheduler import request_schedule, schedule
+from jobs.watch import JobWatch
 from ugro_site.celery import worker_alive
 
 
@@ -45,6 +44,8 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued (id {job.pk})")
         job = start(job)
+        if job.is_stopping:
+            job = wait_final(job)  # a failed launch's teardown may run on a thread of this process
         if o["detach"]:
             return self._report_detached(job)
         watcher = Watcher(job, self.stdout)
@@ -60,8 +61,8 @@ class Command(BaseCommand):
         self._finish(job)
 
     def _report_detached(self, job: Job) -> None:
-        if job.state == Job.State.FAILED:
-            raise CommandError(f"job {job.name} failed: {job.failure_reason.splitlines()[0]}")
+        if job.state in (Job.State.FAILED, Job.State.FAILING):
+            raise CommandError(f"job {job.name} failed: {job.failure_reason}")
         where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
         self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
         if not worker_alive():
@@ -73,11 +74,23 @@ class Command(BaseCommand):
         spread = f", rank start spread {job.launch_spread_s * 1000:.0f} ms" if job.launch_spread_s else ""
         self.stdout.write(f"job {job.name} {job.state} after {job.duration() or 0:.1f}s{spread}")
         if job.state != Job.State.SUCCEEDED:
-            raise CommandError(job.failure_reason.splitlines()[0] if job.failure_reason else job.state)
+            raise CommandError(f"job {job.name} {job.state}: {job.failure_reason or '-'}")
+
+
+def wait_final(job: Job) -> Job:
+    """Wait (bounded: the kill grace and a margin) for a stopping job to reach its final state."""
+    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    while job.is_stopping and time.monotonic() < deadline:
+        time.sleep(0.1)
+        job.refresh_from_db()
+    return job
 
 
 def start(job: Job, handover_s: float = 5.0) -> Job:
-    """Hand the start to a live worker (warm links to the nodes); launch here if none takes it."""
+    """Hand the start to a live worker (warm links to the nodes); launch here if none takes it.
+
+    Here, only this job is scheduled: a command never starts other people's queued jobs.
+    """
     if worker_alive():
         request_schedule()  # runs now: a command's connection is in autocommit
         deadline = time.monotonic() + handover_s
@@ -92,7 +105,7 @@ def start(job: Job, handover_s: float = 5.0) -> Job:
             time.sleep(0.05)
             job.refresh_from_db()
     if job.state == Job.State.QUEUED:
-        schedule()
+        schedule(only=[job.pk])
         job.refresh_from_db()
     return job
 
@@ -102,30 +115,21 @@ class Watcher:
 
     def __init__(self, job: Job, out) -> None:
         self.job, self.out = job, out
-        self.stop = threading.Event()
         self.offsets: dict[int, int] = {}
+        self.watch = JobWatch(job, "cli")
 
-    def _follow_in_background(self) -> threading.Thread:
-        owner = follower_id() + ":cli"
-
-        def run() -> None:
-            while not self.stop.is_set():
-                follow(2.0, job_ids=[self.job.pk], owner=owner, idle_sleep=0.2)
-                self.stop.wait(0.2)
-            connections.close_all()
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        return t
+    @property
+    def stop(self):
+        return self.watch.stop
 
     def run(self) -> Job:
         job, state, t0 = self.job, None, time.monotonic()
-        follower = self._follow_in_background()
+        self.watch.start()
         try:
             while True:
                 job.refresh_from_db()
                 if job.state == Job.State.QUEUED:
-                    schedule()
+                    schedule(only=[job.pk])
                     job.refresh_from_db()
                 if job.state != state:
                     state = job.state
@@ -135,13 +139,13 @@ class Watcher:
                         + (f" (ranks {ranks})" if ranks and state == Job.State.RUNNING else "")
                     )
                 self._print_new_lines(job)
-                if job.is_ended:
+                if self.watch.settled():
+                    job.refresh_from_db()
                     self._print_new_lines(job)
                     return job
                 time.sleep(0.3)
         finally:
-            self.stop.set()
-            follower.join(timeout=5)
+            self.watch.close()
 
     def _print_new_lines(self, job: Job) -> None:
         for rank in job.ranks.order_by("index"):

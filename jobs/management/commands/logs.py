@@ -1,14 +1,12 @@
 from __future__ import annotations
 
-import threading
 import time
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connections
 
-from jobs.follow import follow, follower_id
 from jobs.logs import job_lines, rank_lines
 from jobs.report import get_job
+from jobs.watch import JobWatch
 
 
 class Command(BaseCommand):
@@ -18,34 +16,30 @@ class Command(BaseCommand):
         parser.add_argument("name")
         parser.add_argument("--rank", type=int)
         parser.add_argument("--tail", type=int, help="only the last N lines")
-        parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")
+        parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
 
     def handle(self, name, rank=None, tail=None, follow=False, **options):
         job = get_job(name)
         if rank is not None and not job.ranks.filter(index=rank).exists():
             raise CommandError(f"job {job.name} has no rank {rank} (ranks 0-{job.ranks.count() - 1})")
-        for line in job_lines(job, rank, tail):
+        if tail is not None and tail < 1:
+            raise CommandError("--tail must be at least 1")
+        ranks = list(job.ranks.order_by("index"))
+        for line in job_lines(job, rank, tail, ranks=ranks):
             self.stdout.write(line.text if rank is not None else line.prefixed())
         if follow:
             try:
-                self._follow(job, rank)
+                self._follow(job, rank, {r.index: r.log_offset for r in ranks})
             except KeyboardInterrupt:
                 pass
 
-    def _follow(self, job, rank_index):
-        stop = threading.Event()
-        owner = follower_id() + ":logs"
-
-        def keep_following():
-            while not stop.is_set():
-                follow(2.0, job_ids=[job.pk], owner=owner)
-                stop.wait(0.5)
-            connections.close_all()
-
-        threading.Thread(target=keep_following, daemon=True).start()
-        offsets = {r.index: r.log_offset for r in job.ranks.all()}
+    def _follow(self, job, rank_index, offsets):
+        # Following here (and reconciling when no worker runs) means the job ends, frees its nodes
+        # and has its last lines copied even with nothing else running.
+        watch = JobWatch(job, "logs").start()
         try:
             while True:
+                settled = watch.settled()
                 job.refresh_from_db()
                 for r in job.ranks.order_by("index"):
                     if rank_index is not None and r.index != rank_index:
@@ -53,9 +47,11 @@ class Command(BaseCommand):
                     for end, line in rank_lines(r, offsets.get(r.index, 0)):
                         self.stdout.write(line.text if rank_index is not None else line.prefixed())
                         offsets[r.index] = end
-                if job.is_ended:
-                    self.stdout.write(f"-- job {job.name} {job.state}")
+                if settled:
+                    self.stdout.write(
+                        f"-- job {job.name} {job.state}" + (f": {job.failure_reason}" if job.failure_reason else "")
+                    )
                     return
                 time.sleep(0.3)
         finally:
-            stop.set()
+            watch.close()

@@ -5,16 +5,27 @@ from django.core.management.base import BaseCommand, CommandError
 from jobs.models import Job
 from jobs.report import get_job, job_detail, jobs_table
 
+# --exit-code: the job's state as the exit status, for scripts that wait on a job.
+EXIT_CODES = {Job.State.SUCCEEDED: 0, Job.State.FAILED: 1, Job.State.CANCELLED: 2}
+NOT_ENDED_EXIT = 3
+
 
 class Command(BaseCommand):
-    help = "Show jobs (or one job in detail). Exit code 1 if the named job failed or was cancelled."
+    help = (
+        "Show jobs (or one job in detail). Exits 1 if the named job FAILED. With --exit-code the exit "
+        "status is the job's state: 0 succeeded, 1 failed, 2 cancelled, 3 not ended yet."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("name", nargs="?")
         parser.add_argument("--limit", type=int, default=20)
+        parser.add_argument("--exit-code", action="store_true", dest="exit_code",
+                            help="exit 0 succeeded, 1 failed, 2 cancelled, 3 not ended")  # fmt: skip
 
-    def handle(self, name=None, limit=20, **options):
+    def handle(self, name=None, limit=20, exit_code=False, **options):
         if not name:
+            if exit_code:
+                raise CommandError("--exit-code needs a job name")
             jobs = list(Job.objects.prefetch_related("ranks__node")[:limit])
             for row in jobs_table(jobs):
                 self.stdout.write(row)
@@ -22,5 +33,10 @@ class Command(BaseCommand):
         job = get_job(name)
         for row in job_detail(job):
             self.stdout.write(row)
-        if job.state in (Job.State.FAILED, Job.State.CANCELLED):
-            raise CommandError(f"job {job.name} {job.state}")
+        if exit_code:
+            code = EXIT_CODES.get(job.state, NOT_ENDED_EXIT)
+            if code:
+                raise CommandError(f"job {job.name} {job.state}", returncode=code)
+            return
+        if job.state == Job.State.FAILED:
+            raise CommandError(f"job {job.name} failed: {job.failure_reason}")

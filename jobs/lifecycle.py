@@ -1,0 +1,356 @@
+"""The job lifecycle: the one module that changes Job.state and Rank.state.
+
+    QUEUED -> STARTING -> RUNNING -> SUCCEEDED
+    QUEUED -> CANCELLED
+    STARTING | RUNNING -> CANCELLING -> CANCELLED
+    STARTING | RUNNING -> FAILING -> FAILED
+    STARTING -> FAILED (nothing was started: unreachable node, pre-flight)
+
+Every transition is a conditional UPDATE from the states it may leave; a caller that loses the race
+gets False and does nothing more. The final states release every node in the same transaction that
+sets them. Side effects (alerts, websocket events, the next scheduling pass, the teardown of a
+stopping job) run after commit and are safe to run again, so the reconciler (jobs/reconcile.py) can
+repeat any of them after a crash at any point. docs/lifecycle.md draws the machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.db import IntegrityError, connections, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from cluster.alerts import job_ended_alerts
+from cluster.links import AgentRequestError, LinkError
+from cluster.models import Node
+from ugro_site.celery import send_task, worker_alive
+
+from .events import publish_job
+from .failure import Failure, FailureKind, RankFacts, explain
+from .logs import tail_lines
+from .models import Job, Rank
+from .nodes import node_request
+from .stop import stop_processes
+
+log = logging.getLogger(__name__)
+
+ERROR_FILE_MAX_BYTES = 256 * 1024
+
+
+def _now() -> datetime:
+    return timezone.now()
+
+
+def _move(job: Job, sources: Iterable[str], target: str, **fields) -> bool:
+    """The one way a job changes state: UPDATE ... WHERE state IN sources. True if this call did it."""
+    now = _now()
+    fields = {"state": target, "state_changed_at": now, **fields}
+    updated = Job.objects.filter(pk=job.pk, state__in=list(sources)).update(**fields)
+    if updated:
+        for key, value in fields.items():
+            setattr(job, key, value)
+    else:
+        job.refresh_from_db()
+    return bool(updated)
+
+
+def _release(job: Job) -> None:
+    job.ranks.filter(active=True).update(active=False)
+
+
+# -- QUEUED -> STARTING ---------------------------------------------------------------------------
+
+
+def claim_nodes(job: Job, nodes: list[Node]) -> bool:
+    """QUEUED -> STARTING on these nodes (in rank order); False, job untouched, if it lost a race.
+
+    The database's one-active-rank-per-node constraint refuses a node another scheduler took first.
+    """
+    tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        with transaction.atomic():
+            if not _move(job, [Job.State.QUEUED], Job.State.STARTING, started_at=_now(), tag=tag):
+                return False
+            for index, node in enumerate(nodes):
+                base = f"{node.workdir.rstrip('/') or '/'}/.ugro/jobs/{tag}/rank_{index}"
+                Rank.objects.create(
+                    job=job, node=node, index=index, remote_log=f"{base}.log", remote_exit=f"{base}.exit",
+                    remote_error=f"{base}.error.json", start_record=f"{base}.start",
+                )  # fmt: skip
+    except IntegrityError:
+        job.refresh_from_db()
+        return False
+    job.refresh_from_db()
+    return True
+
+
+# -- STARTING -> RUNNING --------------------------------------------------------------------------
+
+
+@dataclass
+class Started:
+    """What a node said when it started a rank."""
+
+    rank: Rank
+    pid: int
+    boot_id: str = ""
+
+
+def ranks_started(job: Job, started: list[Started], spread: float | None) -> bool:
+    """Record the started ranks and move STARTING -> RUNNING; False if the job left STARTING meanwhile
+    (cancelled, or timed out by the reconciler): whoever moved it stops the processes."""
+    now = _now()
+    with transaction.atomic():
+        for s in started:
+            Rank.objects.filter(pk=s.rank.pk, state=Rank.State.PENDING).update(
+                pid=s.pid, boot_id=s.boot_id or "", state=Rank.State.RUNNING, started_at=now, last_contact=now
+            )
+        return _move(job, [Job.State.STARTING], Job.State.RUNNING, running_at=now, launch_spread_s=spread)
+
+
+def ranks_started_partly(job: Job, started: list[Started], spread: float | None) -> None:
+    """Record the ranks that did start of a launch that failed, so their output is still copied."""
+    now = _now()
+    for s in started:
+        Rank.objects.filter(pk=s.rank.pk, state=Rank.State.PENDING).update(
+            pid=s.pid, boot_id=s.boot_id or "", state=Rank.State.RUNNING, started_at=now, last_contact=now
+        )
+    Job.objects.filter(pk=job.pk).update(launch_spread_s=spread)
+
+
+def fail_unstarted(job: Job, kind: FailureKind, reason: str) -> bool:
+    """STARTING -> FAILED when nothing was started (unreachable node, pre-flight): nodes freed at once."""
+    with transaction.atomic():
+        done = _move(
+            job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(),
+            failure_kind=kind.value, failure_reason=reason[:4000],
+        )  # fmt: skip
+        if done:
+            _release(job)
+    if done:
+        transaction.on_commit(lambda: _announce_end(job))
+    return done
+
+
+# -- live -> stopping -> final --------------------------------------------------------------------
+
+
+def fail(job: Job, failure: Failure) -> bool:
+    """STARTING | RUNNING -> FAILING with the failure recorded; its processes are then stopped."""
+    fields = {
+        "failure_kind": failure.kind.value,
+        "failure_rank": failure.rank,
+        "failure_node": failure.node or "",
+        "failure_exit_code": failure.exit_code,
+        "failure_signal": failure.signal,
+        "failure_line": (failure.line or "")[:2000],
+        "failure_reason": failure.summary()[:4000],
+    }
+    with transaction.atomic():
+        done = _move(job, Job.LIVE_STATES, Job.State.FAILING, **fields)
+    if done:
+        log.warning("job %s failing: %s", job.name, job.failure_reason)
+        _after_commit_stopping(job)
+    return done
+
+
+def cancel(job: Job) -> Job:
+    """Cancel a job: QUEUED -> CANCELLED, or live -> CANCELLING (its processes are then stopped).
+
+    Raises ValueError for a job that already ended. Cancelling a job that is already stopping is a
+    no-op that returns it as it is.
+    """
+    if job.is_ended:
+        raise ValueError(f"job {job.name} already {job.state}")
+    with transaction.atomic():
+        if _move(
+            job, [Job.State.QUEUED], Job.State.CANCELLED, finished_at=_now(),
+            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+        ):  # fmt: skip
+            _release(job)
+            transaction.on_commit(lambda: _announce_end(job))
+            return job
+        if _move(
+            job, Job.LIVE_STATES, Job.State.CANCELLING,
+            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+        ):  # fmt: skip
+            _after_commit_stopping(job)
+            return job
+    if job.is_ended:
+        raise ValueError(f"job {job.name} already {job.state}")
+    return job
+
+
+def succeed(job: Job) -> bool:
+    """RUNNING -> SUCCEEDED once every rank exited 0; the nodes are freed in the same transaction."""
+    with transaction.atomic():
+        done = _move(job, [Job.State.RUNNING], Job.State.SUCCEEDED, finished_at=_now())
+        if done:
+            _release(job)
+    if done:
+        transaction.on_commit(lambda: _announce_end(job))
+    return done
+
+
+def finalize(job: Job, unclean: list[str] | None = None) -> bool:
+    """CANCELLING -> CANCELLED, FAILING -> FAILED, nodes released in the same transaction."""
+    target = {Job.State.CANCELLING: Job.State.CANCELLED, Job.State.FAILING: Job.State.FAILED}.get(job.state)
+    if target is None:
+        return False
+    fields = {"finished_at": _now()}
+    if unclean:
+        note = "; not confirmed stopped on " + "; ".join(unclean)
+        fields["failure_reason"] = (job.failure_reason + note)[:4000]
+    with transaction.atomic():
+        done = _move(job, [job.state], target, **fields)
+        if done:
+            _release(job)
+    if done:
+        transaction.on_commit(lambda: _announce_end(job))
+    return done
+
+
+def teardown(job: Job) -> bool:
+    """Stop a stopping job's processes on every node, then make its end final. Safe to repeat.
+
+    Nodes that could not be confirmed clean are named in the reason; the reconciler kills any
+    process tagged with an ended job when such a node answers again.
+    """
+    job.refresh_from_db()
+    if not job.is_stopping:
+        return False
+    unclean = stop_processes(job)
+    return finalize(job, unclean)
+
+
+def _after_commit_stopping(job: Job) -> None:
+    def go() -> None:
+        publish_job(job, "state", {"state": job.state, "reason": job.failure_reason})
+        dispatch_teardown(job)
+
+    transaction.on_commit(go)
+
+
+def dispatch_teardown(job: Job) -> None:
+    """Hand the teardown to a live worker; without one, run it on a thread of this process."""
+    if worker_alive() and send_task("jobs.tasks.teardown_job", job.pk):
+        return
+
+    def run() -> None:
+        try:
+            teardown(Job.objects.get(pk=job.pk))
+        except Exception:  # the reconciler repeats it
+            log.exception("teardown of %s failed; the reconciler will repeat it", job.name)
+        finally:
+            connections.close_all()
+
+    threading.Thread(target=run, name=f"teardown-{job.pk}", daemon=True).start()
+
+
+def _announce_end(job: Job) -> None:
+    """After a final state commits: tell the pages and people, and let queued jobs start."""
+    job.refresh_from_db()
+    publish_job(job, "state", {"state": job.state, "reason": job.failure_reason})
+    try:
+        job_ended_alerts(job)
+    except Exception:  # an alert must never keep a job from ending
+        log.exception("alerts for the end of %s failed", job.name)
+    send_task("jobs.tasks.schedule_jobs")
+
+
+# -- ranks ----------------------------------------------------------------------------------------
+
+
+def rank_progress(rank: Rank, old_offset: int, fields: dict, exit_info: dict | None = None) -> bool:
+    """Advance a rank's offset from old_offset (compare-and-set); with exit_info it becomes EXITED."""
+    if exit_info is not None:
+        ended = exit_info.get("ended")
+        fields = {
+            **fields,
+            "state": Rank.State.LOST if rank.state == Rank.State.LOST else Rank.State.EXITED,
+            "exit_code": int(exit_info["rc"]),
+            "ended_at": datetime.fromtimestamp(ended, tz=UTC) if ended else _now(),
+            "drained": True,
+        }
+    updated = Rank.objects.filter(pk=rank.pk, log_offset=old_offset).update(**fields)
+    if updated:
+        for key, value in fields.items():
+            setattr(rank, key, value)
+    return bool(updated)
+
+
+def rank_lost(rank: Rank, reason: str) -> bool:
+    """PENDING | RUNNING -> LOST: its node stopped answering, rebooted, or its wrapper died."""
+    updated = Rank.objects.filter(pk=rank.pk, state__in=[Rank.State.PENDING, Rank.State.RUNNING]).update(
+        state=Rank.State.LOST, lost_reason=reason[:2000]
+    )
+    if updated:
+        rank.state, rank.lost_reason = Rank.State.LOST, reason
+        log.warning("%s lost: %s", rank, reason)
+    return bool(updated)
+
+
+def rank_drained(rank: Rank) -> None:
+    Rank.objects.filter(pk=rank.pk).update(drained=True)
+    rank.drained = True
+
+
+# -- judging a running job ------------------------------------------------------------------------
+
+
+def _error_file(rank: Rank) -> str | None:
+    if not rank.remote_error:
+        return None
+    try:
+        item = node_request(
+            rank.node, "tail", timeout=5,
+            files=[{"key": rank.pk, "path": rank.remote_error, "offset": 0, "max_bytes": ERROR_FILE_MAX_BYTES}],
+        )["files"][0]  # fmt: skip
+    except (LinkError, AgentRequestError, OSError, KeyError, IndexError):
+        return None
+    if item.get("size") is None:
+        return None
+    return base64.b64decode(item["data"]).decode("utf-8", "replace")
+
+
+def rank_facts(rank: Rank, *, read_error_file: bool = True) -> RankFacts:
+    rc = rank.exit_code
+    error_file = _error_file(rank) if read_error_file and rank.state == Rank.State.EXITED and rc else None
+    return RankFacts(
+        index=rank.index,
+        node=rank.node.name,
+        state=str(rank.state),
+        torchrun_rc=rc if rc is None or rc >= 0 else None,
+        signal=-rc if rc is not None and rc < 0 else None,
+        error_file=error_file,
+        log_tail=tail_lines(rank, 200),
+        lost_reason=rank.lost_reason or None,
+    )
+
+
+def judge(job: Job) -> bool:
+    """End a RUNNING job when its ranks say how it ended: True if this call moved it."""
+    ranks = list(job.ranks.select_related("node").order_by("index"))
+    if not ranks or job.state != Job.State.RUNNING:
+        return False
+    bad = any(r.state == Rank.State.LOST or (r.state == Rank.State.EXITED and r.exit_code != 0) for r in ranks)
+    if bad:
+        failure = explain([rank_facts(r) for r in ranks])
+        if failure is None:  # cannot happen with a bad rank, but never leave the job running on it
+            failure = Failure(kind=FailureKind.UNKNOWN, rank=None, node=None, exit_code=None, signal=None, line="")
+        return fail(job, failure)
+    if all(r.state == Rank.State.EXITED for r in ranks):
+        return succeed(job)
+    return False
+
+
+def followable() -> Q:
+    """Jobs with output still to copy: a rank that runs (or ran, and its exit is not yet seen)."""
+    return Q(ranks__state=Rank.State.RUNNING)

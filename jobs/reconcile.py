@@ -1,0 +1,174 @@
+"""The reconciler: make the database agree with what the nodes say, for every job, every few seconds.
+
+The pattern of SkyPilot's job-status reconciler and dstack's per-state timeouts. Beat runs
+`reconcile()` every few seconds; a command with no worker behind it runs it for its own job. Each
+rule is idempotent and bounded in time, so running it twice, or after a crash anywhere, is safe:
+
+- STARTING past its window (sync window + STARTING_GRACE_S): the launcher died or hung -> FAILING
+  (TIMEOUT), the teardown stops whatever it started.
+- CANCELLING or FAILING past the kill grace + STOPPING_RETRY_S: the teardown was lost -> run it here.
+- RUNNING: each running rank is checked on its node (`rank_status`): a rank whose wrapper is gone
+  without an exit record, or whose node rebooted since it started, is LOST; a rank whose node has
+  not answered for NODE_LOST_AFTER_S is LOST. Then the job is judged (lifecycle.judge).
+- An ended job that still holds nodes (a crash between its end and the release): released.
+- A lost rank of an ended job whose node answers again: the rest of its output is fetched.
+- Processes on a node tagged with a job this controller knows has ended: killed, and an alert says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from cluster.alerts import record_event
+from cluster.models import Alert, Node
+
+from . import lifecycle
+from .failure import Failure, FailureKind
+from .follow import follower_id, recover_output
+from .models import Job, Rank
+from .nodes import node_request, on_each
+from .stop import stop_processes
+
+log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT_S = 5.0
+LOST_OUTPUT_DAYS = 7
+
+
+@dataclass
+class Report:
+    """What one reconcile pass did (for logs, tests and the CLI)."""
+
+    timed_out: list[str] = field(default_factory=list)
+    torn_down: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    judged: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)
+    orphans_killed: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f) for f in self.__dataclass_fields__)
+
+
+def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Report:
+    """One pass over every job (or the given ones); see the module docstring for the rules."""
+    report = Report()
+    jobs = Job.objects.all() if job_ids is None else Job.objects.filter(pk__in=job_ids)
+    now = timezone.now()
+    ugro = settings.UGRO
+
+    for job in jobs.filter(state=Job.State.STARTING):
+        since = job.state_changed_at or job.started_at or now
+        limit = job.sync_window_s + ugro["STARTING_GRACE_S"]
+        if (now - since).total_seconds() > limit:
+            line = f"the launch did not finish within {limit:g}s (launcher {job.launcher or 'unknown'} gone?)"
+            failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
+            if lifecycle.fail(job, failure):
+                report.timed_out.append(job.name)
+
+    retry_after = ugro["KILL_GRACE_S"] + ugro["STOPPING_RETRY_S"]
+    for job in jobs.filter(state__in=Job.STOPPING_STATES):
+        since = job.state_changed_at or now
+        if (now - since).total_seconds() > retry_after and lifecycle.teardown(job):
+            report.torn_down.append(job.name)
+
+    for job in jobs.filter(state=Job.State.RUNNING):
+        report.lost += check_ranks(job)
+        job.refresh_from_db()
+        if lifecycle.judge(job):
+            report.judged.append(job.name)
+
+    for job in jobs.filter(state__in=Job.ENDED_STATES, ranks__active=True).distinct():
+        job.ranks.filter(active=True).update(active=False)
+        report.released.append(job.name)
+
+    cutoff = now - timedelta(days=LOST_OUTPUT_DAYS)
+    lost_left = jobs.filter(state__in=Job.ENDED_STATES, finished_at__gt=cutoff)
+    for job in lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct():
+        if recover_output(job, follower_id() + ":reconcile"):
+            report.recovered.append(job.name)
+
+    if orphans and job_ids is None:
+        report.orphans_killed += kill_orphans()
+    if report:
+        log.warning("reconcile: %s", report)
+    return report
+
+
+def check_ranks(job: Job) -> list[str]:
+    """Ask each node how the job's running ranks are; mark the ones that are gone LOST."""
+    ranks = list(job.ranks.select_related("node", "job").filter(state=Rank.State.RUNNING))
+    by_node: dict[int, list[Rank]] = {}
+    for r in ranks:
+        by_node.setdefault(r.node_id, []).append(r)
+
+    def status(group: list[Rank]) -> dict:
+        items = [
+            {"key": r.start_key, "record": r.start_record, "exit_file": r.remote_exit, "tag": job.tag,
+             "node": r.node.name}
+            for r in group
+        ]  # fmt: skip
+        return node_request(group[0].node, "rank_status", timeout=STATUS_TIMEOUT_S, ranks=items)
+
+    lost = []
+    now = timezone.now()
+    lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
+    for group, result, err in on_each(list(by_node.values()), status):
+        for i, rank in enumerate(group):
+            reason = None
+            if err is not None:
+                since = rank.last_contact or rank.started_at or now
+                if (now - since).total_seconds() > lost_after:
+                    reason = f"node {rank.node.name} stopped answering: {err}"
+            else:
+                reason = _gone_reason(rank, result["ranks"][i])
+            if reason and lifecycle.rank_lost(rank, reason):
+                lost.append(f"{job.name}/{rank.index}")
+    return lost
+
+
+def _gone_reason(rank: Rank, st: dict) -> str | None:
+    """Why a running rank is gone by its node's account (the agent's rank_status), or None while it may
+    still run."""
+    if st.get("exit") is not None:
+        return None  # it ended and said so: the follower takes its last lines and exit code
+    if st.get("rebooted") or (rank.boot_id and st.get("boot_id") and st["boot_id"] != rank.boot_id):
+        return f"node {rank.node.name} rebooted since rank {rank.index} started"
+    if not st.get("record"):
+        return f"node {rank.node.name} has no record of starting rank {rank.index}"
+    if not st.get("wrapper_alive") and not st.get("torchrun_alive"):
+        return f"rank {rank.index}'s process on {rank.node.name} is gone without recording an exit code"
+    return None
+
+
+def kill_orphans() -> list[str]:
+    """Kill processes tagged with a job that has ended (this controller's jobs only) and say so."""
+    nodes = list(Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN))
+    answers = on_each(nodes, lambda n: node_request(n, "tagged", timeout=STATUS_TIMEOUT_S, node=n.name))
+    killed = []
+    for node, result, err in answers:
+        if err is not None or not result:
+            continue
+        tags = result.get("tags") or {}
+        if not tags:
+            continue
+        ended = Job.objects.filter(tag__in=list(tags), state__in=Job.ENDED_STATES)
+        for job in ended:
+            rank = job.ranks.filter(node=node).select_related("node").first()
+            if rank is None:
+                continue
+            unclean = stop_processes(job, [rank])
+            pids = tags.get(job.tag) or []
+            message = (
+                f"{len(pids)} process(es) of ended job {job.name} ({job.state}) were still running on "
+                f"{node.name}: {'killed' if not unclean else 'could not be confirmed killed'}"
+            )
+            record_event(node, f"orphans:{job.name}", message, job_name=job.name, severity=Alert.Severity.WARNING)
+            killed.append(f"{node.name}:{job.name}")
+    return killed
