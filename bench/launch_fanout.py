@@ -417,8 +417,8 @@ class Bench:
 
     def finish_cli(self, name: str, t0_wall: float) -> dict:
         """After a ugro_cli trial: the job's timeline from the DB, then cancel it (as `ugro cancel`)."""
+        from jobs import lifecycle
         from jobs.models import Job
-        from jobs.stop import cancel_job
 
         job = Job.objects.filter(name=name).first()
         out: dict = {}
@@ -440,10 +440,12 @@ class Bench:
             }
         if not job.is_ended:
             t = time.monotonic()
-            job, unclean = cancel_job(job)
+            job = lifecycle.cancel(job)
+            lifecycle.teardown(job)
+            job.refresh_from_db()
             out["cancel_s"] = round(time.monotonic() - t, 3)
-            if unclean:
-                out["cancel_unclean"] = unclean
+            if "not confirmed stopped" in job.failure_reason:
+                out["cancel_unclean"] = job.failure_reason
         return out
 
     # -- one timed trial ---------------------------------------------------------------------------

@@ -117,13 +117,13 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     )
     job.refresh_from_db()
     assert job.state == Job.State.FAILED
-    assert "rank 1 on node2 exited with code" in job.failure_reason
-    assert "last lines" in job.failure_reason
+    assert (job.failure_kind, job.failure_rank, job.failure_node, job.failure_signal) == ("KILLED", 1, "node2", 9)
+    assert job.failure_reason.startswith("KILLED on rank 1 (node2), signal 9 (SIGKILL)")
     assert job_pids(job.tag) == []
     from cluster.models import Alert
 
-    died = Alert.objects.get(key="rank_died:killme", resolved_at__isnull=True)
-    assert died.severity == Alert.Severity.CRITICAL and died.node.name == "node2"
+    failed = Alert.objects.get(key="job_failed:killme", resolved_at__isnull=True)
+    assert failed.severity == Alert.Severity.CRITICAL and failed.node.name == "node2"
 
 
 def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
@@ -173,7 +173,8 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
         job.refresh_from_db()
         # then the job fails naming the node, and the ranks UGRO could still reach are stopped
         assert job.state == Job.State.FAILED
-        assert "node node3 (rank 2) stopped answering: " in job.failure_reason
+        assert job.failure_kind == "NODE_LOST" and job.failure_rank == 2
+        assert "node node3 stopped answering: " in job.failure_reason
         assert "no contact" not in job.failure_reason  # the link's own error says why
         reachable = [p for p in job_pids(job.tag) if b"UGRO_NODE=node3" not in Path(f"/proc/{p}/environ").read_bytes()]
         assert reachable == []
@@ -187,33 +188,32 @@ def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab,
     from cluster.models import Node
 
     # pre-flight would catch this node; skip it to reach the start itself (say the env vanished since)
-    monkeypatch.setattr("jobs.preflight.run_preflight", lambda job, ranks: [])
+    monkeypatch.setattr("jobs.launch.run_preflight", lambda job, ranks: [])
     Node.objects.filter(name="node3").update(torchrun_command="/nonexistent/bin/torchrun")
     with pytest.raises(CommandError):
         launch("--name", "halfstart", "--", *SLOW_TRAIN)
     job = Job.objects.get(name="halfstart")
     assert job.state == Job.State.FAILED
-    assert "rank 2 on node3" in job.failure_reason and "/nonexistent/bin/torchrun" in job.failure_reason
-    assert "Everything started was stopped" in job.failure_reason
+    assert "rank 2 on node3 did not start" in job.failure_reason and "/nonexistent/bin/torchrun" in job.failure_reason
     assert job_pids(job.tag) == []
     assert not Rank.objects.filter(job=job, active=True).exists()
 
 
-def test_a_job_that_ended_but_still_holds_nodes_is_stopped_by_the_reaper(lab):
-    from datetime import timedelta
-
-    from django.utils import timezone
-
-    from jobs.stop import reap_ended_jobs
+def test_the_reconciler_frees_an_ended_job_that_holds_nodes_and_kills_its_processes(lab):
+    from cluster.models import Alert
+    from jobs.reconcile import reconcile
 
     # given a running job whose canceller died after marking it (processes alive, nodes held)
     launch("--name", "orphan", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("orphan", lines=1)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLED, finished_at=timezone.now() - timedelta(hours=1))
+    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLED)
     assert job_pids(job.tag)
-    # when the scheduler's periodic pass runs
-    assert reap_ended_jobs() == ["orphan"]
-    # then nothing of it is left and its nodes are free again
+    # when the reconciler runs
+    report = reconcile()
+    # then its nodes are free, nothing of it is left, and people are told processes were killed
+    assert report.released == ["orphan"]
+    assert sorted(report.orphans_killed) == ["node1:orphan", "node2:orphan", "node3:orphan"]
     assert job_pids(job.tag) == []
     assert not Rank.objects.filter(job=job, active=True).exists()
-    assert reap_ended_jobs() == []
+    assert Alert.objects.filter(key="orphans:orphan", severity=Alert.Severity.WARNING).count() == 3
+    assert not reconcile()

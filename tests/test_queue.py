@@ -9,7 +9,6 @@ from cluster.models import Node
 from jobs.launch import LaunchError, LaunchRequest, create_job, place
 from jobs.models import Job, Rank
 from jobs.scheduler import place_queued
-from jobs.stop import release_nodes
 
 pytestmark = pytest.mark.django_db
 
@@ -50,12 +49,12 @@ def test_a_job_whose_nodes_are_busy_waits_and_later_jobs_do_not_overtake_it(thre
         assert j.state == Job.State.QUEUED and not j.ranks.exists()
     # when the first job ends and frees its nodes, the queue moves in order
     Job.objects.filter(pk=first.pk).update(state=Job.State.SUCCEEDED)
-    release_nodes(first)
+    first.ranks.update(active=False)
     assert [j.name for j in place_queued()] == ["second"]
     assert place_queued() == []
     second.refresh_from_db()
     Job.objects.filter(pk=second.pk).update(state=Job.State.FAILED)
-    release_nodes(second)
+    second.ranks.update(active=False)
     assert [j.name for j in place_queued()] == ["third"]
 
 

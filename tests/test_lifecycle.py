@@ -1,0 +1,328 @@
+"""The job state machine: one owner of transitions, conditional updates, nodes freed with the final state.
+
+These run against the database and a local-transport node (the real agent as a subprocess, no SSH):
+the follower's lease, long lines and progress bars, bounded log tails, handlers that never ask nodes.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import logging
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from cluster.models import Alert, Node
+from jobs import lifecycle
+from jobs.failure import Failure, FailureKind
+from jobs.follow import JobFollower, LeaseLost, claim, follow
+from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
+from jobs.models import Job, Rank
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def local_node(tmp_path):
+    return Node.objects.create(
+        name="box", address="127.0.0.1", transport="local", role="master", workdir=str(tmp_path),
+        agent_python=sys.executable,
+    )  # fmt: skip
+
+
+def running_job(node: Node, name: str = "j1") -> Job:
+    """A RUNNING job with one rank whose node-side log and exit files live in the node's workdir."""
+    job = Job.objects.create(name=name, script="train.py", tag=f"{name}-tag", state=Job.State.RUNNING)
+    base = f"{node.workdir}/.ugro/jobs/{job.tag}/rank_0"
+    Path(base).parent.mkdir(parents=True, exist_ok=True)
+    Rank.objects.create(
+        job=job, node=node, index=0, state=Rank.State.RUNNING, remote_log=f"{base}.log", remote_exit=f"{base}.exit",
+        remote_error=f"{base}.error.json", start_record=f"{base}.start", started_at=timezone.now(),
+        last_contact=timezone.now(),
+    )  # fmt: skip
+    return job
+
+
+def write_log(job: Job, data: bytes, rc: int | None = None) -> Rank:
+    rank = job.ranks.get()
+    with open(rank.remote_log, "ab") as fh:
+        fh.write(data)
+    if rc is not None:
+        Path(rank.remote_exit).write_text(json.dumps({"rc": rc, "ended": timezone.now().timestamp()}))
+    return rank
+
+
+def failure(kind=FailureKind.SCRIPT_ERROR) -> Failure:
+    return Failure(kind=kind, rank=0, node="box", exit_code=3, signal=None, line="ValueError: boom")
+
+
+# -- transitions ---------------------------------------------------------------------------------
+
+
+def test_cancel_of_a_queued_job_is_final_and_a_second_cancel_is_refused():
+    job = Job.objects.create(name="q1", script="s.py")
+    lifecycle.cancel(job)
+    assert job.state == Job.State.CANCELLED and job.failure_kind == "CANCELLED"
+    with pytest.raises(ValueError, match="already cancelled"):
+        lifecycle.cancel(job)
+
+
+def test_a_transition_from_the_wrong_state_does_nothing(local_node):
+    # given a running job that is being cancelled
+    job = running_job(local_node)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLING)
+    # when a failure and a success arrive late, then neither moves it
+    assert not lifecycle.fail(job, failure())
+    assert not lifecycle.succeed(job)
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLING and job.failure_kind == ""
+
+
+def test_the_final_state_frees_every_node_in_the_same_step(local_node):
+    job = running_job(local_node)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.FAILING)
+    job.refresh_from_db()
+    assert job.ranks.filter(active=True).exists()
+    assert lifecycle.finalize(job)
+    assert job.state == Job.State.FAILED and not job.ranks.filter(active=True).exists()
+    assert not lifecycle.finalize(job)  # safe to repeat
+
+
+def test_a_job_failed_by_its_checks_leaves_its_name_free(local_node):
+    from jobs.launch import LaunchError, LaunchRequest, create_job
+
+    job = create_job(LaunchRequest(name="again"))
+    Job.objects.filter(pk=job.pk).update(state=Job.State.STARTING)
+    job.refresh_from_db()
+    assert lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, "pre-flight failed: script missing")
+    # when launched again under the same name, then it is accepted (the refused one never ran)
+    again = create_job(LaunchRequest(name="again"))
+    assert again.pk != job.pk and again.state == Job.State.QUEUED
+    # but a name of a job that ran stays taken
+    Job.objects.filter(pk=again.pk).update(state=Job.State.FAILED, running_at=timezone.now())
+    with pytest.raises(LaunchError, match="already exists"):
+        create_job(LaunchRequest(name="again"))
+
+
+def test_job_alerts_resolve_when_it_ends_and_a_failure_stays_open_on_its_node(local_node):
+    from cluster.alerts import open_alert
+
+    job = running_job(local_node, "alerting")
+    open_alert(local_node, "rank_died:alerting", Alert.Severity.CRITICAL, "rank 0 died", job_name="alerting")
+    assert lifecycle.fail(job, failure())
+    job.refresh_from_db()
+    lifecycle.finalize(job)
+    assert not Alert.objects.filter(key="rank_died:alerting", resolved_at__isnull=True).exists()
+    failed = Alert.objects.get(key="job_failed:alerting", resolved_at__isnull=True)
+    assert failed.node == local_node and failed.job_name == "alerting"
+    assert "SCRIPT_ERROR" in failed.message or "ValueError: boom" in failed.message
+
+
+# -- the follower ----------------------------------------------------------------------------------
+
+
+def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings):
+    job = running_job(local_node)
+    write_log(job, b"one\n")
+    a = JobFollower(job, "follower-a")
+    assert claim(job.pk, "follower-a")
+    assert a.step() == 4
+    # when another follower takes the job over (A's lease ran out while it was slow)
+    Job.objects.filter(pk=job.pk).update(follower="follower-b", follower_until=timezone.now() + timedelta(seconds=60))
+    write_log(job, b"two\n")
+    # then A's next pass raises and writes nothing: the central log and the offset stay as they were
+    with pytest.raises(LeaseLost):
+        a.step()
+    rank = job.ranks.get()
+    assert rank.log_offset == 4 and rank.local_log.read_bytes() == b"one\n"
+
+
+def test_a_line_without_a_newline_is_taken_in_pieces_and_following_goes_on(local_node, fast_settings):
+    # given a rank that prints 5 MiB with no newline (a binary dump), then a line, then exits
+    job = running_job(local_node)
+    blob = b"x" * (5 * 1024 * 1024)
+    write_log(job, blob)
+    follow(2.0, job_ids=[job.pk])
+    rank = job.ranks.get()
+    # then whole LINE_CUT pieces were taken while it ran (the follower is not stuck)
+    assert rank.log_offset == 5 * LINE_CUT and rank.state == Rank.State.RUNNING
+    write_log(job, b"\nlast line\n", rc=0)
+    follow(5.0, job_ids=[job.pk])
+    rank.refresh_from_db()
+    job.refresh_from_db()
+    # and the job ends, its central log byte for byte the node's, shown in bounded pieces
+    assert job.state == Job.State.SUCCEEDED and rank.state == Rank.State.EXITED
+    assert rank.local_log.read_bytes() == Path(rank.remote_log).read_bytes()
+    lines = job_lines(job, 0)
+    assert max(len(ln.text) for ln in lines) <= LINE_CUT and lines[-1].text == "last line"
+    # five 1 MiB pieces, the newline that ended the dump, the last line: the count the view shows too
+    assert rank.log_lines == len(lines) == 7
+
+
+def test_a_progress_bar_redrawn_100k_times_shows_its_last_state(local_node, fast_settings):
+    job = running_job(local_node)
+    bar = b"".join(b"\r%3d%%|%s| %d/100000" % (i * 100 // 99999, b"#" * (i * 20 // 99999), i) for i in range(100000))
+    write_log(job, b"start\n" + bar + b"\ndone\n", rc=0)
+    follow(10.0, job_ids=[job.pk])
+    job.refresh_from_db()
+    assert job.state == Job.State.SUCCEEDED
+    shown = [ln.text for ln in job_lines(job, 0)]
+    # the bar (several MiB) is a handful of pieces, each showing its last state; the last one is 100 %
+    assert shown[0] == "start" and shown[-1] == "done"
+    assert len(shown) <= 2 + len(bar) // LINE_CUT + 1
+    assert shown[-2] == "100%|" + "#" * 20 + "| 99999/100000"
+
+
+def test_the_log_tail_reads_from_the_end_of_the_file(local_node, fast_settings, monkeypatch):
+    job = running_job(local_node)
+    write_log(job, b"".join(b"line %d\n" % i for i in range(200000)), rc=0)
+    follow(10.0, job_ids=[job.pk])
+    rank = job.ranks.get()
+    assert rank.log_lines == 200000
+    starts = []
+    real_rank_lines = rank_lines
+
+    def recording_rank_lines(rank, start=0, end=None):
+        starts.append(start)
+        return real_rank_lines(rank, start, end)
+
+    # when the last 5 lines are asked for, then they come from reading near the end of the 2 MB log only
+    monkeypatch.setattr("jobs.logs.rank_lines", recording_rank_lines)
+    assert [ln.text for ln in job_lines(job, 0, tail=5)] == [f"line {i}" for i in range(199995, 200000)]
+    assert starts == [rank.log_offset - len(b"".join(b"line %d\n" % i for i in range(199995, 200000)))]
+    assert tail_lines(rank, 3) == ["line 199997", "line 199998", "line 199999"]
+
+
+# -- handlers only read or enqueue -------------------------------------------------------------------
+
+
+def test_checkpoints_and_logs_pages_never_ask_a_node(local_node, client, django_user_model, monkeypatch,
+                                                     django_assert_max_num_queries):  # fmt: skip
+    from jobs.models import Checkpoint
+
+    job = running_job(local_node)
+    Checkpoint.objects.create(job=job, node=local_node, path="/w/outputs/j1/checkpoint_step6.pt", size=10, mtime=0)
+    client.force_login(django_user_model.objects.create_user("alice", password="x" * 12))
+
+    def no_ssh(*args, **kwargs):
+        raise AssertionError("a request handler asked a node")
+
+    monkeypatch.setattr("cluster.links.NodeLink.request", no_ssh)
+    with django_assert_max_num_queries(6):
+        body = client.get(f"/api/jobs/{job.pk}/checkpoints").json()
+    assert body["checkpoints"] == [["box", "/w/outputs/j1/checkpoint_step6.pt", 10]]
+    assert client.get(f"/api/jobs/{job.pk}/logs?tail=10").status_code == 200
+
+
+def test_cancel_from_the_page_returns_at_once_with_the_job_cancelling(local_node, client, django_user_model,
+                                                                      monkeypatch):  # fmt: skip
+    job = running_job(local_node)
+    torn = []
+    monkeypatch.setattr("jobs.lifecycle.dispatch_teardown", lambda j: torn.append(j.pk))
+    client.force_login(django_user_model.objects.create_user("alice", password="x" * 12))
+    client.post(f"/jobs/{job.pk}/cancel/")
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLING and torn == [job.pk]
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+
+def test_status_exits_0_for_a_cancelled_job_and_reports_states_with_exit_code():
+    Job.objects.create(name="c1", script="s.py", state=Job.State.CANCELLED)
+    Job.objects.create(name="f1", script="s.py", state=Job.State.FAILED, failure_reason="OOM on rank 1")
+    call_command("status", "c1", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="OOM on rank 1") as failed:
+        call_command("status", "f1", stdout=io.StringIO())
+    assert failed.value.returncode == 1
+    with pytest.raises(CommandError) as cancelled:
+        call_command("status", "c1", "--exit-code", stdout=io.StringIO())
+    assert cancelled.value.returncode == 2
+
+
+# -- Redis away ------------------------------------------------------------------------------------
+
+
+def test_with_the_broker_down_tasks_are_not_queued_and_nothing_raises(settings, caplog):
+    from celery.beat import ScheduleEntry
+
+    from ugro_site import celery as ugro_celery
+
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    assert ugro_celery.send_task("jobs.tasks.follow_jobs") is False
+    from jobs.tasks import follow_jobs
+
+    follow_jobs.run()  # a follow task that ends while Redis is away does not die queueing its successor
+
+    sched = ugro_celery.QuietScheduler.__new__(ugro_celery.QuietScheduler)
+    entry = ScheduleEntry(name="follow-jobs", task="jobs.tasks.follow_jobs", schedule=5.0, app=ugro_celery.app)
+    with caplog.at_level(logging.WARNING, logger="ugro.beat"):
+        for _ in range(5):
+            sched.apply_entry(entry)
+    # one line for the outage, not a traceback per tick
+    assert [r.getMessage() for r in caplog.records] == ["broker unreachable: scheduled tasks wait until it is back"]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+# -- the code's shape ------------------------------------------------------------------------------
+
+
+def _jobs_modules() -> dict[str, ast.Module]:
+    return {p.stem: ast.parse(p.read_text()) for p in (REPO / "jobs").glob("*.py")}
+
+
+def test_only_the_lifecycle_module_writes_job_or_rank_state():
+    offenders = []
+    for path in [*REPO.glob("jobs/**/*.py"), *REPO.glob("cluster/**/*.py"), *REPO.glob("metrics/**/*.py")]:
+        if path.name == "lifecycle.py" or "migrations" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                "update", "create", "update_or_create", "bulk_update",
+            ):  # fmt: skip
+                if any(kw.arg == "state" for kw in node.keywords):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and target.attr == "state" and path.parts[-2] == "jobs":
+                        offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_jobs_modules_import_each_other_top_down_without_a_loop():
+    graph: dict[str, set[str]] = {}
+    inner = []
+    for name, tree in _jobs_modules().items():
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        graph[name] = deps
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("jobs")):
+                    inner.append(f"jobs/{name}.py:{node.lineno}")
+    assert inner == [], "imports inside functions hide a loop"
+    seen, stack = set(), []
+
+    def visit(mod: str) -> None:
+        if mod in stack:
+            raise AssertionError(" -> ".join([*stack[stack.index(mod) :], mod]))
+        if mod in seen:
+            return
+        stack.append(mod)
+        for dep in graph.get(mod, ()):
+            visit(dep)
+        stack.pop()
+        seen.add(mod)
+
+    for mod in graph:
+        visit(mod)

@@ -1,0 +1,190 @@
+"""The lifecycle on real sshd nodes and real torchrun: no job wedged, no node held, every failure explained."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from jobs.models import Job, Rank
+from jobs.reconcile import reconcile
+from metrics.models import MetricPoint
+
+from .conftest import REPO, SLOW_TRAIN, job_pids, wait_for
+
+pytestmark = pytest.mark.e2e
+SCRIPTS = REPO / "tests" / "data" / "scripts"
+
+
+@pytest.fixture
+def scripts(lab):
+    """The test scripts in every node's working directory, as scripts/<name>.py."""
+    for node in lab.nodes:
+        shutil.copytree(SCRIPTS, node.workdir / "scripts", dirs_exist_ok=True)
+    return lab
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def pids_on(tag: str, node: str) -> list[int]:
+    return [p for p in job_pids(tag) if f"UGRO_NODE={node}".encode() in Path(f"/proc/{p}/environ").read_bytes()]
+
+
+def test_detach_then_logs_follow_without_a_worker_frees_the_nodes_every_time(scripts):
+    # given no worker; when a job is launched detached and followed with logs --follow, ten times over
+    for i in range(10):
+        run("launch", "--name", f"d{i}", "--nodes", "2", "--script", "scripts/quick.py", "--detach")
+        out = run("logs", f"d{i}", "--follow")
+        job = Job.objects.get(name=f"d{i}")
+        # then by the time logs returns the job ended, copied every line and holds no node
+        assert job.state == Job.State.SUCCEEDED, job.failure_reason
+        assert f"-- job d{i} succeeded" in out and out.count('"loss"') == 6
+        assert not Rank.objects.filter(active=True).exists()
+        last_exit = max(r.ended_at for r in job.ranks.all())
+        assert (job.finished_at - last_exit).total_seconds() < 5
+    # and the next launch starts at once
+    run("launch", "--name", "after", "--nodes", "2", "--script", "scripts/quick.py")
+    assert Job.objects.get(name="after").state == Job.State.SUCCEEDED
+
+
+def test_an_attached_launch_whose_ranks_ignore_sigterm_returns_after_its_nodes_are_free(scripts):
+    # given ranks that ignore SIGTERM, one of which fails; when launched attached
+    with pytest.raises(CommandError, match="job stubborn failed"):
+        run("launch", "--name", "stubborn", "--nodes", "3", "--script", "scripts/stubborn.py", "--", "1")
+    job = Job.objects.get(name="stubborn")
+    # then the command returned only after every process was killed and every node released
+    assert job.state == Job.State.FAILED
+    assert job.failure_rank == 1 and job.failure_node == "node2"
+    assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
+
+
+def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django_user_model):
+    from cluster.models import Alert
+
+    # given a job whose last rank runs out of CUDA memory and exits 3
+    with pytest.raises(CommandError) as err:
+        run("launch", "--name", "oom", "--nodes", "3", "--script", "scripts/oom.py", "--", "2")
+    job = Job.objects.get(name="oom")
+    # then the one-line error, the job's record, status, the page and the alert all say what happened
+    line = str(err.value)
+    assert "\n" not in line
+    for text in (line, job.failure_reason):
+        assert "OOM" in text and "rank 2" in text and "exit code 3" in text and "CUDA out of memory" in text
+    assert (job.failure_kind, job.failure_rank, job.failure_exit_code) == ("OOM", 2, 3)
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in job.failure_line
+    with pytest.raises(CommandError, match="OOM"):
+        run("status", "oom")
+    client.force_login(django_user_model.objects.create_superuser("admin", password="x" * 12))
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "OOM" in page and "CUDA out of memory" in page and "exit code 3" in page
+    alert = Alert.objects.get(key="job_failed:oom", resolved_at__isnull=True)
+    assert (
+        alert.severity == Alert.Severity.CRITICAL
+        and alert.node.name == "node3"
+        and "CUDA out of memory" in alert.message
+    )
+    assert job_pids(job.tag) == []
+
+
+def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconciler(scripts, controller_env,
+                                                                                   fast_settings):  # fmt: skip
+    # given a launch command that dies (SIGKILL) right after its ranks started, before the job is RUNNING
+    code = (
+        "import os, signal, django; django.setup()\n"
+        "from jobs import lifecycle\n"
+        "lifecycle.ranks_started = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "from django.core.management import call_command\n"
+        f"call_command('launch', '--name', 'crash', '--nodes', '3', '--', *{SLOW_TRAIN!r})\n"
+    )
+    env = {**controller_env, "DJANGO_SETTINGS_MODULE": "ugro_site.settings"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    job = Job.objects.get(name="crash")
+    assert job.state == Job.State.STARTING
+    wait_for(lambda: len(job_pids(job.tag)) >= 6, timeout=30, what="the orphaned ranks to run")
+    # when its STARTING window has passed and the reconciler runs
+    fast_settings.UGRO = {**fast_settings.UGRO, "STARTING_GRACE_S": 1.0, "STOPPING_RETRY_S": 1.0}
+    Job.objects.filter(pk=job.pk).update(sync_window_s=1.0)
+    time.sleep(2.1)
+
+    def finished() -> bool:
+        reconcile([job.pk], orphans=False)
+        return Job.objects.get(pk=job.pk).is_ended
+
+    wait_for(finished, timeout=60, what="the reconciler to finish the job")
+    job.refresh_from_db()
+    # then the job failed as a timeout, nothing of it is left, and its nodes are free
+    assert job.state == Job.State.FAILED and job.failure_kind == "TIMEOUT"
+    assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
+
+
+def test_a_rank_whose_wrapper_died_without_an_exit_record_is_lost(scripts, fast_settings):
+    run("launch", "--name", "nowrap", "--nodes", "2", "--script", "scripts/stubborn.py", "--detach", "--", "9")
+    job = Job.objects.get(name="nowrap")
+    rank = job.ranks.get(index=1)
+    record = json.loads(Path(rank.start_record).read_text())
+    # when its wrapper and then its processes die without anything writing the exit record
+    os.kill(record["wrapper_pid"], signal.SIGKILL)
+    for pid in pids_on(job.tag, rank.node.name):
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pids_on(job.tag, rank.node.name), timeout=10, what="the rank's processes to go")
+    assert not Path(rank.remote_exit).exists()
+    # then the reconciler calls the rank lost and the job fails naming it, instead of RUNNING forever
+    wait_for(lambda: reconcile([job.pk], orphans=False) and Job.objects.get(pk=job.pk).is_ended or
+             Job.objects.get(pk=job.pk).is_ended, timeout=60, what="the job to end")  # fmt: skip
+    rank.refresh_from_db()
+    job.refresh_from_db()
+    assert rank.state == Rank.State.LOST and "without recording an exit code" in rank.lost_reason
+    assert job.state == Job.State.FAILED and job.failure_rank == 1
+    assert job_pids(job.tag) == []
+
+
+def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it_is_back(scripts, fast_settings):
+    from jobs.follow import follow
+
+    run("launch", "--name", "cutoff", "--detach", "--", *SLOW_TRAIN)
+    job = Job.objects.get(name="cutoff")
+    wait_for(lambda: follow(1.0, job_ids=[job.pk]) or all(r.log_lines >= 3 for r in job.ranks.all()), timeout=90,
+             what="every rank to print")  # fmt: skip
+    node3 = scripts.nodes[2]
+    try:
+        # when node3 drops off the network mid-run (its ranks keep running, unreachable)
+        node3.stop()
+        wait_for(lambda: follow(2.0, job_ids=[job.pk]) or Job.objects.get(pk=job.pk).is_ended, timeout=90,
+                 what="the job to end")  # fmt: skip
+        job.refresh_from_db()
+        # then the job fails naming the node, and the nodes UGRO could reach are clean
+        assert job.state == Job.State.FAILED and job.failure_kind == "NODE_LOST" and job.failure_node == "node3"
+        assert "node3" in job.failure_reason
+        assert pids_on(job.tag, "node1") == [] and pids_on(job.tag, "node2") == []
+    finally:
+        node3.start()
+
+    # when it is back, the reconciler kills what still runs there and fetches the rest of its output
+    def recovered() -> bool:
+        reconcile()
+        follow(1.0, job_ids=[job.pk])
+        return not job.ranks.filter(drained=False).exists()
+
+    wait_for(recovered, timeout=60, what="node3's output to be recovered")
+    assert job_pids(job.tag) == []
+    # and every central log is byte for byte the node's, metrics.jsonl matches the database
+    for r in job.ranks.all():
+        assert r.local_log.read_bytes() == Path(r.remote_log).read_bytes(), f"rank {r.index}"
+    lines = (job.job_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == MetricPoint.objects.filter(job=job).count() > 0
