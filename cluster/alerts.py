@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from django.apps import apps
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
@@ -145,9 +146,23 @@ def resolve_job_alerts(job_name: str) -> list[Alert]:
 # -- delivery -------------------------------------------------------------------------------
 
 
+def job_on_node(node_id: int | None) -> str | None:
+    """The name of the job holding a node now, if any (a health alert says which job it may hurt)."""
+    if node_id is None:
+        return None
+    rank = apps.get_model("jobs", "Rank")
+    return rank.objects.filter(node_id=node_id, active=True).values_list("job__name", flat=True).first()
+
+
 def payload(alert: Alert) -> dict[str, Any]:
-    """The webhook body: `text` for Slack, `title`/`message` for ntfy-style receivers, plus every field."""
+    """The webhook body: `text` for Slack, `title`/`message` for ntfy-style receivers, plus every field.
+
+    Every alert carries its node and job: a job's own alert names the job; a node's health alert
+    names the job holding the node when it was sent."""
+    job = alert.job_name or job_on_node(alert.node_id)
     where = alert.node.name if alert.node_id else (alert.job_name or "cluster")
+    if job and alert.node_id:
+        where += f" (job {job})"
     title = f"UGRO {alert.severity.upper()}: {where}"
     return {
         "text": f"{title}: {alert.message}",
@@ -158,7 +173,7 @@ def payload(alert: Alert) -> dict[str, Any]:
             "severity": alert.severity,
             "key": alert.key,
             "node": alert.node.name if alert.node_id else None,
-            "job": alert.job_name or None,
+            "job": job or None,
             "message": alert.message,
             "opened_at": alert.opened_at.isoformat(),
             "resolved_at": alert.resolved_at.isoformat() if alert.resolved_at else None,

@@ -326,3 +326,13 @@ def test_jobs_modules_import_each_other_top_down_without_a_loop():
 
     for mod in graph:
         visit(mod)
+
+
+def test_a_health_alert_on_a_node_names_the_job_holding_it(local_node):
+    from cluster.alerts import open_alert, payload
+
+    running_job(local_node, "busy")
+    alert = open_alert(local_node, "ram", Alert.Severity.WARNING, "RAM 93% used")
+    body = payload(alert)
+    assert body["alert"]["node"] == "box" and body["alert"]["job"] == "busy"
+    assert "(job busy)" in body["title"]
