@@ -24,6 +24,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
+from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, parse_lines
 from metrics.models import MetricPoint
 
@@ -160,6 +161,7 @@ class JobFollower:
                 if got:
                     self.hot_node = rank.node_id
                 taken += got
+        follow_metric_files(job, ranks, node_request)  # metrics.csv / TensorBoard files the job named
         return taken
 
     def _take(self, rank: Rank, item: dict, now) -> int:
@@ -171,7 +173,7 @@ class JobFollower:
             data = data[: cut + 1] if cut >= 0 else b""
         lines = split_lines(data)
         stream = self._stream(rank)
-        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now)
+        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final)
         old = rank.log_offset
         if data:
             _append(rank.local_log, old, data)

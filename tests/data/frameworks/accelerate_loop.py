@@ -31,7 +31,8 @@ def main() -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=1, n_head=2,
                                        bos_token_id=0, eos_token_id=0))  # fmt: skip
     base = torch.randint(0, vocab, (8,), generator=torch.Generator().manual_seed(1))
-    rows = torch.stack([base.roll(i % 8).repeat(2) for i in range(args.steps_per_epoch * 4 * accelerator.num_processes)])
+    count = args.steps_per_epoch * 4 * accelerator.num_processes
+    rows = torch.stack([base.roll(i % 8).repeat(2) for i in range(count)])
     train = DataLoader(TensorDataset(rows), batch_size=4, shuffle=False)
     evaluation = DataLoader(TensorDataset(rows[:16]), batch_size=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

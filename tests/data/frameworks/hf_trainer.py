@@ -66,7 +66,8 @@ def main() -> None:
                           decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
         model = T5ForConditionalGeneration(config)
     else:
-        config = GPT2Config(vocab_size=vocab, bos_token_id=0, eos_token_id=0, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+        config = GPT2Config(vocab_size=vocab, bos_token_id=0, eos_token_id=0, n_positions=32, n_embd=32, n_layer=1,
+                            n_head=2)  # fmt: skip
         model = GPT2LMHeadModel(config)
     train = RandomTokens(160, 16, vocab, args.seq2seq, seed=1)
     evaluation = RandomTokens(16, 16, vocab, args.seq2seq, seed=2)
