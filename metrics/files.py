@@ -148,8 +148,12 @@ def _take(job: Job, rank: Rank, request: Request) -> list[MetricPoint]:
     if not files:
         return []
     items = []
+    starts: dict[int, int] = {}
     for f in files:
-        items.append({"key": f.pk, "path": f.path, "offset": f.offset, "max_bytes": TAIL_BYTES})
+        starts[f.pk] = f.offset
+        if f.kind == MetricFile.Kind.TFEVENTS and _copy_size(job, rank, f) < f.offset:
+            starts[f.pk] = 0  # the job directory's copy is gone (another controller): read it whole again
+        items.append({"key": f.pk, "path": f.path, "offset": starts[f.pk], "max_bytes": TAIL_BYTES})
         if f.kind == MetricFile.Kind.CSV and f.header:
             # is the header still the one the rows were read with?
             items.append({"key": f"head:{f.pk}", "path": f.path, "offset": 0, "max_bytes": len(f.header.encode()) + 1})
@@ -171,7 +175,7 @@ def _take(job: Job, rank: Rank, request: Request) -> list[MetricPoint]:
                 data = base64.b64decode(again["files"][0]["data"])
             saved.extend(_take_csv(job, rank, f, data))
         else:
-            saved.extend(_take_events(job, rank, f, data))
+            saved.extend(_take_events(job, rank, f, data, starts[f.pk]))
     return saved
 
 
@@ -244,22 +248,34 @@ def events_points(path: Path, skip: int) -> tuple[list[tuple[int, str, float]], 
     return points, count
 
 
-def _take_events(job: Job, rank: Rank, f: MetricFile, data: bytes) -> list[MetricPoint]:
+def _copy(job: Job, rank: Rank, f: MetricFile) -> Path:
+    """Where the job directory keeps its copy of a node's event file."""
+    return job.job_dir / "metric_files" / f"rank_{rank.index}" / re.sub(r"[^\w.-]", "_", f.path.strip("/"))
+
+
+def _copy_size(job: Job, rank: Rank, f: MetricFile) -> int:
+    try:
+        return _copy(job, rank, f).stat().st_size
+    except OSError:
+        return 0
+
+
+def _take_events(job: Job, rank: Rank, f: MetricFile, data: bytes, start: int) -> list[MetricPoint]:
     if not data:
         return []
-    copy = job.job_dir / "metric_files" / f"rank_{rank.index}" / re.sub(r"[^\w.-]", "_", f.path.strip("/"))
+    copy = _copy(job, rank, f)
     copy.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(copy, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.ftruncate(fd, f.offset)  # drop anything written past the committed offset
-        os.lseek(fd, f.offset, os.SEEK_SET)
+        os.ftruncate(fd, start)  # drop anything written past the committed offset
+        os.lseek(fd, start, os.SEEK_SET)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     triples, count = events_points(copy, f.records)
-    return _save(job, rank, f, triples, offset=f.offset + len(data), header="", records=max(count, f.records))
+    return _save(job, rank, f, triples, offset=start + len(data), header="", records=max(count, f.records))
 
 
 def _save(
@@ -267,9 +283,19 @@ def _save(
     records: int,
 ) -> list[MetricPoint]:  # fmt: skip
     now = timezone.now()
+    # one point per step and name: Lightning writes the same values to metrics.csv and to TensorBoard,
+    # and repeats 'epoch' on the rows of one step
+    unique = {(step, name): value for step, name, value in triples}
+    if unique:
+        steps = {step for step, _ in unique}
+        taken = MetricPoint.objects.filter(
+            job=job, rank=rank.index, step__gte=min(steps), step__lte=max(steps), name__in={n for _, n in unique}
+        ).values_list("step", "name")
+        for key in taken:
+            unique.pop(key, None)
     points = [
         MetricPoint(job=job, rank=rank.index, step=step, name=name, value=value, time=now)
-        for step, name, value in triples
+        for (step, name), value in unique.items()
     ]
     with transaction.atomic():
         if points:
