@@ -20,18 +20,56 @@ class RankStream:
     progress_saved: tuple[int | None, int | None] = (None, None)
 
 
-def configure(stream: RankStream, job_id: int) -> None:
-    """Apply the job's metric settings (its pattern; bars give only steps when it reads metric files)."""
+REPLAY_BYTES = 256 * 1024
+
+
+def configure(stream: RankStream, job_id: int, rank_index: int) -> None:
+    """Ready a new stream: the job's metric settings (its pattern; bars give only steps when it reads
+    metric files), and the parser state the committed end of the rank's log leaves.
+
+    Followers come and go (a CLI watcher starts a new one every few seconds, a worker restarts): the
+    parser's state across lines (a Trainer dict waiting for the bar's redraw, the values a bar last
+    showed, the training bar's total) is rebuilt by reading the last committed lines of the rank's
+    copied log again, their points dropped: they were taken when those lines were.
+    """
+    from jobs.models import Rank
+
+    parser = stream.parser
     settings = JobMetrics.objects.filter(job_id=job_id).first()
     if settings is not None:
         if settings.pattern:
             try:
-                stream.parser.pattern = compile_pattern(settings.pattern)
+                parser.pattern = compile_pattern(settings.pattern)
             except ValueError:
                 pass  # validated at launch; a pattern that broke since is no reason to stop following
-        stream.parser.bar_metrics = not settings.files
+        parser.bar_metrics = not settings.files
         stream.progress_saved = (settings.step, settings.total_steps)
+    rank = Rank.objects.select_related("job").filter(job_id=job_id, index=rank_index).first()
+    if rank is not None and rank.log_offset > 0:
+        known_step = parser.last_step
+        for line in _committed_tail(rank.local_log, rank.log_offset):
+            parser.feed(line)
+        if known_step is not None:
+            parser.last_step = known_step  # what was stored last: inferred steps go on from there
+        parser.malformed = parser.metric_lines = 0
     stream.configured = True
+
+
+def _committed_tail(path, offset: int) -> list[str]:
+    """The whole lines of the last REPLAY_BYTES before `offset` in the copied log."""
+    try:
+        with open(path, "rb") as fh:
+            start = max(0, offset - REPLAY_BYTES)
+            fh.seek(start)
+            data = fh.read(offset - start)
+    except OSError:
+        return []
+    if start > 0:
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
 
 
 def parse_lines(
@@ -44,7 +82,7 @@ def parse_lines(
     Trainer's end-of-training summary) are upserted, and the training bar's step and total saved.
     """
     if not stream.configured:
-        configure(stream, job_id)
+        configure(stream, job_id, rank_index)
     points: list[MetricPoint] = []
     jsonl: list[str] = []
     finals: list[Point] = []
@@ -91,11 +129,11 @@ def save_final_metrics(job_id: int, rank_index: int, finals: list[Point], when: 
 
 
 def _save_progress(job_id: int, stream: RankStream) -> None:
-    """The training bar's step and total, for progress and ETA; written only when they move."""
+    """The training bar's step (and total, when it says), for progress and ETA; written only when they move."""
     parser = stream.parser
-    if parser.total_steps is None:
+    if parser.counter is None:
         return
-    now = (parser.last_step, parser.total_steps)
+    now = (parser.counter, parser.total_steps)
     if now == stream.progress_saved:
         return
     JobMetrics.objects.update_or_create(job_id=job_id, defaults={"step": now[0], "total_steps": now[1]})

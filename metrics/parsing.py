@@ -121,7 +121,8 @@ class LineParser:
     ``malformed`` counts lines that looked like metrics but could not be used,
     or were too long to parse; ``metric_lines`` counts lines that produced at
     least one point; ``last_step`` is the last step seen (None before any);
-    ``total_steps`` the training bar's total (None while unknown).
+    ``counter`` the last step a progress bar or an N/M counter showed; ``total_steps``
+    the training bar's total (None while unknown).
     """
 
     def __init__(self, pattern: str | re.Pattern[str] | None = None, bar_metrics: bool = True) -> None:
@@ -131,7 +132,7 @@ class LineParser:
         self.total_steps: int | None = None
         self.pattern = compile_pattern(pattern) if isinstance(pattern, str) and pattern else pattern or None
         self.bar_metrics = bar_metrics
-        self._counter: int | None = None  # the last step a bar or an N/M counter showed
+        self.counter: int | None = None
         self._train_m: int | None = None  # the training bar's N/M total, once one was drawn
         self._bar_seen = False
         self._pending: list[dict[Any, Any]] = []  # Trainer dicts waiting for the bar's redraw
@@ -228,8 +229,8 @@ class LineParser:
             points = self._resolve(step)  # the redraw right after a Trainer dict: the dict's own step
         if total is not None:
             self.total_steps = total
-        if n > 0 or self._counter is None:  # not a bar's reset to 0 at an epoch's end
-            self._counter = self.last_step = step
+        if n > 0 or self.counter is None:  # not a bar's reset to 0 at an epoch's end
+            self.counter = self.last_step = step
         if not rich and match["info"]:
             pairs = [item.split("=", 1) for item in match["info"].split(", ") if "=" in item]
             points.extend(self._bar_values(step, [(k.strip(), v.strip()) for k, v in pairs]))
@@ -278,7 +279,7 @@ class LineParser:
         obj = {k: _number_from_text(v) for k, v in obj.items()}
         points = self._resolve(self._fallback_step()) if self._pending else []  # no redraw came between two dicts
         if FINAL_KEYS & obj.keys():
-            finals = self._points(obj, self._counter if self._counter is not None else self.last_step or 0, final=True)
+            finals = self._points(obj, self.counter if self.counter is not None else self.last_step or 0, final=True)
             return points + finals
         if _explicit_step(obj) is None and self._bar_seen:
             if _has_values(obj):
@@ -295,8 +296,8 @@ class LineParser:
 
     def _fallback_step(self) -> int:
         """The last counter the script showed; consecutive numbers only for a script that shows none."""
-        if self._counter is not None:
-            return self._counter
+        if self.counter is not None:
+            return self.counter
         return (self.last_step if self.last_step is not None else 0) + 1
 
     def _step_for(self, obj: dict[Any, Any]) -> int | None:
@@ -354,7 +355,7 @@ class LineParser:
         if step is None:
             counter = _N_OF_M.search(text)
             if counter:
-                step = self._counter = int(counter["n"])
+                step = self.counter = int(counter["n"])
                 self.total_steps = int(counter["m"])
         return self._points(obj, step)
 

@@ -52,6 +52,9 @@ class RandomTokens(Dataset):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-steps", type=int, default=30)
+    # the train_production.py interface a cluster's configured defaults arrive in (a model is built from a config)
+    p.add_argument("--model-name", default="tiny")
+    p.add_argument("--dataset-name", default="random")
     p.add_argument("--num-epochs", type=float, default=1.0, help="used when --max-steps is 0")
     p.add_argument("--logging-steps", type=int, default=5)
     p.add_argument("--eval-steps", type=int, default=0, help="0: no evaluation")

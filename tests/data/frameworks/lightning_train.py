@@ -48,6 +48,9 @@ def data(count: int, seed: int) -> TensorDataset:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bar", choices=["tqdm", "rich"], default="tqdm")
+    # the train_production.py interface a cluster's configured defaults arrive in (a model is built from a config)
+    p.add_argument("--model-name", default="tiny")
+    p.add_argument("--dataset-name", default="random")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batches", type=int, default=20, help="training batches per epoch and rank")
     p.add_argument("--log-every", type=int, default=5)
