@@ -74,6 +74,7 @@ _NUMBER_RE = re.compile(rf"^{_NUMBER}$")
 _TQDM = re.compile(r"^(?P<desc>.*?)(?:\s*\d{1,3}%)?\|[^|]*\|\s*(?P<n>\d+)/(?P<m>\d+|\?)\s*\[(?P<info>[^\]]*)\]")
 # rich (Lightning's RichProgressBar): "{desc} ━━━━╸━━━ {n}/{total} 0:00:01 • 0:00:02 12.3it/s {v_num: 0}"
 _RICH = re.compile(r"^(?P<desc>\S.*?)\s+[━╸╺─]+\s+(?P<n>\d+)/(?P<m>\d+|\?)(?:\s|$)")
+_RICH_CHARS = frozenset("━╸╺─")
 _RICH_ROW = re.compile(rf"^\s*(?P<key>[A-Za-z_][\w./-]*): (?P<value>{_NUMBER})\s*$")
 _EPOCH = re.compile(r"^\s*epoch\s+(?P<k>\d+)(?:\s*/\s*(?P<last>\d+))?", re.IGNORECASE)
 _PAIR = re.compile(rf"(?<![\w.])(?P<key>[A-Za-z_][\w./-]*)\s*(?:=|:)\s*(?P<value>{_NUMBER})(?![\w.%])")
@@ -196,6 +197,8 @@ class LineParser:
 
     def _parse_bar(self, text: str) -> list[Point] | None:
         """Points of a bar state ([] if none), or None when the text is not a bar."""
+        if "/" not in text or ("|" not in text and not _RICH_CHARS.intersection(text)):
+            return None  # most log lines: no regex tried
         match = _TQDM.match(text)
         rich = False
         if match is None:
