@@ -206,6 +206,7 @@ def dry_run(req: LaunchRequest) -> list[str]:
         out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}), in {rank.node.workdir}:")
         out.append("  " + shlex.join(rank_command(job, rank, len(ranks), job.rdzv_endpoint)))
         env = rank_env(job, rank)
+        env["UGRO_JOB_ID"] = "<id>"  # given when the job is queued
         out.append("  environment: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())))
     out.append(f"--rdzv-id and UGRO_JOB are new for every attempt ({job.tag} here).")
     if pattern:
