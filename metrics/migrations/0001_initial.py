@@ -5,34 +5,27 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
+
     initial = True
 
     dependencies = [
-        ("jobs", "0001_initial"),
+        ('jobs', '0001_initial'),
     ]
 
     operations = [
         migrations.CreateModel(
-            name="MetricPoint",
+            name='MetricPoint',
             fields=[
-                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
-                (
-                    "rank",
-                    models.IntegerField(help_text="Node rank whose log carried the line (the line's own 'rank' wins)."),
-                ),
-                ("step", models.BigIntegerField()),
-                ("name", models.CharField(max_length=100)),
-                ("value", models.FloatField()),
-                ("time", models.DateTimeField()),
-                (
-                    "job",
-                    models.ForeignKey(
-                        on_delete=django.db.models.deletion.CASCADE, related_name="metric_points", to="jobs.job"
-                    ),
-                ),
+                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ('rank', models.IntegerField(help_text="Node rank whose log carried the line (the line's own 'rank' wins).")),
+                ('step', models.BigIntegerField()),
+                ('name', models.CharField(max_length=100)),
+                ('value', models.FloatField()),
+                ('time', models.DateTimeField()),
+                ('job', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='metric_points', to='jobs.job')),
             ],
             options={
-                "indexes": [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")],
+                'indexes': [models.Index(fields=['job', 'name', 'step'], name='metric_job_name_step')],
             },
         ),
     ]
