@@ -164,7 +164,8 @@ class Bench:
 
         uid = uuid.uuid4().hex[:8]
         name, tag, port = f"bare-{uid}", f"fs-bare-{uid}", self.next_port()
-        values = {"model": "tiny", "dataset": "gpl-3", "epochs": "1", "lr": repr(3e-3), "job": name}
+        # the lab configures a default model and dataset; epochs and lr are not given, so not passed
+        values = {"model": "tiny", "dataset": "gpl-3", "epochs": None, "lr": None, "job": name}
         script_args = render_args(DEFAULT_ARGS_TEMPLATE, values) + EXTRA  # exactly what UGRO passes
         master = self.cluster.nodes[0].address
         logs = [node.workdir / f"{name}.log" for node in self.cluster.nodes]

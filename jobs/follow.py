@@ -30,6 +30,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
+from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, parse_lines
 from metrics.models import MetricPoint
 
@@ -213,6 +214,8 @@ class JobFollower:
                     self.hot_node = rank.node_id
                 taken += got
                 self._scan_checkpoints(rank)
+        # metrics.csv / TensorBoard files the job named, written under the same lease as the logs
+        follow_metric_files(job, ranks, node_request, guard=lambda: renew(job.pk, self.owner))
         return taken
 
     def _scan_checkpoints(self, rank: Rank) -> None:
@@ -259,7 +262,7 @@ class JobFollower:
             return 0
         lines = split_lines(data)
         stream = self._stream(rank)
-        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now)
+        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final)
         old = rank.log_offset
         fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
         with transaction.atomic():

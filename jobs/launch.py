@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,9 @@ from django.db import transaction
 
 from cluster.models import ClusterSettings, Node
 from cluster.names import check_name
+from metrics.files import check_paths
+from metrics.models import JobMetrics
+from metrics.parsing import compile_pattern
 
 from . import lifecycle
 from .failure import Failure, FailureKind
@@ -28,10 +33,11 @@ from .nodes import node_request, on_each
 from .preflight import run_preflight
 from .stop import stop_processes
 
-# The train_production.py interface; a cluster can name another script and template.
+# The train_production.py interface; a cluster can name another script and template. An item whose
+# value was neither given nor configured is left out (with its option): nothing is passed silently.
 DEFAULT_ARGS_TEMPLATE = [
     "--model-name", "{model}", "--dataset-name", "{dataset}", "--num-epochs", "{epochs}",
-    "--learning-rate", "{lr}", "--job-id", "{job}",
+    "--learning-rate", "{lr}",
 ]  # fmt: skip
 MAX_ARG_LEN = 4096
 
@@ -55,6 +61,8 @@ class LaunchRequest:
     nproc_per_node: int | None = None
     extra_args: list[str] = field(default_factory=list)
     priority: int = 0
+    metrics_pattern: str = ""  # a regex: the lines it matches give their key=value / key: value pairs
+    metrics_files: list[str] = field(default_factory=list)  # metric files or directories on the nodes
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -66,40 +74,68 @@ def _check_arg(value: str, what: str) -> str:
     return value
 
 
-def render_args(template: list[str], values: dict[str, str]) -> list[str]:
-    """Fill {model} {dataset} {epochs} {lr} {job} into each template item; other braces stay literal."""
-    out = []
+def render_args(template: list[str], values: dict[str, str | None]) -> list[str]:
+    """Fill {model} {dataset} {epochs} {lr} {job} into each template item; other braces stay literal.
+
+    A value of None (neither given nor configured) leaves its item out, and the option just before it
+    when that is a bare flag (["--lr", "{lr}"] both go; so does "--lr={lr}").
+    """
+    out: list[str] = []
+    flag_index: int | None = None  # where the last bare option without a placeholder went
     for item in template:
+        unset = [key for key, value in values.items() if value is None and "{" + key + "}" in item]
+        if unset:
+            if flag_index is not None and flag_index == len(out) - 1:
+                out.pop()
+            flag_index = None
+            continue
+        filled = item
         for key, value in values.items():
-            item = item.replace("{" + key + "}", value)
-        out.append(item)
+            if value is not None:
+                filled = filled.replace("{" + key + "}", value)
+        flag_index = len(out) if item.startswith("-") and filled == item else None
+        out.append(filled)
     return out
 
 
 def create_job(req: LaunchRequest) -> Job:
     """Validate a request and record it as a QUEUED job; raises LaunchError with a one-line reason."""
+    job, pattern, files = build_job(req)
+    with transaction.atomic():
+        # A job that never ran because its checks refused it leaves its name free for the fixed launch.
+        _never_ran(req.name).delete()
+        job.save()
+        if pattern or files:
+            JobMetrics.objects.create(job=job, pattern=pattern, files=files)
+    return job
+
+
+def _never_ran(name: str):
+    return Job.objects.filter(
+        name=name, state=Job.State.FAILED, running_at__isnull=True,
+        failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
+    )  # fmt: skip
+
+
+def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
+    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError."""
     try:
         check_name(req.name, "job name")
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
-    never_ran = Job.objects.none()
-    if Job.objects.filter(name=req.name).exists():
-        # A job that never ran because its checks refused it leaves its name free for the fixed launch.
-        never_ran = Job.objects.filter(
-            name=req.name, state=Job.State.FAILED, running_at__isnull=True,
-            failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
-        )  # fmt: skip
-        if not never_ran.exists():
-            raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+    if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
+        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
     cs = ClusterSettings.load()
     training = cs.training or {}
-    model = _check_arg(req.model or str(training.get("default_model") or "tiny"), "model")
-    dataset = _check_arg(req.dataset or str(training.get("default_dataset") or "gpl-3"), "dataset")
-    epochs = req.epochs if req.epochs is not None else 1
-    if epochs < 1:
+    # only what the user gave, else what the cluster configured; nothing else reaches the script
+    model = req.model or str(training.get("default_model") or "") or None
+    dataset = req.dataset or str(training.get("default_dataset") or "") or None
+    for value, what in ((model, "model"), (dataset, "dataset")):
+        if value is not None:
+            _check_arg(value, what)
+    if req.epochs is not None and req.epochs < 1:
         raise LaunchError("epochs must be at least 1")
-    lr = req.lr if req.lr is not None else 3e-3
-    if not math.isfinite(lr) or lr <= 0:
+    if req.lr is not None and (not math.isfinite(req.lr) or req.lr <= 0):
         raise LaunchError("learning rate must be a positive number")
     script = _check_arg(req.script or cs.default_script, "script")
     if not script.strip():
@@ -107,6 +143,13 @@ def create_job(req: LaunchRequest) -> Job:
     extra = [_check_arg(a, "extra argument") for a in req.extra_args]
     if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
         raise LaunchError("nproc-per-node must be between 1 and 64")
+    try:
+        pattern = req.metrics_pattern.strip()
+        if pattern:
+            compile_pattern(pattern)
+        files = check_paths(req.metrics_files)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
 
     enabled = list(Node.objects.filter(enabled=True))
     enabled_names = {n.name for n in enabled}
@@ -127,21 +170,61 @@ def create_job(req: LaunchRequest) -> Job:
     if not enabled:
         raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
 
-    values = {"model": model, "dataset": dataset, "epochs": str(epochs), "lr": repr(lr), "job": req.name}
+    values = {
+        "model": model,
+        "dataset": dataset,
+        "epochs": str(req.epochs) if req.epochs is not None else None,
+        "lr": repr(req.lr) if req.lr is not None else None,
+        "job": req.name,
+    }
     args = render_args(cs.script_args_template or DEFAULT_ARGS_TEMPLATE, values) + extra
-    with transaction.atomic():
-        never_ran.delete()
-        return Job.objects.create(
-            name=req.name,
-            script=script,
-            script_args=args,
-            params={"model": model, "dataset": dataset, "epochs": epochs, "lr": lr, "extra": extra},
-            requested_nodes=list(req.nodes),
-            requested_count=None if req.nodes else count,
-            nproc_per_node=req.nproc_per_node,
-            priority=req.priority,
-            sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
-        )
+    job = Job(
+        name=req.name,
+        script=script,
+        script_args=args,
+        params={"model": req.model or None, "dataset": req.dataset or None, "epochs": req.epochs, "lr": req.lr,
+                "extra": extra},
+        requested_nodes=list(req.nodes),
+        requested_count=None if req.nodes else count,
+        nproc_per_node=req.nproc_per_node,
+        priority=req.priority,
+        sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
+    )  # fmt: skip
+    return job, pattern, files
+
+
+def dry_run(req: LaunchRequest) -> list[str]:
+    """What launching the request would run, rank by rank, without creating or starting anything:
+    the exact argv (shell-quoted for reading) and environment of each rank; raises LaunchError."""
+    job, pattern, files = build_job(req)
+    free = _free_nodes()
+    enabled = sorted(Node.objects.filter(enabled=True), key=Node.placement_key)
+    if job.requested_nodes:
+        nodes = sorted((n for n in enabled if n.name in job.requested_nodes), key=Node.placement_key)
+        waits = any(n not in free for n in nodes)
+    else:
+        wanted = job.requested_count or 1
+        nodes = free[:wanted] if len(free) >= wanted else enabled[:wanted]
+        waits = len(free) < wanted
+    job.tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
+    cs = ClusterSettings.load()
+    job.rdzv_endpoint = f"{nodes[0].address}:{cs.rendezvous_port}"
+    ranks = [Rank(job=job, node=node, index=i) for i, node in enumerate(nodes)]
+    out = [f"dry run of job {job.name}: nothing was created or started"]
+    if waits:
+        out.append("  (some of these nodes are busy now: the job would wait for them)")
+    for rank in ranks:
+        out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}), in {rank.node.workdir}:")
+        out.append("  " + shlex.join(rank_command(job, rank, len(ranks), job.rdzv_endpoint)))
+        env = rank_env(job, rank)
+        env["UGRO_JOB_ID"] = "<id>"  # given when the job is queued
+        out.append("  environment: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())))
+    out.append(f"--rdzv-id and UGRO_JOB are new for every attempt ({job.tag} here).")
+    if pattern:
+        out.append(f"metrics pattern: {pattern}")
+    for path in files:
+        out.append(f"metrics file: {path}")
+    return out
 
 
 def _free_nodes() -> list[Node]:

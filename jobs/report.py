@@ -78,6 +78,8 @@ def results(job: Job) -> list[str]:
         final.setdefault(p.rank, p)
     for rank, p in sorted(final.items()):
         out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
+    for m in job.final_metrics.order_by("rank", "name"):
+        out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)
     out.append(f"  checkpoints: {len(ckpts)}")
     for node, path, size in ckpts:

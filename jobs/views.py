@@ -15,10 +15,10 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from cluster.models import Node
-from metrics.models import MetricPoint
+from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from . import lifecycle, report
-from .launch import LaunchError, LaunchRequest, create_job
+from .launch import LaunchError, LaunchRequest, create_job, dry_run
 from .logs import job_lines
 from .models import Job, Rank
 from .scheduler import request_schedule
@@ -99,14 +99,24 @@ def _max_steps(job: Job) -> int | None:
 
 
 def progress(job: Job, names: list[str]) -> dict | None:
-    """Best-effort progress and ETA: from --max-steps and the last step seen, else from the epoch metric."""
-    if not job.running_at or not names:
+    """Best-effort progress and ETA: from the training bar's N/M, else from --max-steps and the last step
+    seen, else from the epoch metric."""
+    if not job.running_at:
         return None
-    name = "loss" if "loss" in names else names[0]
-    last = MetricPoint.objects.filter(job=job, name=name).aggregate(step=Max("step"))["step"]
+    bar = JobMetrics.objects.filter(job=job, total_steps__gt=0, step__isnull=False).first()
+    if not names and bar is None:
+        return None
     fraction = None
-    max_steps = _max_steps(job)
-    if max_steps and last is not None:
+    last = None
+    max_steps = None
+    if bar is not None:
+        last, max_steps = bar.step, bar.total_steps
+        fraction = min(1.0, max(0.0, last / max_steps))
+    elif names:
+        name = "loss" if "loss" in names else names[0]
+        last = MetricPoint.objects.filter(job=job, name=name).aggregate(step=Max("step"))["step"]
+        max_steps = _max_steps(job)
+    if fraction is None and max_steps and last is not None:
         fraction = min(1.0, last / max_steps)
     elif "epoch" in names and (job.params or {}).get("epochs"):
         epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
@@ -138,6 +148,19 @@ def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     return order, rows
 
 
+def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
+    """The run's final metrics (the end-of-training summary it printed): (ranks, one row per name)."""
+    by_name: dict[str, dict[int, float]] = {}
+    for m in FinalMetric.objects.filter(job=job).order_by("name", "rank"):
+        by_name.setdefault(m.name, {})[m.rank] = m.value
+    order = sorted({rank for values in by_name.values() for rank in values})
+    rows = [
+        {"name": name, "values": [f"{values[r]:.6g}" if r in values else "—" for r in order]}
+        for name, values in by_name.items()
+    ]
+    return order, rows
+
+
 @require_GET
 def detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
@@ -156,6 +179,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     }
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
+        context["summary_ranks"], context["summary"] = summary_metrics(job)
         context["config_path"] = job.job_dir / "config.json"
     return render(request, "jobs/detail.html", context)
 
@@ -184,6 +208,7 @@ def relaunch_name(name: str) -> str:
 
 def relaunch_request(job: Job) -> LaunchRequest:
     params = job.params or {}
+    metric_settings = JobMetrics.objects.filter(job=job).first()
     return LaunchRequest(
         name=relaunch_name(job.name),
         nodes=list(job.requested_nodes or []),
@@ -196,6 +221,8 @@ def relaunch_request(job: Job) -> LaunchRequest:
         nproc_per_node=job.nproc_per_node,
         extra_args=[str(a) for a in params.get("extra") or []],
         priority=job.priority,
+        metrics_pattern=metric_settings.pattern if metric_settings else "",
+        metrics_files=list(metric_settings.files) if metric_settings else [],
     )
 
 
@@ -230,8 +257,8 @@ class LaunchForm(forms.Form):
     script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
     model = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default model")
     dataset = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default dataset")
-    epochs = forms.IntegerField(required=False, widget=forms.NumberInput(attrs={"placeholder": "1"}))
-    lr = forms.FloatField(required=False, label="Learning rate", widget=forms.TextInput(attrs={"placeholder": "0.003"}))
+    epochs = forms.IntegerField(required=False, help_text="blank: not passed to the script")
+    lr = forms.FloatField(required=False, label="Learning rate", help_text="blank: not passed to the script")
     nproc_per_node = forms.IntegerField(required=False, label="Processes per node", help_text="blank: GPU count")
     priority = forms.IntegerField(required=False, initial=0)
     extra_args = forms.CharField(
@@ -239,6 +266,19 @@ class LaunchForm(forms.Form):
         max_length=8000,
         label="Extra script arguments",
         help_text="split like a shell would, e.g. --max-steps 200 --log-every 5",
+    )
+    metrics_pattern = forms.CharField(
+        required=False,
+        max_length=500,
+        label="Metrics pattern",
+        help_text="a regular expression: the lines it matches give their key=value / key: value pairs",
+    )
+    metrics_files = forms.CharField(
+        required=False,
+        max_length=8000,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Metrics files",
+        help_text="one per line: a metrics.csv, a TensorBoard event file or a directory with them, on the nodes",
     )
 
     def __init__(self, *args, **kwargs) -> None:
@@ -267,21 +307,27 @@ class LaunchForm(forms.Form):
             nproc_per_node=d["nproc_per_node"],
             extra_args=d["extra_args"],
             priority=d["priority"] or 0,
+            metrics_pattern=d["metrics_pattern"] or "",
+            metrics_files=[line.strip() for line in (d["metrics_files"] or "").splitlines() if line.strip()],
         )
 
 
 def launch(request: HttpRequest) -> HttpResponse:
+    """The launch form; its "Show commands" button shows what each rank would run (a dry run)."""
     form = LaunchForm(request.POST or None)
+    commands: list[str] = []
     if request.method == "POST" and form.is_valid():
         try:
-            job = create_job(form.launch_request())
+            if "dry_run" in request.POST:
+                commands = dry_run(form.launch_request())
+            else:
+                job = create_job(form.launch_request())
+                request_schedule()
+                messages.success(request, f"job {job.name} queued")
+                return redirect("job-detail", job.pk)
         except LaunchError as exc:
             form.add_error(None, str(exc))
-        else:
-            request_schedule()
-            messages.success(request, f"job {job.name} queued")
-            return redirect("job-detail", job.pk)
-    return render(request, "jobs/launch.html", {"form": form, "nav": "launch"})
+    return render(request, "jobs/launch.html", {"form": form, "commands": commands, "nav": "launch"})
 
 
 @require_GET

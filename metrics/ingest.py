@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from .models import MetricPoint
-from .parsing import MAX_LINE_CHARS, LineParser
+from .models import FinalMetric, JobMetrics, MetricPoint
+from .parsing import MAX_LINE_CHARS, LineParser, Point, compile_pattern
 
 
 @dataclass
@@ -16,23 +16,125 @@ class RankStream:
 
     parser: LineParser = field(default_factory=LineParser)
     truncated: int = 0
+    configured: bool = False  # the job's metric settings were applied to the parser
+    progress_saved: tuple[int | None, int | None] = (None, None)
+
+
+REPLAY_BYTES = 256 * 1024
+
+
+def configure(stream: RankStream, job_id: int, rank_index: int) -> None:
+    """Ready a new stream: the job's metric settings (its pattern; bars give only steps when it reads
+    metric files), and the parser state the committed end of the rank's log leaves.
+
+    Followers come and go (a CLI watcher starts a new one every few seconds, a worker restarts): the
+    parser's state across lines (a Trainer dict waiting for the bar's redraw, the values a bar last
+    showed, the training bar's total) is rebuilt by reading the last committed lines of the rank's
+    copied log again, their points dropped: they were taken when those lines were.
+    """
+    from jobs.models import Rank
+
+    parser = stream.parser
+    settings = JobMetrics.objects.filter(job_id=job_id).first()
+    if settings is not None:
+        if settings.pattern:
+            try:
+                parser.pattern = compile_pattern(settings.pattern)
+            except ValueError:
+                pass  # validated at launch; a pattern that broke since is no reason to stop following
+        parser.bar_metrics = not settings.files
+        stream.progress_saved = (settings.step, settings.total_steps)
+    rank = Rank.objects.select_related("job").filter(job_id=job_id, index=rank_index).first()
+    if rank is not None and rank.log_offset > 0:
+        known_step = parser.last_step
+        for line in _committed_tail(rank.local_log, rank.log_offset):
+            parser.feed(line)
+        if known_step is not None:
+            parser.last_step = known_step  # what was stored last: inferred steps go on from there
+        parser.malformed = parser.metric_lines = 0
+    stream.configured = True
+
+
+def _committed_tail(path, offset: int) -> list[str]:
+    """The whole lines of the last REPLAY_BYTES before `offset` in the copied log."""
+    try:
+        with open(path, "rb") as fh:
+            start = max(0, offset - REPLAY_BYTES)
+            fh.seek(start)
+            data = fh.read(offset - start)
+    except OSError:
+        return []
+    if start > 0:
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
 
 
 def parse_lines(
-    job_id: int, rank_index: int, lines: list[str], stream: RankStream, when: datetime
+    job_id: int, rank_index: int, lines: list[str], stream: RankStream, when: datetime, end: bool = False
 ) -> tuple[list[MetricPoint], list[str]]:
-    """Unsaved MetricPoints and their metrics.jsonl lines, for lines of one rank."""
+    """Unsaved MetricPoints and their metrics.jsonl lines, for lines of one rank.
+
+    end: the rank's log is complete (points still waiting for a progress bar's redraw are taken).
+    Side effects, idempotent so a retried pass may repeat them: the run's final metrics (the
+    Trainer's end-of-training summary) are upserted, and the training bar's step and total saved.
+    """
+    if not stream.configured:
+        configure(stream, job_id, rank_index)
     points: list[MetricPoint] = []
     jsonl: list[str] = []
+    finals: list[Point] = []
+    parsed: list[Point] = []
     for line in lines:
         if len(line) > MAX_LINE_CHARS:
             stream.truncated += 1
-        for p in stream.parser.feed(line):
-            rank = p.rank if p.rank is not None else rank_index
+        parsed.extend(stream.parser.feed(line))
+    if end:
+        parsed.extend(stream.parser.flush())
+    for p in parsed:
+        rank = p.rank if p.rank is not None else rank_index
+        record = {"rank": rank, "step": p.step, "name": p.name, "value": p.value, "time": when.timestamp()}
+        if p.final:
+            finals.append(p)
+            record["final"] = True
+        else:
             points.append(
                 MetricPoint(job_id=job_id, rank=rank, step=p.step, name=p.name[:100], value=p.value, time=when)
             )
-            jsonl.append(
-                json.dumps({"rank": rank, "step": p.step, "name": p.name, "value": p.value, "time": when.timestamp()})
-            )
+        jsonl.append(json.dumps(record))
+    if finals:
+        save_final_metrics(job_id, rank_index, finals, when)
+    _save_progress(job_id, stream)
     return points, jsonl
+
+
+def save_final_metrics(job_id: int, rank_index: int, finals: list[Point], when: datetime) -> None:
+    """Upsert a rank's final metrics (a summary printed again replaces the values)."""
+    rows = [
+        FinalMetric(
+            job_id=job_id,
+            rank=p.rank if p.rank is not None else rank_index,
+            name=p.name[:100],
+            value=p.value,
+            step=p.step,
+            time=when,
+        )
+        for p in finals
+    ]
+    FinalMetric.objects.bulk_create(
+        rows, update_conflicts=True, unique_fields=["job", "rank", "name"], update_fields=["value", "step", "time"]
+    )
+
+
+def _save_progress(job_id: int, stream: RankStream) -> None:
+    """The training bar's step (and total, when it says), for progress and ETA; written only when they move."""
+    parser = stream.parser
+    if parser.counter is None:
+        return
+    now = (parser.counter, parser.total_steps)
+    if now == stream.progress_saved:
+        return
+    JobMetrics.objects.update_or_create(job_id=job_id, defaults={"step": now[0], "total_steps": now[1]})
+    stream.progress_saved = now

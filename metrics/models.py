@@ -22,3 +22,60 @@ class MetricPoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.name}@{self.step}={self.value}"
+
+
+class JobMetrics(models.Model):
+    """How one job's metrics are read beyond the known line shapes, and how far its training bar got."""
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, primary_key=True, related_name="metric_settings")
+    pattern = models.CharField(
+        max_length=500, blank=True, help_text="Regex: lines it matches give their key=value / key: value pairs."
+    )
+    files = models.JSONField(
+        default=list, blank=True, help_text="Metric files or directories on the nodes (relative to the workdir)."
+    )
+    total_steps = models.BigIntegerField(null=True, blank=True, help_text="The training bar's total (its M).")
+    step = models.BigIntegerField(null=True, blank=True, help_text="The last step the training bar showed.")
+
+    def __str__(self) -> str:
+        return f"metrics of {self.job_id}"
+
+
+class FinalMetric(models.Model):
+    """One value of a run's end-of-training summary (e.g. the Trainer's train_runtime, train_loss), per rank."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="final_metrics")
+    rank = models.IntegerField()
+    name = models.CharField(max_length=100)
+    value = models.FloatField()
+    step = models.BigIntegerField(help_text="The last step known when the summary was printed.")
+    time = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "rank", "name"], name="final_metric_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.rank} final {self.name}={self.value}"
+
+
+class MetricFile(models.Model):
+    """A metric file a framework writes on a node (Lightning's metrics.csv, a TensorBoard event file),
+    followed from a byte offset like a rank's log."""
+
+    class Kind(models.TextChoices):
+        CSV = "csv", "csv"
+        TFEVENTS = "tfevents", "TensorBoard events"
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_files")
+    rank = models.IntegerField(help_text="Node rank of the node the file is on.")
+    path = models.CharField(max_length=1000)
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    offset = models.BigIntegerField(default=0, help_text="Bytes of the file already taken.")
+    header = models.TextField(blank=True, help_text="CSV: the header line the rows were read with.")
+    records = models.BigIntegerField(default=0, help_text="CSV rows or events already taken.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "rank", "path"], name="metric_file_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.rank} {self.path}"

@@ -1,15 +1,35 @@
 """Turn the lines a training rank prints into metric points.
 
-Three shapes of line carry metrics:
+What is read without any change to the script:
 
 * a JSON object with an integer ``step`` (or ``global_step``), one line per log
   event, as the reference script ``train/train_production.py`` prints;
-* ``UGRO_METRIC {...}``: a JSON object with an explicit marker, whose step may
-  be left out and is then inferred;
-* the Python-repr dicts the Hugging Face Trainer prints
-  (``{'loss': 2.31, 'learning_rate': 0.0002, 'epoch': 0.12}``), step inferred.
+* ``UGRO_METRIC {...}``: a JSON object with an explicit marker;
+* the dicts the Hugging Face Trainer (and Seq2SeqTrainer) prints with repr():
+  numbers in transformers 4 (``{'loss': 2.31, 'epoch': 0.12}``), numbers as
+  quoted strings in transformers 5 (``{'loss': '2.31', 'epoch': '0.12'}``).
+  ``eval_*``/``test_*`` dicts are series of their own; the end-of-training
+  summary (``train_runtime``, ``train_loss``, ...) is the run's final metrics
+  (points with ``final=True``), not a curve point;
+* progress bars: tqdm states (``Epoch 1:  42%|████▏ | 21/50 [00:04<00:06, 4.52it/s,
+  loss=2.31, v_num=0]``) and rich bars with their metric rows under the bar
+  (``Epoch 1/1 ━━━━ 20/20 ...`` then ``train_loss: 0.062``), as PyTorch
+  Lightning draws them. ``v_num`` is not a metric;
+* with a job's metrics pattern (a regular expression), the ``key=value`` and
+  ``key: value`` pairs of the lines it matches (or its named groups).
 
-Everything else is a plain log line.  The parser never raises: a follower that
+Steps come from the framework's own counter: a ``step``/``global_step`` key,
+else the progress bar: ``N`` of its ``N/M`` (``epoch * M + N`` for Lightning's
+``Epoch k`` bars). A Trainer dict takes the state its bar is redrawn with
+right after it (tqdm.write() redraws the bar at once; the state drawn before
+the dict can lag a few steps behind). Only a script that shows no counter at
+all gets consecutive numbers. ``total_steps`` is the bar's ``M`` (over all
+epochs where the bar says how many), for progress and ETA.
+
+A line may hold many carriage-return states of a bar: each is read once, and
+a bar's value that did not change since its last state is not repeated.
+
+Everything else is a plain log line. The parser never raises: a follower that
 dies on one odd line would lose every later metric of the run.
 
 This module is pure Python (no Django) so it can be tested and reused anywhere.
@@ -20,23 +40,45 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-MAX_LINE_CHARS = 65536  # longer lines are truncated for storage and never parsed as metrics
+MAX_LINE_CHARS = 65536  # longer segments are never parsed as metrics
 
 METRIC_PREFIX = "UGRO_METRIC "
 # literal_eval is only ever applied to short lines of this shape (HF Trainer dicts).
 REPR_DICT_MAX_CHARS = 4096
 # MetricPoint.name is a CharField(max_length=100): longer keys could not be stored.
 MAX_NAME_CHARS = 100
+# A user's pattern is only tried on segments up to this long (bounds the time one line can take).
+PATTERN_MAX_CHARS = 4096
+MAX_PATTERN_CHARS = 500
 
 STEP_KEYS = ("step", "global_step")
-NOT_METRICS = frozenset({"step", "global_step", "rank"})
+NOT_METRICS = frozenset({"step", "global_step", "rank", "v_num"})
+# A Trainer dict with one of these is the end-of-training summary: the run's final metrics.
+FINAL_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"})
+# Series of their own whose 'epoch' would only repeat the training one.
+OWN_SERIES_PREFIXES = ("eval_", "test_", "predict_")
+# Bars that do not count training steps (Lightning's names for them).
+NOT_TRAINING_BARS = ("sanity", "validation", "testing", "predicting", "writing", "loading", "map", "generating")
 
-# Bounds of the database columns the values end up in (BigIntegerField, IntegerField).
 _BIGINT_MIN, _BIGINT_MAX = -(2**63), 2**63 - 1
 _INT_MAX = 2**31 - 1
+
+_ANSI = re.compile(r"\x1b(?:\[[0-9;?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+_NUMBER = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+_NUMBER_RE = re.compile(rf"^{_NUMBER}$")
+# tqdm: "{desc}: {pct}%|{bar}| {n}/{total} [{elapsed}<{remaining}, {rate}{, postfix}]"
+_TQDM = re.compile(r"^(?P<desc>.*?)(?:\s*\d{1,3}%)?\|[^|]*\|\s*(?P<n>\d+)/(?P<m>\d+|\?)\s*\[(?P<info>[^\]]*)\]")
+# rich (Lightning's RichProgressBar): "{desc} ━━━━╸━━━ {n}/{total} 0:00:01 • 0:00:02 12.3it/s {v_num: 0}"
+_RICH = re.compile(r"^(?P<desc>\S.*?)\s+[━╸╺─]+\s+(?P<n>\d+)/(?P<m>\d+|\?)(?:\s|$)")
+_RICH_CHARS = frozenset("━╸╺─")
+_RICH_ROW = re.compile(rf"^\s*(?P<key>[A-Za-z_][\w./-]*): (?P<value>{_NUMBER})\s*$")
+_EPOCH = re.compile(r"^\s*epoch\s+(?P<k>\d+)(?:\s*/\s*(?P<last>\d+))?", re.IGNORECASE)
+_PAIR = re.compile(rf"(?<![\w.])(?P<key>[A-Za-z_][\w./-]*)\s*(?:=|:)\s*(?P<value>{_NUMBER})(?![\w.%])")
+_N_OF_M = re.compile(r"(?<![\w./])(?P<n>\d+)\s*/\s*(?P<m>\d+)(?![\w./])")
 
 
 @dataclass(frozen=True)
@@ -47,63 +89,178 @@ class Point:
     name: str
     value: float
     rank: int | None  # the line's own "rank" field if it carried an int one, else None
+    final: bool = False  # part of the run's end-of-training summary, not a curve point
 
 
 class _Malformed(Exception):
     """Raised inside the parser for a line that looked like metrics but cannot be used."""
 
 
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """A job's metrics pattern as a compiled regex; ValueError with a one-line reason if unusable."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"the metrics pattern is longer than {MAX_PATTERN_CHARS} characters")
+    if "\x00" in pattern:
+        raise ValueError("the metrics pattern contains a NUL byte")
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"the metrics pattern is not a valid regular expression: {exc}") from None
+
+
 class LineParser:
     """One per rank stream.
 
     feed() each line (str, without the trailing newline, already decoded with
-    errors='replace').
+    errors='replace'); flush() once the stream has ended.
 
-    ``malformed`` counts lines that looked like metrics (start with ``{`` or
-    ``UGRO_METRIC ``) but could not be used, or were too long to parse;
-    ``metric_lines`` counts lines that produced at least one point;
-    ``last_step`` is the last step seen, explicit or inferred (None before any).
+    pattern: the job's metrics pattern (lines it matches give their key=value
+    and key: value pairs, or its named groups). bar_metrics: False to take only
+    steps from progress bars, not their (rounded) values, when the job reads the
+    same metrics from a file.
+
+    ``malformed`` counts lines that looked like metrics but could not be used,
+    or were too long to parse; ``metric_lines`` counts lines that produced at
+    least one point; ``last_step`` is the last step seen (None before any);
+    ``counter`` the last step a progress bar or an N/M counter showed; ``total_steps``
+    the training bar's total (None while unknown).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pattern: str | re.Pattern[str] | None = None, bar_metrics: bool = True) -> None:
         self.malformed: int = 0
         self.metric_lines: int = 0
         self.last_step: int | None = None
+        self.total_steps: int | None = None
+        self.pattern = compile_pattern(pattern) if isinstance(pattern, str) and pattern else pattern or None
+        self.bar_metrics = bar_metrics
+        self.counter: int | None = None
+        self._train_m: int | None = None  # the training bar's N/M total, once one was drawn
+        self._bar_seen = False
+        self._pending: list[dict[Any, Any]] = []  # Trainer dicts waiting for the bar's redraw
+        self._rich_step: int | None = None  # step of the rich bar whose metric rows follow, if open
+        self._shown: dict[str, float] = {}  # last value a bar showed for each metric
 
     def feed(self, line: str) -> list[Point]:
         """Parse one line; return its points ([] for plain log lines). Never raises."""
-        try:
-            points = self._parse(line)
-        except Exception:  # _Malformed, or anything unforeseen: one odd line must not kill the follower
+        points: list[Point] = []
+        if not isinstance(line, str):
             self.malformed += 1
-            return []
+            return points
+        for segment in line.split("\r") if "\r" in line else (line,):
+            try:
+                points.extend(self._segment(segment))
+            except Exception:  # _Malformed, or anything unforeseen: one odd line must not kill the follower
+                self.malformed += 1
         if points:
             self.metric_lines += 1
         return points
 
-    def _parse(self, line: str) -> list[Point]:
-        if not isinstance(line, str):
-            raise _Malformed
-        if len(line) > MAX_LINE_CHARS:
-            raise _Malformed
-        text = _last_segment(line)
-        if text.startswith(METRIC_PREFIX):
-            return self._parse_marked(text[len(METRIC_PREFIX) :])
-        if not text.startswith("{"):
+    def flush(self) -> list[Point]:
+        """Points still waiting for a bar state (the stream ended): they take the last step known."""
+        try:
+            return self._resolve(self._fallback_step())
+        except Exception:
+            self.malformed += 1
             return []
-        obj = _load_json(text)
-        if obj is not None:
-            return self._parse_json_object(obj)
-        if text.startswith("{'") and text.endswith("}") and len(text) < REPR_DICT_MAX_CHARS:
-            return self._parse_repr_dict(text)
-        raise _Malformed
+
+    # -- one carriage-return segment -------------------------------------------------------------
+
+    def _segment(self, raw: str) -> list[Point]:
+        if len(raw) > MAX_LINE_CHARS:
+            raise _Malformed
+        text = _ANSI.sub("", raw) if "\x1b" in raw else raw
+        stripped = text.strip()
+        if not stripped:
+            return []
+        bar = self._parse_bar(text)
+        if bar is not None:
+            return bar
+        if self._rich_step is not None:
+            row = _RICH_ROW.match(text)
+            if row:
+                return self._bar_values(self._rich_step, [(row["key"], row["value"])])
+            self._rich_step = None
+        if stripped.startswith(METRIC_PREFIX):
+            return self._parse_marked(stripped[len(METRIC_PREFIX) :])
+        if stripped.startswith("{"):
+            obj = _load_json(stripped)
+            if obj is not None:
+                return self._parse_json_object(obj)
+            if stripped.startswith("{'") and stripped.endswith("}") and len(stripped) < REPR_DICT_MAX_CHARS:
+                return self._parse_repr_dict(stripped)
+            raise _Malformed
+        if self.pattern is not None and len(stripped) <= PATTERN_MAX_CHARS:
+            return self._parse_pattern(stripped)
+        return []
+
+    # -- progress bars ----------------------------------------------------------------------------
+
+    def _parse_bar(self, text: str) -> list[Point] | None:
+        """Points of a bar state ([] if none), or None when the text is not a bar."""
+        if "/" not in text or ("|" not in text and not _RICH_CHARS.intersection(text)):
+            return None  # most log lines: no regex tried
+        match = _TQDM.match(text)
+        rich = False
+        if match is None:
+            match = _RICH.match(text.strip())
+            rich = match is not None
+        if match is None:
+            return None
+        desc = match["desc"].strip().rstrip(":").strip()
+        n = int(match["n"])
+        m = int(match["m"]) if match["m"] != "?" else None
+        training = not desc.lower().startswith(NOT_TRAINING_BARS)
+        epoch = _EPOCH.match(desc)
+        if training and m is not None and not epoch:
+            # the Trainer's eval bar has no name either: the training bar is the one drawn first
+            if self._train_m is None:
+                self._train_m = m
+            training = m == self._train_m
+        step, total = n, m
+        if epoch and m:
+            step = int(epoch["k"]) * m + n
+            # rich says "Epoch k/last": the run's total is known; tqdm's "Epoch k" does not say it
+            total = (int(epoch["last"]) + 1) * m if epoch["last"] else None
+        elif epoch:
+            total = None
+        self._rich_step = step if rich and training else None
+        points: list[Point] = []
+        if not training:
+            return points
+        self._bar_seen = True
+        if self._pending:
+            points = self._resolve(step)  # the redraw right after a Trainer dict: the dict's own step
+        if total is not None:
+            self.total_steps = total
+        if n > 0 or self.counter is None:  # not a bar's reset to 0 at an epoch's end
+            self.counter = self.last_step = step
+        if not rich and match["info"]:
+            pairs = [item.split("=", 1) for item in match["info"].split(", ") if "=" in item]
+            points.extend(self._bar_values(step, [(k.strip(), v.strip()) for k, v in pairs]))
+        return points
+
+    def _bar_values(self, step: int, pairs: list[tuple[str, str]]) -> list[Point]:
+        """A bar's metrics: only values that changed since the bar last showed them (it redraws often)."""
+        points = []
+        for key, raw in pairs:
+            if key in NOT_METRICS or not key or len(key) > MAX_NAME_CHARS or not _NUMBER_RE.match(raw):
+                continue
+            value = _finite_float(float(raw))
+            if value is None or self._shown.get(key) == value:
+                continue
+            self._shown[key] = value
+            if self.bar_metrics:
+                points.append(Point(step=step, name=key, value=value, rank=None))
+        return points
+
+    # -- dict lines -------------------------------------------------------------------------------
 
     def _parse_marked(self, payload: str) -> list[Point]:
         """``UGRO_METRIC {...}``: the marker promises metrics, so getting none is malformed."""
         obj = _load_json(payload.strip())
         if not isinstance(obj, dict):
             raise _Malformed
-        points = self._points(obj)
+        points = self._points(obj, self._step_for(obj))
         if not points:
             raise _Malformed
         return points
@@ -112,25 +269,53 @@ class LineParser:
         """A bare JSON line is a metric line only if it carries a step."""
         if not isinstance(obj, dict) or not any(key in obj for key in STEP_KEYS):
             return []
-        return self._points(obj)
+        return self._points(obj, self._step_for(obj))
 
     def _parse_repr_dict(self, text: str) -> list[Point]:
-        """A Hugging Face Trainer log dict, printed with repr()."""
+        """A Hugging Face Trainer log dict, printed with repr() (transformers 5 quotes its numbers)."""
         try:
             obj = ast.literal_eval(text)
         except Exception as exc:  # literal_eval raises many types (ValueError, SyntaxError, MemoryError, ...)
             raise _Malformed from exc
         if not isinstance(obj, dict):
             raise _Malformed
-        return self._points(obj)
+        obj = {k: _number_from_text(v) for k, v in obj.items()}
+        points = self._resolve(self._fallback_step()) if self._pending else []  # no redraw came between two dicts
+        if FINAL_KEYS & obj.keys():
+            finals = self._points(obj, self.counter if self.counter is not None else self.last_step or 0, final=True)
+            return points + finals
+        if _explicit_step(obj) is None and self._bar_seen:
+            if _has_values(obj):
+                self._pending.append(obj)
+            return points
+        return points + self._points(obj, self._step_for(obj))
 
-    def _points(self, obj: dict[Any, Any]) -> list[Point]:
-        """Points of one parsed object, its step explicit or else inferred; updates ``last_step``."""
-        step = _explicit_step(obj)
+    def _resolve(self, step: int) -> list[Point]:
+        pending, self._pending = self._pending, []
+        points: list[Point] = []
+        for obj in pending:
+            points.extend(self._points(obj, step))
+        return points
+
+    def _fallback_step(self) -> int:
+        """The last counter the script showed; consecutive numbers only for a script that shows none."""
+        if self.counter is not None:
+            return self.counter
+        return (self.last_step if self.last_step is not None else 0) + 1
+
+    def _step_for(self, obj: dict[Any, Any]) -> int | None:
+        """An object's step: explicit, else None (the caller decides)."""
+        return _explicit_step(obj)
+
+    def _points(self, obj: dict[Any, Any], step: int | None, final: bool = False) -> list[Point]:
+        """Points of one parsed object at ``step`` (None: inferred); updates ``last_step``."""
+        own_series = any(isinstance(k, str) and k.startswith(OWN_SERIES_PREFIXES) for k in obj)
         values: list[tuple[str, float]] = []
         rejected = False
         for key, raw in obj.items():
             if not isinstance(key, str) or key in NOT_METRICS or not _is_number(raw):
+                continue
+            if own_series and key == "epoch":
                 continue
             value = _finite_float(raw)
             if value is None or not key or len(key) > MAX_NAME_CHARS:
@@ -143,22 +328,54 @@ class LineParser:
                 if rejected:
                     raise _Malformed
                 return []
-            step = (self.last_step if self.last_step is not None else 0) + 1
-        self.last_step = step
+            step = self._fallback_step()
+        if not final:
+            self.last_step = step
         if not values and rejected:
             raise _Malformed  # e.g. {"step": 1, "loss": NaN}: numbers were there but none usable
         rank = _rank(obj.get("rank"))
-        return [Point(step=step, name=name, value=value, rank=rank) for name, value in values]
+        return [Point(step=step, name=name, value=value, rank=rank, final=final) for name, value in values]
+
+    # -- the job's own pattern --------------------------------------------------------------------
+
+    def _parse_pattern(self, text: str) -> list[Point]:
+        match = self.pattern.search(text) if self.pattern is not None else None
+        if match is None:
+            return []
+        groups = {k: v for k, v in match.groupdict().items() if v is not None}
+        if set(groups) - {"step"}:
+            pairs = list(groups.items())
+        else:
+            pairs = [(m["key"], m["value"]) for m in _PAIR.finditer(text)]
+            if "step" in groups:
+                pairs.append(("step", groups["step"]))
+        obj: dict[str, Any] = {}
+        for key, raw in pairs:
+            number = _number_from_text(raw.strip())
+            if isinstance(number, (int, float)) and key not in obj:
+                obj[key] = number
+        step = _explicit_step(obj)
+        if step is None:
+            counter = _N_OF_M.search(text)
+            if counter:
+                step = self.counter = int(counter["n"])
+                self.total_steps = int(counter["m"])
+        return self._points(obj, step)
 
 
-def _last_segment(line: str) -> str:
-    """The text a terminal would show last: tqdm redraws with '\\r' and HF prints its dict after the bar."""
-    if "\r" in line:
-        for segment in reversed(line.split("\r")):
-            if segment.strip():
-                return segment.strip()
-        return ""
-    return line.strip()
+def _has_values(obj: dict[Any, Any]) -> bool:
+    return any(isinstance(k, str) and k not in NOT_METRICS and _is_number(v) for k, v in obj.items())
+
+
+def _number_from_text(value: Any) -> Any:
+    """'4.867' -> 4.867 and '12' -> 12 (transformers 5 prints its numbers as strings); other values as they are."""
+    if isinstance(value, str) and len(value) < 64 and _NUMBER_RE.match(value.strip()):
+        text = value.strip()
+        try:
+            return int(text) if text.lstrip("+-").isdigit() else float(text)
+        except (ValueError, OverflowError):
+            return value
+    return value
 
 
 def _load_json(text: str) -> Any:

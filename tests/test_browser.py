@@ -315,3 +315,24 @@ def test_cluster_overview_follows_node_status_without_reloading(web, chromium):
     assert page.evaluate("window.__sameDocument") is True
     page.screenshot(path=ARTIFACTS / "cluster-node-down.png", full_page=True)
     assert not errors, errors
+
+
+def test_launch_form_shows_each_ranks_command_before_launching(web, chromium):
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    # given the launch form filled in
+    page.goto(web + "/jobs/launch/")
+    page.fill("#id_name", "look-first")
+    page.fill("#id_extra_args", "--max-steps 5 --note 'a b'")
+    # when "Show commands" is pressed
+    page.click("#dry-run-btn")
+    # then each rank's exact command line is shown, the form keeps its values, and nothing was queued
+    page.wait_for_selector("#dry-run pre", timeout=10_000)
+    shown = page.text_content("#dry-run pre") or ""
+    assert shown.count("torchrun --nnodes=3") == 3
+    assert "train/train_production.py --model-name tiny --dataset-name gpl-3 --max-steps 5 --note 'a b'" in shown
+    assert page.input_value("#id_name") == "look-first"
+    assert not Job.objects.exists()
+    page.screenshot(path=ARTIFACTS / "launch-dry-run.png", full_page=True)
+    assert not errors, errors

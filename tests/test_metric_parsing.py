@@ -60,7 +60,7 @@ TQDM_LINES = [
     "  5%|▌         | 5/100 [00:01<00:19,  4.87it/s]",
     "\r  5%|▌         | 5/100 [00:01<00:19,  4.87it/s]\r 10%|█         | 10/100 [00:02<00:18,  4.90it/s]",
     "100%|██████████| 100/100 [00:20<00:00,  4.99it/s]",
-    "Epoch 1:  42%|████▏     | 21/50 [00:04<00:06,  4.52it/s, loss=2.31, v_num=0]",
+    "Epoch 1:  42%|████▏     | 21/50 [00:04<00:06,  4.52it/s, v_num=0]",
     "\r\r\r",
     "",
 ]
@@ -111,25 +111,43 @@ def test_global_step_and_integral_float_step() -> None:
 
 
 def test_hugging_face_trainer_log() -> None:
+    # given a Trainer log whose dicts are written through tqdm.write(), the bar redrawn right after each
     parser = LineParser()
+    # when it is fed as a follower does
     points = feed_all(parser, HF_LOG)
+    # then each dict takes the step of the bar redrawn after it (10, 20, 30), never a count of lines
     assert parser.malformed == 0
-    assert parser.metric_lines == 4
-    values = by_name(points)
-    assert values[(1, "loss", None)] == 2.3145
-    assert values[(1, "learning_rate", None)] == 3.3333333333333335e-05
-    assert values[(2, "grad_norm", None)] == 0.9876
-    assert values[(3, "learning_rate", None)] == 0.0
-    assert values[(3, "epoch", None)] == 1.0
-    assert values[(4, "train_runtime", None)] == 18.4521
-    assert values[(4, "train_loss", None)] == 2.0872666676839193
-    assert {p.step for p in points} == {1, 2, 3, 4}
+    curve = [p for p in points if not p.final]
+    values = by_name(curve)
+    assert values[(10, "loss", None)] == 2.3145
+    assert values[(10, "learning_rate", None)] == 3.3333333333333335e-05
+    assert values[(20, "grad_norm", None)] == 0.9876
+    assert values[(30, "learning_rate", None)] == 0.0
+    assert values[(30, "epoch", None)] == 1.0
+    assert {p.step for p in curve} == {10, 20, 30}
+    # and the end-of-training summary is the run's final metrics, not a curve point
+    finals = {p.name: p.value for p in points if p.final}
+    assert finals == {
+        "train_runtime": 18.4521,
+        "train_samples_per_second": 13.007,
+        "train_steps_per_second": 1.626,
+        "train_loss": 2.0872666676839193,
+        "epoch": 1.0,
+    }
+    assert "train_runtime" not in {p.name for p in curve}
+    assert parser.total_steps == 30
 
 
-def test_hf_dict_skips_non_numeric_values() -> None:
+def test_hf_dict_reads_numbers_as_strings_and_skips_other_values() -> None:
+    # given a transformers 5 dict (numbers quoted) with values that are no numbers; no bar drawn
     parser = LineParser()
-    line = "{'loss': 2.31, 'learning_rate': '1.2e-05', 'flag': True, 'note': None, 'epoch': 0.12}"
-    assert parser.feed(line) == [Point(1, "loss", 2.31, None), Point(1, "epoch", 0.12, None)]
+    line = "{'loss': 2.31, 'learning_rate': '1.2e-05', 'flag': True, 'note': None, 'name': 'x1', 'epoch': '0.12'}"
+    # then the quoted numbers are read, the rest skipped
+    assert parser.feed(line) == [
+        Point(1, "loss", 2.31, None),
+        Point(1, "learning_rate", 1.2e-05, None),
+        Point(1, "epoch", 0.12, None),
+    ]
 
 
 def test_step_inference_continues_after_explicit_steps() -> None:
@@ -263,3 +281,52 @@ def test_follower_splits_at_newlines_only():
     data = b"a\r\n 10%|#  | 1/10\r 20%|## | 2/10\rdone\nx\x0cy\xc2\x85z\nlast"
     assert split_lines(data) == ["a\r", " 10%|#  | 1/10\r 20%|## | 2/10\rdone", "x\x0cy\x85z", "last"]
     assert split_lines(b"") == [] and split_lines(b"one\n") == ["one"]
+
+
+def test_a_bar_line_longer_than_the_limit_is_read_state_by_state() -> None:
+    # given one log line of 3000 carriage-return states of a Lightning bar (no newline for a whole epoch)
+    states = [f"Epoch 0:  {n // 30:2d}%|##  | {n}/3000 [00:01<00:02, 9.9it/s, v_num=0, loss={1 + n / 1e4:.4f}]"
+              for n in range(1, 3001)]  # fmt: skip
+    line = "\r" + "\r".join(states)
+    assert len(line) > MAX_LINE_CHARS
+    parser = LineParser()
+    # then every state is read once, at its own step
+    points = parser.feed(line)
+    assert [p.step for p in points] == list(range(1, 3001))
+    assert parser.malformed == 0 and parser.counter == 3000
+
+
+def test_a_trainer_dict_at_the_end_of_the_stream_takes_the_last_bar_step() -> None:
+    parser = LineParser()
+    assert parser.feed("\r 40%|####      | 4/10 [00:01<00:01,  3.1it/s]") == []
+    assert parser.feed("\r    \r{'loss': '1.5', 'epoch': '0.4'}") == []  # waits for the bar's redraw
+    assert parser.flush() == [Point(4, "loss", 1.5, None), Point(4, "epoch", 0.4, None)]
+
+
+def test_bars_give_only_steps_when_the_job_reads_a_metrics_file() -> None:
+    parser = LineParser(bar_metrics=False)
+    assert parser.feed("Epoch 1: 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, v_num=0, train_loss=0.5]") == []
+    assert (parser.counter, parser.last_step) == (30, 30)
+
+
+@pytest.mark.parametrize("pattern", ["(", "x" * 501, "a\x00b"])
+def test_an_unusable_pattern_is_refused_in_one_line(pattern: str) -> None:
+    from metrics.parsing import compile_pattern
+
+    with pytest.raises(ValueError) as err:
+        compile_pattern(pattern)
+    assert "\n" not in str(err.value) and str(err.value).startswith("the metrics pattern")
+
+
+def test_pattern_lines_skip_units_and_take_the_first_number() -> None:
+    # given timm's train.py line shape; every "key: number" is a pair (name groups to pick fewer)
+    parser = LineParser(pattern="^Train:")
+    line = "Train: 3 [  50/100 ( 50%)]  Loss: 2.31 (2.40)  Time: 0.123s  LR: 1.000e-03  acc=0.5"
+    assert parser.feed(line) == [
+        Point(50, "Train", 3.0, None),
+        Point(50, "Loss", 2.31, None),
+        Point(50, "LR", 0.001, None),
+        Point(50, "acc", 0.5, None),
+    ]
+    assert parser.total_steps == 100
+    assert parser.feed("Eval: Loss: 1.0") == []  # lines the pattern does not match stay log lines

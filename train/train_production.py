@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-epochs", type=int, default=1)
     p.add_argument("--learning-rate", type=float, default=3e-3)
-    p.add_argument("--job-id", default="local")
+    p.add_argument("--job-id", default=os.environ.get("UGRO_JOB_NAME", "local"), help="default: $UGRO_JOB_NAME")
     p.add_argument("--output-dir", default=None, help="default: ./outputs/<job-id>")
     p.add_argument(
         "--resume-from",

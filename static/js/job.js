@@ -209,6 +209,9 @@
       if (!seen && Array.isArray(data.lines) && data.lines.length) appendLines(data.rank, data.lines);
       if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
       refreshSometimes();
+    } else if (message.kind === "points") {
+      // from the metric files a job named (metrics.csv, TensorBoard events): points without log lines
+      if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
     } else if (message.kind === "state") {
       root.dataset.state = data.state;
       refreshSoon();

@@ -6,7 +6,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.launch import LaunchError, LaunchRequest, create_job
+from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
 from jobs.logs import rank_lines
 from jobs.models import Job
 from jobs.scheduler import request_schedule, schedule
@@ -30,14 +30,40 @@ class Command(BaseCommand):
         parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
         parser.add_argument("--priority", type=int, default=0)
         parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            dest="dry_run",
+            help="print each rank's exact command line and environment; create and start nothing",
+        )
+        parser.add_argument(
+            "--metrics-pattern",
+            default="",
+            dest="metrics_pattern",
+            help="regex: the script's lines it matches give their key=value / key: value pairs as metrics",
+        )
+        parser.add_argument(
+            "--metrics-file", action="append", default=[], dest="metrics_files",
+            help="a metrics.csv or TensorBoard event file, or a directory with them, on the nodes "
+            "(relative to the workdir; {job} is the job name; repeatable)",
+        )  # fmt: skip
         parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     def handle(self, **o):
         req = LaunchRequest(
             name=o["name"], nodes=o["node"], count=o["nodes"], script=o["script"], model=o["model"],
             dataset=o["dataset"], epochs=o["epochs"], lr=o["lr"], nproc_per_node=o["nproc_per_node"],
-            extra_args=o["extra"], priority=o["priority"],
+            extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
+            metrics_files=o["metrics_files"],
         )  # fmt: skip
+        if o["dry_run"]:
+            try:
+                rows = dry_run(req)
+            except LaunchError as exc:
+                raise CommandError(str(exc)) from None
+            for row in rows:
+                self.stdout.write(row)
+            return
         try:
             job = create_job(req)
         except LaunchError as exc:

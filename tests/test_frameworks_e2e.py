@@ -1,0 +1,102 @@
+"""End to end: a real Hugging Face Trainer and a real PyTorch Lightning job under UGRO on loopback sshd
+nodes with real torchrun, unmodified, and the curves, steps and final metrics UGRO records of them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+
+from jobs.models import Job
+from metrics.models import FinalMetric, JobMetrics, MetricPoint
+
+pytestmark = pytest.mark.e2e
+
+FRAMEWORKS = Path(__file__).parent / "data" / "frameworks"
+
+
+@pytest.fixture
+def framework_lab(lab):
+    """The lab, with the framework scripts in each node's working directory."""
+    for node in lab.nodes[:3]:
+        target = node.workdir / "frameworks"
+        target.mkdir(exist_ok=True)
+        for script in FRAMEWORKS.glob("*.py"):
+            shutil.copy(script, target / script.name)
+    return lab
+
+
+def launch(*args: str) -> str:
+    out = io.StringIO()
+    call_command("launch", *args, stdout=out)
+    return out.getvalue()
+
+
+def curve(job: Job, name: str) -> dict[int, list[int]]:
+    """rank -> steps of one metric."""
+    out: dict[int, list[int]] = {}
+    for rank, step in MetricPoint.objects.filter(job=job, name=name).order_by("step").values_list("rank", "step"):
+        out.setdefault(rank, []).append(step)
+    return out
+
+
+def test_hugging_face_trainer_gets_its_curve_steps_and_final_metrics(framework_lab):
+    # given an unmodified Trainer script (transformers 5: its numbers printed as strings)
+    # when it runs on two nodes under UGRO for 30 steps, logging every 5 and evaluating every 10
+    launch("--name", "hf1", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
+           "--", "--max-steps", "30", "--logging-steps", "5", "--eval-steps", "10")  # fmt: skip
+    job = Job.objects.get(name="hf1")
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    # then the script got only the cluster's configured defaults and the user's arguments
+    assert job.script_args == ["--model-name", "tiny", "--dataset-name", "gpl-3",
+                               "--max-steps", "30", "--logging-steps", "5", "--eval-steps", "10"]  # fmt: skip
+    # and the loss curve is at the Trainer's own steps, on the rank whose node ran global rank 0
+    loss = curve(job, "loss")
+    assert len(loss) == 1, loss
+    (rank,) = loss
+    assert loss[rank] == [5, 10, 15, 20, 25, 30]
+    assert curve(job, "eval_loss") == {rank: [10, 20, 30]}
+    # and the end-of-training summary is the job's final metrics, not a curve point
+    finals = dict(FinalMetric.objects.filter(job=job, rank=rank).values_list("name", "value"))
+    assert {"train_runtime", "train_loss", "train_samples_per_second"} <= finals.keys()
+    assert not MetricPoint.objects.filter(job=job, name__in=["train_runtime", "train_loss"]).exists()
+    # and progress is out of the bar's M
+    progress = JobMetrics.objects.get(job=job)
+    assert (progress.step, progress.total_steps) == (30, 30)
+    # and `results` shows the final metrics
+    out = io.StringIO()
+    call_command("results", "hf1", stdout=out)
+    assert f"final train_loss rank {rank}: {finals['train_loss']:.6g} at step 30" in out.getvalue()
+
+
+def test_lightning_with_its_metrics_file_gets_the_logged_values_at_its_steps(framework_lab):
+    # given an unmodified Lightning script logging to CSV and TensorBoard under outputs/<job>
+    # when it runs on two nodes for 2 epochs of 20 batches and UGRO is pointed at that directory
+    launch("--name", "lt1", "--nodes", "2", "--script", "frameworks/lightning_train.py",
+           "--metrics-file", "outputs/{job}",
+           "--", "--bar", "tqdm", "--epochs", "2", "--batches", "20", "--log-every", "5",
+           "--log-dir", "outputs/lt1")  # fmt: skip
+    job = Job.objects.get(name="lt1")
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    # then train_loss and val_loss are the logged values at Lightning's own steps, once each (the CSV and
+    # the TensorBoard file hold the same values; the bar's rounded copies are not stored)
+    train = curve(job, "train_loss")
+    assert len(train) == 1, train
+    (rank,) = train
+    assert train[rank] == [4, 9, 14, 19, 24, 29, 34, 39]
+    assert curve(job, "val_loss") == {rank: [19, 39]}
+    assert not MetricPoint.objects.filter(job=job, name="v_num").exists()
+    node = job.ranks.get(index=rank).node
+    (csv_path,) = (Path(node.workdir) / "outputs" / "lt1").rglob("metrics.csv")
+    rows = list(csv.DictReader(csv_path.open()))
+    logged = {int(row["step"]): float(row["train_loss"]) for row in rows if row["train_loss"]}
+    stored = dict(MetricPoint.objects.filter(job=job, name="train_loss").values_list("step", "value"))
+    assert stored == logged
+    kinds = set(job.metric_files.values_list("kind", flat=True))
+    assert kinds == {"csv", "tfevents"}
+    # and the bar's counter still gave the progress: 2 epochs x 20 batches
+    assert JobMetrics.objects.get(job=job).step == 40

@@ -1,0 +1,92 @@
+"""Ingestion as followers do it: a new follower mid-run (CLI watcher, restarted worker) reads on exactly
+where the last one stopped; final metrics and the bar's progress are stored and shown."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from cluster.models import Node
+from jobs.models import Job, Rank
+from metrics.ingest import RankStream, parse_lines
+from metrics.models import FinalMetric, JobMetrics, MetricPoint
+
+CORPUS = Path(__file__).parent / "data" / "frameworks"
+RECORDINGS = sorted(p.name for p in CORPUS.iterdir() if (p / "rank_0.log").exists())
+
+
+@pytest.fixture
+def rank(db, settings, tmp_path):
+    settings.JOBS_DIR = tmp_path / "jobs"
+    node = Node.objects.create(name="gpu0", address="127.0.0.2")
+    now = timezone.now()
+    job = Job.objects.create(name="run", script="s.py", state=Job.State.RUNNING, started_at=now, running_at=now)
+    return Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING)
+
+
+def follow_in_chunks(rank: Rank, text: str, lines_per_follower: int) -> list[list]:
+    """Feed a log as followers do, a new follower (fresh parser state) every few lines; store the points."""
+    lines = text.split("\n")
+    final_line = lines.pop()  # the part after the last newline: taken once the rank has exited
+    rank.local_log.parent.mkdir(parents=True, exist_ok=True)
+    got: list[list] = []
+    for start in range(0, len(lines) + 1, lines_per_follower):
+        chunk = lines[start : start + lines_per_follower]
+        end = start + lines_per_follower > len(lines)
+        if end:
+            chunk.append(final_line)
+        points, _ = parse_lines(rank.job_id, rank.index, chunk, RankStream(), timezone.now(), end=end)
+        MetricPoint.objects.bulk_create(points)
+        got.extend([p.step, p.name, p.value] for p in points)
+        data = ("\n".join(chunk) + ("" if end else "\n")).encode()
+        with open(rank.local_log, "ab") as fh:  # what the follower copies, then commits as the offset
+            fh.write(data)
+        Rank.objects.filter(pk=rank.pk).update(log_offset=rank.local_log.stat().st_size)
+    return got
+
+
+@pytest.mark.parametrize("name", RECORDINGS)
+def test_a_new_follower_every_few_lines_reads_the_same_points_once(rank, name):
+    # given a framework's real output and what one uninterrupted reading gives
+    expected = json.loads((CORPUS / name / "expected.json").read_text())
+    if expected["pattern"]:
+        JobMetrics.objects.create(job=rank.job, pattern=expected["pattern"])
+    text = (CORPUS / name / "rank_0.log").read_bytes().decode("utf-8", "replace")
+    # when a new follower takes over every 3 lines (even between a Trainer dict and the bar's redraw)
+    got = follow_in_chunks(rank, text, 3)
+    # then the points are exactly those, nothing lost or repeated, and the final metrics are stored
+    assert got == expected["log"]["points"]
+    finals = dict(FinalMetric.objects.filter(job=rank.job).values_list("name", "value"))
+    assert finals == expected["log"]["final"]
+
+
+def test_final_metrics_and_progress_are_stored_and_shown(rank):
+    # given a Trainer run read to its end
+    text = (CORPUS / "hf5_trainer" / "rank_0.log").read_bytes().decode("utf-8", "replace")
+    follow_in_chunks(rank, text, 1000)
+    job = rank.job
+    # then progress is the bar's N of M
+    progress = JobMetrics.objects.get(job=job)
+    assert (progress.step, progress.total_steps) == (30, 30)
+    client = Client()
+    client.force_login(User.objects.create_user("alice", password="pw-alice-123"))
+    html = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "step 30/30" in html and "100.0%" in html
+    # and once the job ended, its page and `results` show the summary as final metrics
+    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    html = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="final-metrics"' in html and "<td>train_runtime</td>" in html
+    out = io.StringIO()
+    call_command("results", "run", stdout=out)
+    assert "final train_loss rank 0: 2.57 at step 30" in out.getvalue()
+    # and a summary printed again (a retried pass) replaces, never duplicates
+    parse_lines(job.pk, 0, ["{'train_runtime': '1.5', 'train_loss': '2.0', 'epoch': '1.5'}"], RankStream(),
+                timezone.now())  # fmt: skip
+    assert FinalMetric.objects.filter(job=job, name="train_loss").get().value == 2.0
