@@ -36,7 +36,7 @@ from metrics.models import MetricPoint
 
 from . import lifecycle
 from .events import publish_job
-from .logs import LINE_CUT, display_text, times_path
+from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Checkpoint, Job, Rank
 from .nodes import node_request, on_each
 
@@ -86,19 +86,6 @@ def renew(job_id: int, owner: str) -> None:
 
 def release(job_id: int, owner: str) -> None:
     Job.objects.filter(pk=job_id, follower=owner).update(follower="", follower_until=None)
-
-
-def _append(path: Path, offset: int, chunk: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, offset)  # drop anything written past the committed offset
-        os.lseek(fd, offset, os.SEEK_SET)
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
 
 
 def split_lines(data: bytes) -> list[str]:
@@ -268,8 +255,8 @@ class JobFollower:
         with transaction.atomic():
             renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
             if data:
-                _append(rank.local_log, old, data)
-                _append(
+                write_at(rank.local_log, old, data)
+                write_at(
                     times_path(rank), _size(times_path(rank)), f"{old + len(data)} {now.timestamp():.3f}\n".encode()
                 )
             if points:
@@ -302,7 +289,7 @@ class JobFollower:
     def _append_jsonl(self, committed: int, jsonl: list[str]) -> int:
         # Same rule as the logs: cut back to the committed size, append, commit the new size.
         chunk = ("\n".join(jsonl) + "\n").encode()
-        _append(self.job.job_dir / "metrics.jsonl", committed, chunk)
+        write_at(self.job.job_dir / "metrics.jsonl", committed, chunk)
         return committed + len(chunk)
 
     def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:

@@ -20,6 +20,22 @@ LINE_CUT = 1024 * 1024  # bytes: a longer "line" (no newline yet) is taken and s
 TAIL_READ_BYTES = 256 * 1024  # a tail reads at most this much from the end of each log
 
 
+def write_at(path: Path, offset: int, chunk: bytes) -> None:
+    """Write chunk at offset, first dropping anything past it: a central copy (log, metrics.jsonl,
+    event file) is cut back to its committed size before each append, so a crash between a write and
+    its commit repeats nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, offset)
+        os.lseek(fd, offset, os.SEEK_SET)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
 def times_path(rank: Rank) -> Path:
     """When each chunk of a rank's log arrived (byte offset, time), for merged views."""
     return rank.local_log.with_suffix(".times")

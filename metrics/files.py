@@ -21,7 +21,6 @@ import io
 import json
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +33,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from jobs.events import publish_job
+from jobs.logs import write_at
 from jobs.models import Job, Rank
 
 from .models import JobMetrics, MetricFile, MetricPoint
@@ -272,16 +272,7 @@ def _take_events(job: Job, rank: Rank, f: MetricFile, data: bytes, start: int) -
     if not data:
         return []
     copy = _copy(job, rank, f)
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(copy, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, start)  # drop anything written past the committed offset
-        os.lseek(fd, start, os.SEEK_SET)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+    write_at(copy, start, data)
     triples, count = events_points(copy, f.records)
     return _save(job, rank, f, triples, offset=start + len(data), header="", records=max(count, f.records))
 
@@ -329,17 +320,7 @@ def _append_jsonl(job: Job, points: list[MetricPoint], when: datetime) -> None:
     chunk = ("\n".join(lines) + "\n").encode()
     # the committed size, read under the row lock the guard took: the log follower appends here too
     job.metrics_bytes = Job.objects.values_list("metrics_bytes", flat=True).get(pk=job.pk)
-    path = job.job_dir / "metrics.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, job.metrics_bytes)
-        os.lseek(fd, job.metrics_bytes, os.SEEK_SET)
-        view = memoryview(chunk)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+    write_at(job.job_dir / "metrics.jsonl", job.metrics_bytes, chunk)
     job.metrics_bytes += len(chunk)
 
 
