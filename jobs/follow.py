@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 from datetime import datetime, timedelta
-from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
@@ -141,6 +140,7 @@ class JobFollower:
         self.seen: dict[int, int] = {}  # rank pk -> log size at the last answer (partial line included)
         self.hot_node: int | None = None  # the node whose ranks last had new lines
         self.scanned: dict[int, float] = {}  # rank pk -> monotonic time its checkpoints were last listed
+        self.changed = True  # a rank ended or was lost since the job was last judged (judge on the first pass)
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -256,9 +256,8 @@ class JobFollower:
             renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
             if data:
                 write_at(rank.local_log, old, data)
-                write_at(
-                    times_path(rank), _size(times_path(rank)), f"{old + len(data)} {now.timestamp():.3f}\n".encode()
-                )
+                with open(times_path(rank), "a") as fh:  # when each chunk arrived, for merged views
+                    fh.write(f"{old + len(data)} {now.timestamp():.3f}\n")
             if points:
                 committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                 size = self._append_jsonl(committed, jsonl)
@@ -266,6 +265,7 @@ class JobFollower:
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
             if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
                 raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
+        self.changed = self.changed or final
         self._publish(rank, old, len(data), lines, points)
         return len(data)
 
@@ -296,15 +296,10 @@ class JobFollower:
         lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
         for rank in group:
             since = rank.last_contact or rank.started_at or now
-            if (now - since).total_seconds() > lost_after:
-                lifecycle.rank_lost(rank, f"node {rank.node.name} stopped answering: {err}")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
+            if (now - since).total_seconds() > lost_after and lifecycle.rank_lost(
+                rank, f"node {rank.node.name} stopped answering: {err}"
+            ):
+                self.changed = True
 
 
 def recover_output(job: Job, owner: str) -> bool:
@@ -358,8 +353,10 @@ def follow(
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
                     taken += f.step(wait=wait)
-                    f.job.refresh_from_db()
-                    lifecycle.judge(f.job)
+                    if f.changed:  # only a rank's end or loss can end the job: not every pass
+                        f.changed = False
+                        f.job.refresh_from_db()
+                        lifecycle.judge(f.job)
                 except LeaseLost as exc:
                     log.info("following %s: %s", job.name, exc)
                     followers.pop(job.pk, None)

@@ -108,21 +108,22 @@ def ranks_started(job: Job, started: list[Started], spread: float | None) -> boo
     (cancelled, or timed out by the reconciler): whoever moved it stops the processes."""
     now = _now()
     with transaction.atomic():
-        for s in started:
-            Rank.objects.filter(pk=s.rank.pk, state=Rank.State.PENDING).update(
-                pid=s.pid, boot_id=s.boot_id or "", state=Rank.State.RUNNING, started_at=now, last_contact=now
-            )
+        _record_started(started, now)
         return _move(job, [Job.State.STARTING], Job.State.RUNNING, running_at=now, launch_spread_s=spread)
 
 
 def ranks_started_partly(job: Job, started: list[Started], spread: float | None) -> None:
     """Record the ranks that did start of a launch that failed, so their output is still copied."""
-    now = _now()
+    _record_started(started, _now())
+    Job.objects.filter(pk=job.pk).update(launch_spread_s=spread)
+
+
+def _record_started(started: list[Started], now: datetime) -> None:
+    """PENDING -> RUNNING for each rank a node started, with its pid and the node's boot id."""
     for s in started:
         Rank.objects.filter(pk=s.rank.pk, state=Rank.State.PENDING).update(
             pid=s.pid, boot_id=s.boot_id or "", state=Rank.State.RUNNING, started_at=now, last_contact=now
         )
-    Job.objects.filter(pk=job.pk).update(launch_spread_s=spread)
 
 
 def fail_unstarted(job: Job, kind: FailureKind, reason: str) -> bool:
@@ -320,9 +321,10 @@ def _error_file(rank: Rank) -> str | None:
     return base64.b64decode(item["data"]).decode("utf-8", "replace")
 
 
-def rank_facts(rank: Rank, *, read_error_file: bool = True) -> RankFacts:
+def rank_facts(rank: Rank) -> RankFacts:
+    """What jobs/failure.py needs of a rank; the error file is read from its node only for a failed exit."""
     rc = rank.exit_code
-    error_file = _error_file(rank) if read_error_file and rank.state == Rank.State.EXITED and rc else None
+    error_file = _error_file(rank) if rank.state == Rank.State.EXITED and rc else None
     return RankFacts(
         index=rank.index,
         node=rank.node.name,
