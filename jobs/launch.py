@@ -63,6 +63,7 @@ class LaunchRequest:
     priority: int = 0
     metrics_pattern: str = ""  # a regex: the lines it matches give their key=value / key: value pairs
     metrics_files: list[str] = field(default_factory=list)  # metric files or directories on the nodes
+    owner: Any = None  # the user who launches it (None: the system)
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -189,6 +190,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         nproc_per_node=req.nproc_per_node,
         priority=req.priority,
         sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
+        owner=req.owner,
     )  # fmt: skip
     return job, pattern, files
 

@@ -66,6 +66,14 @@ class Job(models.Model):
     follower = models.CharField(max_length=100, blank=True)
     follower_until = models.DateTimeField(null=True, blank=True)
     resumed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="jobs",
+        help_text="Who launched it (blank: launched before jobs had owners, or by the system).",
+    )
 
     class Meta:
         ordering = ["-created_at"]

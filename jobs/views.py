@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import replace
 
 from django import forms
 from django.contrib import messages
@@ -231,7 +232,7 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
     """A new job with the same parameters under a new name."""
     job = get_object_or_404(Job, pk=pk)
     try:
-        new = create_job(relaunch_request(job))
+        new = create_job(replace(relaunch_request(job), owner=request.user))
     except LaunchError as exc:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
@@ -321,7 +322,7 @@ def launch(request: HttpRequest) -> HttpResponse:
             if "dry_run" in request.POST:
                 commands = dry_run(form.launch_request())
             else:
-                job = create_job(form.launch_request())
+                job = create_job(replace(form.launch_request(), owner=request.user))
                 request_schedule()
                 messages.success(request, f"job {job.name} queued")
                 return redirect("job-detail", job.pk)
