@@ -37,7 +37,7 @@ from . import lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Checkpoint, Job, Rank
-from .nodes import node_request, on_each
+from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -293,6 +293,8 @@ class JobFollower:
         return committed + len(chunk)
 
     def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:
+        if not unreachable(err):
+            return  # the node took the request (or answered an error): it is there, if slow
         lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
         for rank in group:
             since = rank.last_contact or rank.started_at or now
