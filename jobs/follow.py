@@ -30,7 +30,7 @@ from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
 from metrics.files import follow_metric_files
-from metrics.ingest import RankStream, parse_lines
+from metrics.ingest import RankStream, Sample, parse_lines, save_points
 from metrics.models import MetricPoint
 
 from . import lifecycle
@@ -261,7 +261,7 @@ class JobFollower:
             if points:
                 committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                 size = self._append_jsonl(committed, jsonl)
-                MetricPoint.objects.bulk_create(points, batch_size=2000)
+                save_points(points)
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
             if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
                 raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
@@ -269,7 +269,7 @@ class JobFollower:
         self._publish(rank, old, len(data), lines, points)
         return len(data)
 
-    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[MetricPoint]) -> None:
+    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
         # of this commit, so a page that loaded the log up to some offset can drop what it has.
         shown = [display_text(ln) for ln in lines]
