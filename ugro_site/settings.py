@@ -159,6 +159,8 @@ UGRO = {
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0),
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0),
     "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0),
+    # a follow task follows at most this many jobs; more jobs, more follow tasks (worker threads)
+    "FOLLOW_JOBS_PER_TASK": env_int("UGRO_FOLLOW_JOBS_PER_TASK", 2, minimum=1),
     # Per-state time limits (docs/lifecycle.md): STARTING may last the sync window plus this (connect,
     # pre-flight); CANCELLING/FAILING are torn down again by the reconciler after the kill grace plus this.
     "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0),
