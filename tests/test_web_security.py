@@ -161,3 +161,20 @@ def test_a_fresh_data_directory_is_private_and_a_loose_one_is_warned_about(tmp_p
     assert checked.returncode == 0
     assert f"data directory {data} is 0755" in checked.stderr
     assert f"{data / 'ugro.sqlite3'} is 0644" in checked.stderr
+
+
+PINNED = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAII97vnnKxgG2FINp93piuEsNg/e3jYb7HKVk1L7dxrGu"
+PINNED_FP = "SHA256:esD8IQRFIqz3WWf2qruqbNtMH7CV4D8NmAsC3CxVizQ"  # what `ssh-keygen -lf` printed for it
+
+
+@pytest.mark.django_db
+def test_the_pinned_host_key_fingerprint_is_shown_in_admin_and_on_the_node_card_and_cannot_be_edited():
+    from cluster.models import Node
+
+    node = Node.objects.create(name="gpu1", address="10.0.0.1", host_key=PINNED, host_key_source="first use")
+    assert node.host_key_fingerprint == PINNED_FP
+    client = Client()
+    client.force_login(User.objects.create_superuser("root-admin", password="pw-admin-12345"))
+    page = client.get(f"/admin/cluster/node/{node.pk}/change/").content.decode()
+    assert PINNED_FP in page and 'name="host_key"' not in page  # shown, not a form field
+    assert PINNED_FP in client.get("/").content.decode()
