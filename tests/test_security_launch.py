@@ -182,3 +182,10 @@ def test_huge_integers_in_query_strings_are_not_a_500(nodes, url):
     client.force_login(user)
     resp = client.get(url.format(pk=job.pk))
     assert resp.status_code in (200, 400, 404)
+
+
+@pytest.mark.parametrize("command", [["launch", "--name", "evil", "--dry-run"], ["preflight"]])
+def test_dry_run_and_preflight_refuse_the_injection_too(nodes, command):
+    with pytest.raises(CommandError, match="starts with '-'"):
+        call_command(*command, "--script", INJECTION, stdout=io.StringIO())
+    assert not Job.objects.exists()
