@@ -474,8 +474,8 @@ class LinkPool:
                 stale = [k for k in self._links if k.name == ep.name]
                 for k in stale:
                     old = self._links.pop(k)
-                    if link is None and _same_but_pinned(k, ep) and old.host_key == ep.host_key:
-                        link, old.ep = old, ep  # the key it learned on first use is now the pinned one
+                    if link is None and _same_but_pinned(k, ep) and _keeps(old, ep):
+                        link, old.ep = old, ep
                     else:
                         old.close()
                 link = self._links[ep] = link or NodeLink(ep, connect_timeout)
@@ -490,6 +490,26 @@ class LinkPool:
 
 def _same_but_pinned(a: Endpoint, b: Endpoint) -> bool:
     return dataclasses.replace(a, host_key="") == dataclasses.replace(b, host_key="")
+
+
+def _keeps(link: NodeLink, ep: Endpoint) -> bool:
+    """Whether a link made for the same node, differing only in the pinned key, may serve `ep`:
+    the key it learned on first use is now the pinned one; or nothing is pinned (the node's row is
+    new) while the link is connected to a node it checked, whose key is then pinned, as a first
+    contact would."""
+    if not link.host_key:
+        return False
+    if link.host_key == ep.host_key:
+        return True
+    if ep.host_key or not link.connected:
+        return False
+    if host_key_recorder is None:
+        return True
+    try:
+        return host_key_recorder(ep, link.host_key, "first use") == link.host_key
+    except Exception as exc:  # not recorded: a fresh link will meet the node again
+        log.warning("could not record the host key of %s: %s", ep.describe(), exc)
+        return False
 
 
 pool = LinkPool()

@@ -130,3 +130,19 @@ def test_a_node_that_does_not_answer_is_a_link_error_not_a_key_error(node):
     with pytest.raises(LinkError) as info:
         node_request(node, "hello", timeout=5)
     assert not isinstance(info.value, HostKeyError)
+
+
+def test_a_warm_link_is_kept_when_its_key_gets_pinned_and_pins_a_row_made_again(own_cluster, node):
+    link = node.link()
+    node_request(node, "hello", timeout=10)
+    node.refresh_from_db()
+    assert node.host_key
+    # the endpoint now carries the pinned key: the same warm link serves it, no new connection
+    assert node.link() is link and link.connected
+    # when the node's row is made again (deleted and re-added): the checked, warm link pins the key it saw
+    fields = {f: getattr(node, f) for f in ("address", "ssh_port", "user", "key_path", "workdir", "agent_python")}
+    Node.objects.filter(pk=node.pk).delete()
+    again = Node.objects.create(name="keyed", gpu_count=0, **fields)
+    assert again.link() is link
+    again.refresh_from_db()
+    assert again.host_key == node.host_key and again.host_key_source == "first use"
