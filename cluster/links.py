@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import shlex
+import socket
 import subprocess
 import threading
 import time
@@ -127,6 +128,39 @@ def _open_local(ep: Endpoint, timeout: float) -> _Pipe:
     return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None)
 
 
+def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection to the node's sshd on which its banner has begun to arrive, within `timeout`.
+
+    Paramiko would wait for the banner itself, but a silent sshd (a hung or frozen machine whose
+    kernel still accepts connections) then surfaces as "No existing session" plus a logged
+    traceback; here each way of not answering becomes one plain line, and fails within the timeout.
+    """
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise LinkError(
+            f"node {ep.name}: SSH did not answer within {timeout:g} s (no connection to {host}:{port})"
+        ) from None
+    except OSError as exc:
+        raise LinkError(f"cannot reach {ep.describe()}: {exc.strerror or exc}") from None
+    try:
+        ready, _, _ = select.select([sock], [], [], timeout)
+        first = sock.recv(1, socket.MSG_PEEK) if ready else None  # peeked: paramiko still reads the banner
+    except OSError as exc:
+        sock.close()
+        raise LinkError(f"cannot reach {ep.describe()}: {exc.strerror or exc}") from None
+    if not first:
+        sock.close()
+        if first is None:
+            raise LinkError(
+                f"node {ep.name}: SSH did not answer within {timeout:g} s "
+                f"({host}:{port} accepted the connection but sent no SSH banner)"
+            )
+        raise LinkError(f"cannot reach {ep.describe()}: the connection was closed before SSH answered")
+    sock.settimeout(None)
+    return sock
+
+
 def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
     from fabric import Connection
     from paramiko.ssh_exception import SSHException
@@ -141,6 +175,10 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         connect_timeout=timeout,
         connect_kwargs=connect_kwargs,
     )
+    if conn.gateway is None:
+        # Direct connections only (a ProxyJump/ProxyCommand from ~/.ssh/config is Fabric's to open);
+        # conn.host and conn.port are after ~/.ssh/config's HostName and Port.
+        conn.connect_kwargs["sock"] = ssh_socket(ep, conn.host, int(conn.port), timeout)
     try:
         conn.open()
         transport = conn.client.get_transport()

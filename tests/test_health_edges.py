@@ -1,0 +1,101 @@
+"""Health's rough edges: a first poll of a node that is down, and an sshd that accepts but never speaks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from cluster import monitor
+from cluster.models import Alert, Node
+
+from .conftest import REPO, free_port
+
+pytestmark = pytest.mark.e2e
+UGRO = str(REPO / ".venv" / "bin" / "ugro")
+
+
+@pytest.fixture
+def silent_sshd():
+    """A TCP listener that accepts every connection and never sends a byte (a hung sshd)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():  # bounded by the fixture's teardown
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            held.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join(timeout=5)
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def _ssh_node(name: str, port: int) -> Node:
+    return Node.objects.create(name=name, address="127.0.0.1", ssh_port=port, user="nobody", gpu_count=0)
+
+
+def test_first_poll_of_a_node_never_reached_says_down_with_the_reason(transactional_db, fast_settings):
+    # given a node nobody has reached yet, where nothing listens
+    node = _ssh_node("ghost", free_port())
+    # when the first poll runs
+    (out,) = monitor.poll_once(force=True)
+    # then it is DOWN (not UNKNOWN) with the reason, and a DOWN alert is open
+    node.refresh_from_db()
+    assert node.status == Node.Status.DOWN, (node.status, node.status_reason)
+    assert node.status_reason.startswith("unreachable") and "refused" in node.status_reason.lower()
+    assert out.went_down and Alert.objects.filter(node=node, key="down", resolved_at__isnull=True).exists()
+
+
+def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactional_db, controller_env, silent_sshd):
+    # given a node whose sshd accepts the connection but never sends its banner
+    _ssh_node("mute", silent_sshd)
+    env = {**controller_env, "UGRO_CONNECT_TIMEOUT_S": "1.5"}
+    # when `ugro health` runs (first call after start)
+    done = subprocess.run([UGRO, "health"], env=env, capture_output=True, text=True, timeout=120)
+    # then it exits 1 with the node DOWN and the plain reason, no paramiko traceback
+    assert done.returncode == 1
+    assert "node mute: SSH did not answer within 1.5 s" in done.stdout, done.stdout + done.stderr
+    assert "✗ mute" in done.stdout and "DOWN" in done.stdout
+    assert "Traceback" not in done.stderr and "No existing session" not in done.stdout + done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    # and --json carries the same reason
+    again = subprocess.run([UGRO, "health", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    (entry,) = json.loads(again.stdout)["nodes"]
+    assert entry["status"] == "down" and "SSH did not answer within 1.5 s" in entry["reason"]
+
+
+def test_health_says_unreachable_for_a_known_node_that_stops_answering(lab):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    # given three nodes that answered a first poll
+    monitor.poll_once(force=True)
+    try:
+        # when node3's sshd stops and `health` runs once (one poll: 2 failures, not DOWN yet)
+        lab.nodes[2].stop()
+        out = io.StringIO()
+        with pytest.raises(CommandError, match="not healthy: node3"):
+            call_command("health", stdout=out)
+        # then node3 is not shown with its old good reading but as unreachable, with the count
+        line = next(x for x in out.getvalue().splitlines() if "node3" in x)
+        assert line.startswith("✗ node3") and "UNREACHABLE" in line and "2 of 3 failed probes" in line
+        assert Node.objects.get(name="node3").status == Node.Status.HEALTHY  # the breaker's rule stands
+    finally:
+        lab.nodes[2].start()
