@@ -96,11 +96,11 @@ def is_due(node: Node, now: float, job_tag: str | None, last_activity: datetime 
 
 
 def _probe(node: Node) -> tuple[dict[str, Any], float]:
-    link = node.link()
     # Connect first, so the round trip measures the network, not an SSH handshake; on a warm link the
     # same hello shows within the connect timeout that the node still answers (a silent node would
     # otherwise hold the probe for its whole timeout, which is sized for a slow nvidia-smi).
-    link.request("hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"])
+    node.reach()
+    link = node.link()
     t0 = time.monotonic()
     sample = link.request(
         "probe", timeout=settings.UGRO["PROBE_TIMEOUT_S"], gpu_reader=node.gpu_reader or "auto", workdir=node.workdir

@@ -99,3 +99,52 @@ def test_health_says_unreachable_for_a_known_node_that_stops_answering(lab):
         assert Node.objects.get(name="node3").status == Node.Status.HEALTHY  # the breaker's rule stands
     finally:
         lab.nodes[2].start()
+
+
+def _freeze(node) -> list[int]:
+    """SIGSTOP a loopback node's sshd and its sessions: the warm link goes silent, new ones get no banner."""
+    import os
+    import signal
+
+    out = subprocess.run(["ss", "-tnpH", "state", "established", "src", f"{node.address}:{node.port}"],
+                         capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    pids = [node.proc.pid] + [int(p.split(",")[0]) for line in out.splitlines() for p in line.split("pid=")[1:]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def _thaw(pids: list[int]) -> None:
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def test_preflight_fails_a_silent_node_within_the_connect_timeout(lab, fast_settings, silent_sshd):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    fast_settings.UGRO = {**fast_settings.UGRO, "CONNECT_TIMEOUT_S": 1.5}
+    # given node1 answered over a warm link, then froze; and a node whose sshd never speaks
+    monitor.poll_once(force=True)
+    _ssh_node("mute", silent_sshd)
+    frozen = _freeze(lab.nodes[0])
+    try:
+        # when pre-flight runs on them
+        out = io.StringIO()
+        with pytest.raises(CommandError, match="pre-flight failed"):
+            call_command("preflight", "--nodes", "node1", "mute", stdout=out)
+    finally:
+        _thaw(frozen)
+    lines = out.getvalue().splitlines()
+    # then the silent one is one plain line, and the frozen one failed on the hello bounded by the
+    # connect timeout (not on a longer request's own timeout)
+    assert any(x.startswith("mute: SSH did not answer within 1.5 s") for x in lines), lines
+    frozen_line = next(x for x in lines if x.startswith("node1: "))
+    assert "hello was sent, then no answer in time (timeout 1.5s)" in frozen_line, frozen_line
