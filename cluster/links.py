@@ -179,14 +179,32 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         # Direct connections only (a ProxyJump/ProxyCommand from ~/.ssh/config is Fabric's to open);
         # conn.host and conn.port are after ~/.ssh/config's HostName and Port.
         conn.connect_kwargs["sock"] = ssh_socket(ep, conn.host, int(conn.port), timeout)
+    stalled = threading.Event()
     try:
         conn.open()
         transport = conn.client.get_transport()
         transport.set_keepalive(15)
         chan = transport.open_session(timeout=timeout)
-        chan.exec_command(f"exec {shlex.quote(ep.python)} -u -c {shlex.quote(BOOTSTRAP)}")
+
+        # paramiko waits for exec's reply with no time limit, under this link's lock: a node that froze
+        # right here would hold every later request. Closing the transport ends that wait.
+        def give_up() -> None:
+            stalled.set()
+            transport.close()
+
+        timer = threading.Timer(timeout, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            chan.exec_command(f"exec {shlex.quote(ep.python)} -u -c {shlex.quote(BOOTSTRAP)}")
+        finally:
+            timer.cancel()
+        if stalled.is_set():
+            raise EOFError
     except (OSError, SSHException, EOFError) as exc:
         conn.close()
+        if stalled.is_set():
+            raise LinkError(f"node {ep.name}: SSH did not answer within {timeout:g} s (starting the agent)") from None
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
 
     def send(data: bytes) -> None:

@@ -148,3 +148,68 @@ def test_preflight_fails_a_silent_node_within_the_connect_timeout(lab, fast_sett
     assert any(x.startswith("mute: SSH did not answer within 1.5 s") for x in lines), lines
     frozen_line = next(x for x in lines if x.startswith("node1: "))
     assert "hello was sent, then no answer in time (timeout 1.5s)" in frozen_line, frozen_line
+
+
+@pytest.fixture
+def sshd_that_stalls_on_exec(tmp_path):
+    """A real SSH server (paramiko's) that lets anyone in but never answers a request to run a command."""
+    import paramiko
+
+    release = threading.Event()
+    host_key = paramiko.RSAKey.generate(2048)
+    client_key = paramiko.RSAKey.generate(2048)
+    key_file = tmp_path / "client_key"
+    client_key.write_private_key_file(str(key_file))
+
+    class Server(paramiko.ServerInterface):
+        def get_allowed_auths(self, username):
+            return "publickey"
+
+        def check_auth_publickey(self, username, key):
+            return paramiko.AUTH_SUCCESSFUL
+
+        def check_channel_request(self, kind, chanid):
+            return paramiko.OPEN_SUCCEEDED
+
+        def check_channel_exec_request(self, channel, command):
+            release.wait(60)  # bounded: the fixture releases it at teardown
+            return False
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.2)
+    transports = []
+
+    def serve() -> None:
+        while not release.is_set():  # bounded by the teardown
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            t = paramiko.Transport(conn)
+            t.add_server_key(host_key)
+            t.start_server(server=Server())
+            transports.append(t)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1], str(key_file)
+    release.set()
+    thread.join(timeout=5)
+    for t in transports:
+        t.close()
+    listener.close()
+
+
+def test_a_session_that_never_starts_fails_within_the_timeout_and_frees_the_link(sshd_that_stalls_on_exec):
+    from cluster.links import Endpoint, LinkError, NodeLink
+
+    port, key = sshd_that_stalls_on_exec
+    link = NodeLink(Endpoint("stuck", "127.0.0.1", port, user="nobody", key_path=key), connect_timeout=1.5)
+    # when the agent is started over a session whose exec request is never answered
+    with pytest.raises(LinkError, match=r"node stuck: SSH did not answer within 1.5 s \(starting the agent\)"):
+        link.request("hello", timeout=1.5)
+    # then the link is free for the next request (it would block forever on the link's lock otherwise)
+    with pytest.raises(LinkError, match="did not answer within 1.5 s"):
+        link.request("hello", timeout=1.5)
