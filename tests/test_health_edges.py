@@ -213,3 +213,20 @@ def test_a_session_that_never_starts_fails_within_the_timeout_and_frees_the_link
     # then the link is free for the next request (it would block forever on the link's lock otherwise)
     with pytest.raises(LinkError, match="did not answer within 1.5 s"):
         link.request("hello", timeout=1.5)
+
+
+def test_preflight_json_names_the_unreachable_node(transactional_db, fast_settings):
+    import io
+
+    from django.core.management import CommandError, call_command
+
+    # given a node where nothing listens
+    _ssh_node("ghost", free_port())
+    out = io.StringIO()
+    # when pre-flight runs with --json: still exit 1 with one line, and the report as JSON
+    with pytest.raises(CommandError, match="pre-flight failed on 1 node"):
+        call_command("preflight", "--json", stdout=out)
+    report = json.loads(out.getvalue())
+    assert report["ok"] is False and report["nodes"] == ["ghost"]
+    (problem,) = report["problems"]
+    assert problem.startswith("ghost: cannot reach ghost") and "refused" in problem.lower()
