@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
 AGENT_FILES = ("probe.py", "agent.py")
+EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -187,12 +188,13 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         chan = transport.open_session(timeout=timeout)
 
         # paramiko waits for exec's reply with no time limit, under this link's lock: a node that froze
-        # right here would hold every later request. Closing the transport ends that wait.
+        # right here would hold every later request. Closing the transport ends that wait. The bound is
+        # generous (the session's fork and login run on a node that may be busy); it only has to exist.
         def give_up() -> None:
             stalled.set()
             transport.close()
 
-        timer = threading.Timer(timeout, give_up)
+        timer = threading.Timer(EXEC_TIMEOUT_FACTOR * timeout, give_up)
         timer.daemon = True
         timer.start()
         try:
@@ -204,7 +206,8 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
     except (OSError, SSHException, EOFError) as exc:
         conn.close()
         if stalled.is_set():
-            raise LinkError(f"node {ep.name}: SSH did not answer within {timeout:g} s (starting the agent)") from None
+            waited = EXEC_TIMEOUT_FACTOR * timeout
+            raise LinkError(f"node {ep.name}: SSH did not answer within {waited:g} s (starting the agent)") from None
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
 
     def send(data: bytes) -> None:
