@@ -12,10 +12,10 @@ a single dropped packet or a stale warm link does not flap it. A node with failu
 again on the next beat tick (not after its adaptive interval), and a warm link is first checked
 with a `hello` bounded by the connect timeout, so a silent node fails each attempt within
 CONNECT_TIMEOUT_S rather than PROBE_TIMEOUT_S. Between its probes, a node with a warm link gets
-that hello on every tick (`gone_silent`), so an idle node that stops answering is probed at once
-rather than when its interval comes round. DOWN within about 30 s of going silent, idle or busy
-(measured: bench/node_down.py). A node that has never answered is DOWN on its first failed poll:
-there is no good record to protect from flapping.
+that hello on every tick (`gone_silent`); when it fails, that counts as the first failure and the
+node is probed at once (two more) rather than when its interval comes round. DOWN within about
+25 s of going silent, idle or busy (measured: bench/node_down.py). A node that has never answered
+is DOWN on its first failed poll: there is no good record to protect from flapping.
 """
 
 from __future__ import annotations
@@ -305,14 +305,17 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
     context = _job_context(nodes)
     due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
-    if not force:
-        due += gone_silent([n for n in nodes if n not in due], now)
+    silent = [] if force else gone_silent([n for n in nodes if n not in due], now)
+    due += silent
     if not due:
         return []
     due = _claim(due, force)
     if not due:
         return []
     breakers = {n.pk: Breaker.from_dict(n.breaker) for n in due}
+    for node in silent:
+        if node.pk in breakers:  # its hello was a failed attempt; the probe makes the other two at once
+            breakers[node.pk].record_failure(now)
     probed = on_each(due, lambda n: probe_node(n, breakers[n.pk], now, force))
     at = timezone.now()
     t = thresholds()
