@@ -43,7 +43,15 @@ MAX_ARG_LEN = 4096
 
 
 class LaunchError(ValueError):
-    """The launch request is invalid; nothing was created or started."""
+    """The launch request is invalid; nothing was created or started.
+
+    ``problems`` holds every problem found, each as (launch form field or "" for the whole request, message);
+    the text is all their messages on one line.
+    """
+
+    def __init__(self, message: str = "", problems: list[tuple[str, str]] | None = None) -> None:
+        self.problems = problems if problems is not None else [("", message)]
+        super().__init__("; ".join(text for _, text in self.problems))
 
 
 @dataclass
@@ -119,13 +127,24 @@ def _never_ran(name: str):
 
 
 def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
-    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError."""
+    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError naming every
+    problem of the request at once (a form shows each beside its field)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field_name: str, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as exc:  # LaunchError is one too
+            problems.append((field_name, str(exc)))
+            return None
+
     try:
         check_name(req.name, "job name")
     except ValueError as exc:
-        raise LaunchError(str(exc)) from None
-    if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
-        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+        problems.append(("name", str(exc)))
+    else:
+        if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
+            problems.append(("name", f"a job named {req.name!r} already exists; choose another name"))
     cs = ClusterSettings.load()
     training = cs.training or {}
     # only what the user gave, else what the cluster configured; nothing else reaches the script
@@ -133,24 +152,21 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     dataset = req.dataset or str(training.get("default_dataset") or "") or None
     for value, what in ((model, "model"), (dataset, "dataset")):
         if value is not None:
-            _check_arg(value, what)
+            check(what, _check_arg, value, what)
     if req.epochs is not None and req.epochs < 1:
-        raise LaunchError("epochs must be at least 1")
+        problems.append(("epochs", "epochs must be at least 1"))
     if req.lr is not None and (not math.isfinite(req.lr) or req.lr <= 0):
-        raise LaunchError("learning rate must be a positive number")
-    script = _check_arg(req.script or cs.default_script, "script")
-    if not script.strip():
-        raise LaunchError("no training script given and the cluster has no default script")
-    extra = [_check_arg(a, "extra argument") for a in req.extra_args]
+        problems.append(("lr", "learning rate must be a positive number"))
+    script = check("script", _check_arg, req.script or cs.default_script, "script")
+    if script is not None and not script.strip():
+        problems.append(("script", "no training script given and the cluster has no default script"))
+    extra = [check("extra_args", _check_arg, a, "extra argument") for a in req.extra_args]
     if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
-        raise LaunchError("nproc-per-node must be between 1 and 64")
-    try:
-        pattern = req.metrics_pattern.strip()
-        if pattern:
-            compile_pattern(pattern)
-        files = check_paths(req.metrics_files)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from None
+        problems.append(("nproc_per_node", "nproc-per-node must be between 1 and 64"))
+    pattern = req.metrics_pattern.strip()
+    if pattern:
+        check("metrics_pattern", compile_pattern, pattern)
+    files = check("metrics_files", check_paths, req.metrics_files)
 
     enabled = list(Node.objects.filter(enabled=True))
     enabled_names = {n.name for n in enabled}
@@ -158,18 +174,20 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         for name in req.nodes:
             if name not in enabled_names:
                 known = Node.objects.filter(name=name).exists()
-                raise LaunchError(f"node {name!r} is {'disabled' if known else 'not in the cluster'}")
+                problems.append(("nodes", f"node {name!r} is {'disabled' if known else 'not in the cluster'}"))
         if len(set(req.nodes)) != len(req.nodes):
-            raise LaunchError("a node is named twice")
+            problems.append(("nodes", "a node is named twice"))
     count = req.count
     if count is not None and count < 1:
-        raise LaunchError("--nodes must be at least 1")
+        problems.append(("count", "--nodes must be at least 1"))
     if not req.nodes and count is None:
         count = len(enabled)
-    if count is not None and count > len(enabled):
-        raise LaunchError(f"asked for {count} nodes but the cluster has {len(enabled)} enabled")
     if not enabled:
-        raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
+        problems.append(("", "the cluster has no enabled nodes; import cluster.yaml or add nodes in admin"))
+    elif count is not None and count > len(enabled):
+        problems.append(("count", f"asked for {count} nodes but the cluster has {len(enabled)} enabled"))
+    if problems:
+        raise LaunchError(problems=problems)
 
     values = {
         "model": model,

@@ -7,6 +7,8 @@ import json
 from django.core.management.base import CommandError
 from django.utils import timezone
 
+from metrics.final import final_loss
+
 from .models import Job
 
 
@@ -73,11 +75,9 @@ def results(job: Job) -> list[str]:
     metrics = job.job_dir / "metrics.jsonl"
     if metrics.exists():
         out.append(f"  metrics: {metrics}")
-    final = {}
-    for p in job.metric_points.filter(name="loss").order_by("-step")[:32]:
-        final.setdefault(p.rank, p)
-    for rank, p in sorted(final.items()):
-        out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
+    loss = final_loss(job.pk)
+    if loss is not None:
+        out.append(f"  final loss: {loss.text} at step {loss.step} (last loss logged by rank {loss.rank})")
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.db.models import Max, Min
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -10,7 +9,7 @@ from django.views.decorators.http import require_GET
 from jobs.models import Job
 from jobs.report import human_duration
 
-from .models import MetricPoint
+from .final import final_loss, format_value
 from .series import series
 
 MAX_BUCKETS = 4000
@@ -34,15 +33,12 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
     return JsonResponse(data)
 
 
-def final_loss(job: Job) -> dict:
-    """Steps run, last mean loss across ranks at the last step, and the lowest loss seen."""
-    points = MetricPoint.objects.filter(job=job, name="loss")
-    agg = points.aggregate(last_step=Max("step"), best=Min("value"))
-    last = None
-    if agg["last_step"] is not None:
-        values = list(points.filter(step=agg["last_step"]).values_list("value", flat=True))
-        last = sum(values) / len(values)
-    return {"last_step": agg["last_step"], "last": last, "best": agg["best"]}
+def loss_facts(job: Job) -> dict:
+    """Final loss (the one definition: rank 0's last logged loss), its step, and the lowest loss seen."""
+    loss = final_loss(job.pk)
+    if loss is None:
+        return {"last_step": None, "last": None, "best": None}
+    return {"last_step": loss.step, "last": loss.text, "best": format_value(loss.best)}
 
 
 @require_GET
@@ -56,7 +52,7 @@ def compare(request: HttpRequest) -> HttpResponse:
     by_id = {j.pk: j for j in Job.objects.filter(pk__in=chosen_ids)}
     chosen = [by_id[i] for i in chosen_ids if i in by_id]
     rows = [
-        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **final_loss(job)} for job in chosen
+        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **loss_facts(job)} for job in chosen
     ]
     return render(
         request,

@@ -144,6 +144,7 @@
   async function loadCheckpoints() {
     const table = document.getElementById("checkpoints");
     if (!table) return;
+    table.dataset.loaded = "1";
     const body = table.tBodies[0];
     let rows;
     try {
@@ -176,6 +177,23 @@
     return tr;
   }
   loadCheckpoints();
+  // A job that ends while the page is open gets its results region re-rendered: list its checkpoints then.
+  document.addEventListener("ugro:regions", function () {
+    const table = document.getElementById("checkpoints");
+    if (table && !table.dataset.loaded) {
+      table.dataset.loaded = "1";
+      loadCheckpoints();
+    }
+  });
+
+  // The "job queued" banner says nothing once the job has left the queue.
+  function dropQueuedBanner() {
+    if (root.dataset.state === "queued") return;
+    document.querySelectorAll('.msg[data-tag="queued"]').forEach(function (msg) {
+      msg.remove();
+    });
+  }
+  dropQueuedBanner();
 
   // ---- elapsed ----
   function tickElapsed() {
@@ -214,6 +232,7 @@
       if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
     } else if (message.kind === "state") {
       root.dataset.state = data.state;
+      dropQueuedBanner();
       refreshSoon();
     }
   }
