@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import replace
+from datetime import timedelta
 
 from django import forms
 from django.contrib import messages
@@ -15,6 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from cluster.history import history
 from cluster.models import Node
 from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
@@ -178,7 +180,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
-        "metric_names": chart_names or ["loss"],
+        "metric_names": chart_names,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
@@ -361,6 +363,20 @@ def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
     job = get_object_or_404(Job, pk=pk)
     found = report.checkpoints(job)
     return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
+
+
+@require_GET
+def api_system(request: HttpRequest, pk: int) -> JsonResponse:
+    """GPU, CPU and RAM of the job's nodes over its run (its GPUs only when it ran a set number per node)."""
+    job = get_object_or_404(Job, pk=pk)
+    start = job.running_at or job.started_at
+    ranks = list(job.ranks.select_related("node"))
+    if start is None or not ranks:
+        return JsonResponse({"job": job.pk, "metrics": []})
+    until = max(job.finished_at or timezone.now(), start + timedelta(minutes=1))
+    gpus = {r.node_id: set(range(job.nproc_per_node)) for r in ranks} if job.nproc_per_node else None
+    data = history([r.node for r in ranks], start, until, buckets=400, gpus=gpus)
+    return JsonResponse({"job": job.pk, **data})
 
 
 @require_GET

@@ -19,7 +19,8 @@ COMPARE_CHOICES = 100
 
 @require_GET
 def api_series(request: HttpRequest, pk: int) -> JsonResponse:
-    """`/api/jobs/<id>/series?name=loss&buckets=N[&rank=R]`: one metric per rank and the mean."""
+    """`/api/jobs/<id>/series?name=loss&buckets=N[&rank=R][&time=1]`: one metric per rank and the mean (and
+    each point's time)."""
     job = get_object_or_404(Job, pk=pk)
     name = request.GET.get("name", "loss")[:100]
     try:
@@ -27,7 +28,7 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
         rank = int(request.GET["rank"]) if request.GET.get("rank", "") != "" else None
     except ValueError:
         return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
-    data = series(job.pk, name, rank=rank, buckets=buckets)
+    data = series(job.pk, name, rank=rank, buckets=buckets, with_time=request.GET.get("time") == "1")
     data["job"] = job.pk
     data["state"] = job.state
     return JsonResponse(data)
