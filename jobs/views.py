@@ -19,6 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 from cluster.history import history
 from cluster.models import Node
 from metrics.final import final_loss, format_value
+from metrics.series import metric_names
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from . import lifecycle, report
@@ -71,19 +72,6 @@ def board(request: HttpRequest) -> HttpResponse:
         "jobs/board.html",
         {"lanes": lanes, "state": state, "q": query, "states": Job.State.choices, "nav": "jobs"},
     )
-
-
-def metric_names(job: Job) -> list[str]:
-    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
-    names: list[str] = []
-    points = MetricPoint.objects.filter(job=job)
-    while len(names) < 50:
-        qs = points.filter(name__gt=names[-1]) if names else points
-        name = qs.order_by("name").values_list("name", flat=True).first()
-        if name is None:
-            break
-        names.append(name)
-    return names
 
 
 def _max_steps(job: Job) -> int | None:
@@ -173,7 +161,7 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
 @require_GET
 def detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
-    names = metric_names(job)
+    names = metric_names(job.pk)
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]

@@ -1,10 +1,11 @@
-"""A run's final loss, defined once: the last loss that rank 0 logged (every page and command shows this)."""
+"""A run's final value of a metric, defined once: the last value rank 0 logged (else the lowest rank that
+logged it). The final loss is this for "loss"; every page and command shows it the same way."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.db.models import Min
+from django.db.models import Max, Min
 
 from metrics.models import MetricPoint
 
@@ -12,17 +13,29 @@ LOSS = "loss"
 
 
 @dataclass(frozen=True)
-class FinalLoss:
-    """The last loss logged by rank 0 (else by the lowest rank that logged one), its step and the lowest loss."""
+class FinalValue:
+    """The last value of a metric logged by rank 0 (else the lowest rank), its step, and the extremes."""
 
+    name: str
     rank: int
     step: int
     value: float
-    best: float
+    lowest: float
+    highest: float
 
     @property
     def text(self) -> str:
         return format_value(self.value)
+
+    @property
+    def best(self) -> float:
+        """The lowest for losses and errors, the highest for anything else (accuracy, BLEU, reward...)."""
+        return self.lowest if lower_is_better(self.name) else self.highest
+
+
+def lower_is_better(name: str) -> bool:
+    leaf = name.rsplit("/", 1)[-1].lower()
+    return any(word in leaf for word in ("loss", "error", "err", "perplexity", "ppl", "wer", "cer", "mse", "mae"))
 
 
 def format_value(value: float) -> str:
@@ -30,13 +43,17 @@ def format_value(value: float) -> str:
     return f"{value:.6g}"
 
 
-def final_loss(job_id: int) -> FinalLoss | None:
-    """The job's final loss; None when it logged no loss."""
-    points = MetricPoint.objects.filter(job_id=job_id, name=LOSS)
-    rank = points.aggregate(first=Min("rank"))["first"] if not points.filter(rank=0).exists() else 0
+def final_value(job_id: int, name: str) -> FinalValue | None:
+    """The job's final value of ``name``; None when it logged none."""
+    points = MetricPoint.objects.filter(job_id=job_id, name=name)
+    rank = 0 if points.filter(rank=0).exists() else points.aggregate(first=Min("rank"))["first"]
     if rank is None:
         return None
-    mine = points.filter(rank=rank)
-    last = mine.order_by("-step", "-id").values_list("step", "value").first()
-    best = points.aggregate(best=Min("value"))["best"]
-    return FinalLoss(rank=rank, step=last[0], value=last[1], best=best)
+    step, value = points.filter(rank=rank).order_by("-step", "-id").values_list("step", "value").first()
+    extremes = points.aggregate(lowest=Min("value"), highest=Max("value"))
+    return FinalValue(name=name, rank=rank, step=step, value=value, **extremes)
+
+
+def final_loss(job_id: int) -> FinalValue | None:
+    """The job's final loss: the last loss logged by rank 0."""
+    return final_value(job_id, LOSS)

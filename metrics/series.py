@@ -30,6 +30,19 @@ from metrics.models import MetricPoint
 RAW_FACTOR = 4
 
 
+def metric_names(job_id: int, limit: int = 50) -> list[str]:
+    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
+    names: list[str] = []
+    points = MetricPoint.objects.filter(job_id=job_id)
+    while len(names) < limit:
+        qs = points.filter(name__gt=names[-1]) if names else points
+        name = qs.order_by("name").values_list("name", flat=True).first()
+        if name is None:
+            break
+        names.append(name)
+    return names
+
+
 def series(
     job_id: int,
     name: str,

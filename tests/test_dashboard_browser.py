@@ -310,6 +310,7 @@ def test_node_page_shows_24h_of_gpu_cpu_and_ram_and_compare_diffs_configs(web, c
     page.select_option("#compare-metric", "loss")
     wait_for(lambda: "metric=loss" in page.evaluate("location.href"), timeout=10, what="the metric in the URL")
     ready(page, "#compare-chart[data-ready] canvas", errors)
+    page.locator('[data-region="metric-summary"] h2', has_text="loss").wait_for(timeout=10_000)
     page.screenshot(path=tmp_path / "compare.png", full_page=True)
     keep_shots(tmp_path, "node.png", "compare.png")
     assert not errors, errors

@@ -200,10 +200,11 @@
     return this.options.timeOnly ? "wall" : this.view.xMode;
   };
 
-  UGRO.Panel.prototype.xsOf = function (line) {
+  UGRO.Panel.prototype.xsOf = function (line, key) {
     const mode = this.xMode();
     if (mode === "step") return line.x;
-    const t0 = mode === "relative" ? (this.t0 ?? line.t[0] ?? 0) : 0;
+    const start = this.options.t0Of ? this.options.t0Of(key) : this.t0;
+    const t0 = mode === "relative" ? (start ?? line.t[0] ?? 0) : 0;
     return increasing(line.t.map((t) => (t === null ? null : t - t0)));
   };
 
@@ -223,7 +224,7 @@
       const line = this.lines.get(k);
       let ys = line.y;
       if (log) ys = ys.map((v) => (v > 0 ? v : null));
-      const table = [this.xsOf(line), ys];
+      const table = [this.xsOf(line, k), ys];
       if (smoothed) table.push(UGRO.smooth(ys, smoothing));
       return table;
     });
