@@ -19,8 +19,8 @@ from django.views.decorators.http import require_GET, require_POST
 from cluster.history import history
 from cluster.models import Node
 from metrics.final import final_loss, format_value
-from metrics.series import metric_names
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.series import metric_names
 
 from . import lifecycle, report
 from .launch import LaunchError, LaunchRequest, build_job, create_job, dry_run

@@ -92,8 +92,8 @@ def test_node_history_endpoint_and_its_bad_input(browser, node):
 
 def test_job_system_endpoint_covers_the_jobs_span_and_gpus(browser, node):
     now = timezone.now()
-    job = Job.objects.create(name="j", script="s.py", state=Job.State.SUCCEEDED, nproc_per_node=1,
-                             running_at=now - timedelta(minutes=30), finished_at=now - timedelta(minutes=10))  # fmt: skip
+    span = {"running_at": now - timedelta(minutes=30), "finished_at": now - timedelta(minutes=10)}
+    job = Job.objects.create(name="j", script="s.py", state=Job.State.SUCCEEDED, nproc_per_node=1, **span)
     Rank.objects.create(job=job, node=node, index=0, active=False)
     HealthSample.objects.create(node=node, time=now - timedelta(minutes=20), gpus=[gpu(0, 90), gpu(1, 5)])
     HealthSample.objects.create(node=node, time=now - timedelta(minutes=5), gpus=[gpu(0, 1), gpu(1, 1)])  # after it
@@ -127,6 +127,7 @@ def test_compare_any_metric_with_final_best_and_a_config_diff(browser, node):
     assert '<td class="num">0.6</td><td class="num">0.7</td>' in html
     assert '<td class="num">0.8</td><td class="num">0.9</td>' in html
     assert '<tr class="differs"><th scope="row">lr</th>' in html
-    assert '<tr class="same"><th scope="row">model</th>' in html and '<tr class="same"><th scope="row">args</th>' in html
+    assert '<tr class="same"><th scope="row">model</th>' in html
+    assert '<tr class="same"><th scope="row">args</th>' in html
     # an unknown metric falls back on the loss
     assert 'data-metric="loss"' in browser.get(f"/compare/?job={a.pk}&metric=nope").content.decode()
