@@ -17,6 +17,7 @@
   const t0 = Number.isFinite(started) ? started / 1000 : null;
   const totals = new Map(); // panel name -> points stored on the server when last loaded
   const loading = new Map(); // panel name -> promise of its load
+  const timed = new Set(); // panels loaded with each point's time
 
   function saveView() {
     UGRO.writeView(view, DEFAULTS);
@@ -47,7 +48,9 @@
 
   function loadPanel(name) {
     const buckets = Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
-    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + "&time=1";
+    // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
+    const withTime = view.xMode !== "step";
+    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
     const promise = UGRO.getJSON(url).then(function (json) {
       const panel = board.panel(name);
       const live = new Map(panel.lines); // points that arrived while loading
@@ -62,6 +65,7 @@
         for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
       }
       totals.set(name, json.total_points);
+      if (withTime) timed.add(name);
       document.getElementById("chart-empty")?.remove();
       panel.draw();
       updateInfo();
@@ -83,9 +87,13 @@
   }
 
   UGRO.bindControls(view, function (what) {
-    if (what === "query") board.apply();
-    else board.drawAll();
     saveView();
+    if (what === "query") board.apply();
+    else if (what === "x" && view.xMode !== "step" && Array.from(board.panels.keys()).some((n) => !timed.has(n))) {
+      loadPanels().then(function () {
+        board.drawAll();
+      });
+    } else board.drawAll();
   });
 
   function addPoints(points) {
