@@ -127,6 +127,18 @@ UGRO_PANELS_DRAWN = """(n) => {
   return false;
 }"""
 
+TB_CARDS = """() => {
+  let n = 0;
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.shadowRoot) walk(el.shadowRoot);
+      if (el.tagName.toLowerCase() === 'tf-scalar-card') n++;
+    }
+  };
+  walk(document);
+  return n;
+}"""
+
 TB_LINES_DRAWN = """() => {
   let long = 0;
   const walk = (root) => {
@@ -172,7 +184,9 @@ def insert_points(job_id: int, ranks: int, steps: int, names: list[str] | None =
                 "FROM generate_series(0, %s) r, generate_series(0, %s) s",
                 [job_id, name, k, SPIKE_EVERY, SPIKE_AT, SPIKE, steps, ranks - 1, steps - 1],
             )
-        cur.execute(f"ANALYZE {table}")
+        # as autovacuum leaves a table some time after a bulk insert: the visibility map set, so the chart
+        # queries can read the covering index alone
+        cur.execute(f"VACUUM ANALYZE {table}")
     return time.monotonic() - t0
 
 
@@ -387,18 +401,24 @@ def tensorboard_panels(args, tmp: Path, browser, procs: list, tags: list[str]) -
     want = 2 * len(runs) * len(tags)
 
     def sample(context) -> dict:
+        """Until every line is drawn; or, as TensorBoard keeps some groups folded, until the count of drawn
+        lines has not grown for 3 s: the time is then when it reached that count."""
         page = context.new_page()
         t = time.monotonic()
         page.goto(base + "/#scalars", wait_until="commit")
         deadline = time.monotonic() + 60
-        drawn = 0
+        drawn, reached = 0, None
         while time.monotonic() < deadline:
-            drawn = page.evaluate(TB_LINES_DRAWN)
-            if drawn >= want:
+            now = page.evaluate(TB_LINES_DRAWN)
+            if now > drawn:
+                drawn, reached = now, time.monotonic()
+            if drawn >= want or (drawn >= 2 * len(runs) and time.monotonic() - reached > 3):
                 break
             page.wait_for_timeout(20)
-        out = {"lines_drawn": drawn, "lines_wanted": want, "all_drawn": drawn >= want,
-               "python_wall_ms": round((time.monotonic() - t) * 1000, 1)}  # fmt: skip
+        cards = page.evaluate(TB_CARDS)
+        out = {"lines_drawn": drawn, "lines_wanted": want, "all_drawn": drawn >= want, "charts_drawn": drawn // 2,
+               "tags_with_a_card_open": cards,
+               "drawn_ms": round((reached - t) * 1000, 1) if reached else None}  # fmt: skip
         page.close()
         return out
 
@@ -412,7 +432,7 @@ def tensorboard_panels(args, tmp: Path, browser, procs: list, tags: list[str]) -
     page.close()
     context.close()
     stop(tb)
-    done = [s["python_wall_ms"] for s in samples if s["all_drawn"]]
+    done = [s["drawn_ms"] for s in samples if s["drawn_ms"] is not None]
     return {
         "version": version,
         "loader": "rust data server" if "fast data loading" in tb_log.read_text() else "python",
@@ -420,7 +440,8 @@ def tensorboard_panels(args, tmp: Path, browser, procs: list, tags: list[str]) -
         "launch_to_all_steps_loaded_s": round(t_full - t_launch, 2),
         "warmup": warm,
         "samples": samples,
-        "median_all_drawn_ms": statistics.median(done) if len(done) == len(samples) else None,
+        "median_drawn_ms": statistics.median(done) if done else None,
+        "all_lines_drawn_in_every_sample": all(s["all_drawn"] for s in samples),
         "memory": {**memory, **{"after_3s_" + k: v for k, v in memory_after_3s.items()}},
     }
 

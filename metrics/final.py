@@ -20,8 +20,8 @@ class FinalValue:
     rank: int
     step: int
     value: float
-    lowest: float
-    highest: float
+    lowest: float | None = None  # None unless asked for (a scan of every point of the metric)
+    highest: float | None = None
 
     @property
     def text(self) -> str:
@@ -43,15 +43,16 @@ def format_value(value: float) -> str:
     return f"{value:.6g}"
 
 
-def final_value(job_id: int, name: str) -> FinalValue | None:
-    """The job's final value of ``name``; None when it logged none."""
+def final_value(job_id: int, name: str, *, extremes: bool = False) -> FinalValue | None:
+    """The job's final value of ``name`` (with its lowest and highest values when ``extremes``); None when
+    it logged none."""
     points = MetricPoint.objects.filter(job_id=job_id, name=name)
     rank = 0 if points.filter(rank=0).exists() else points.aggregate(first=Min("rank"))["first"]
     if rank is None:
         return None
     step, value = points.filter(rank=rank).order_by("-step", "-id").values_list("step", "value").first()
-    extremes = points.aggregate(lowest=Min("value"), highest=Max("value"))
-    return FinalValue(name=name, rank=rank, step=step, value=value, **extremes)
+    found = points.aggregate(lowest=Min("value"), highest=Max("value")) if extremes else {}
+    return FinalValue(name=name, rank=rank, step=step, value=value, **found)
 
 
 def final_loss(job_id: int) -> FinalValue | None:

@@ -18,7 +18,11 @@ class MetricPoint(models.Model):
     time = models.DateTimeField()
 
     class Meta:
-        indexes = [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")]
+        indexes = [
+            # rank and value ride along: a chart's downsampling query reads the index alone (an index-only
+            # scan), about half the time of fetching every row (issue 13: 10 panels x 3 ranks x 100k points)
+            models.Index(fields=["job", "name", "step"], include=["rank", "value"], name="metric_job_name_step_cov")
+        ]
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.name}@{self.step}={self.value}"

@@ -38,7 +38,7 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
 
 def metric_facts(job: Job, name: str) -> dict:
     """Final value (rank 0's last logged), its step, and the best value seen, as the pages print them."""
-    final = final_value(job.pk, name)
+    final = final_value(job.pk, name, extremes=True)
     if final is None:
         return {"last_step": None, "last": None, "best": None, "rank": None}
     return {"last_step": final.step, "last": final.text, "best": format_value(final.best), "rank": final.rank}
