@@ -174,6 +174,18 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     assert lr_cursor and "-10px" not in lr_cursor
     page.screenshot(path=tmp_path / "job-hover.png")
 
+    # drag to zoom in on x, double-click to go back
+    x_range = "(() => { const s = UGRO.jobBoard.panels.get('loss').plot.scales.x; return [s.min, s.max]; })()"
+    full = page.evaluate(x_range)
+    page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.5)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] * 0.5, steps=5)
+    page.mouse.up()
+    zoomed = page.evaluate(x_range)
+    assert full[0] < zoomed[0] < zoomed[1] < full[1], (full, zoomed)
+    page.mouse.dblclick(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
+    assert page.evaluate(x_range) == full
+
     # CSV: every point of every rank; PNG: an image
     with page.expect_download() as dl:
         page.click('.panel[data-name="loss"] .panel-csv')
