@@ -184,8 +184,7 @@ def insert_points(job_id: int, ranks: int, steps: int, names: list[str] | None =
                 "FROM generate_series(0, %s) r, generate_series(0, %s) s",
                 [job_id, name, k, SPIKE_EVERY, SPIKE_AT, SPIKE, steps, ranks - 1, steps - 1],
             )
-        # as autovacuum leaves a table some time after a bulk insert: the visibility map set, so the chart
-        # queries can read the covering index alone
+        # as autovacuum leaves a table some time after a bulk insert
         cur.execute(f"VACUUM ANALYZE {table}")
     return time.monotonic() - t0
 

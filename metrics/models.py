@@ -18,11 +18,7 @@ class MetricPoint(models.Model):
     time = models.DateTimeField()
 
     class Meta:
-        indexes = [
-            # rank and value ride along: a chart's downsampling query reads the index alone (an index-only
-            # scan), about half the time of fetching every row (issue 13: 10 panels x 3 ranks x 100k points)
-            models.Index(fields=["job", "name", "step"], include=["rank", "value"], name="metric_job_name_step_cov")
-        ]
+        indexes = [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")]
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.name}@{self.step}={self.value}"

@@ -92,9 +92,6 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
         "transaction_mode": "IMMEDIATE",
     }
-    # Metric points' covering index carries rank and value for PostgreSQL's index-only scans; SQLite
-    # keeps the index's key columns and says so: nothing to act on.
-    SILENCED_SYSTEM_CHECKS = ["models.W040"]
 if test_db := env_str("UGRO_TEST_DB_NAME", ""):
     DATABASES["default"]["TEST"] = {"NAME": test_db}
 
