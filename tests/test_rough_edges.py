@@ -111,18 +111,19 @@ def test_launch_form_shows_every_field_error_at_once(browser, node):
          "metrics_pattern": "(unclosed"},
     )  # fmt: skip
     html = response.content.decode()
+    # the launch's own checks and the form's bounds, each beside its field
     assert "job name &#x27;bad name&#x27; is not allowed" in html
-    assert "epochs must be at least 1" in html
-    assert "learning rate must be a positive number" in html
-    assert "nproc-per-node must be between 1 and 64" in html
-    assert html.count('class="error"') >= 5
+    assert "Ensure this value is greater than or equal to 1." in html  # epochs
+    assert "Ensure this value is greater than or equal to 0." in html  # lr
+    assert "Ensure this value is less than or equal to 64." in html  # nproc_per_node
+    assert "(unclosed" in html and html.count('class="error"') >= 5
     assert not Job.objects.exists()
 
 
 def test_form_errors_of_django_and_of_the_launch_checks_show_together(browser, node):
     # a number that is no number (the form's own check) beside an lr the launch refuses
     html = browser.post("/jobs/launch/", {"name": "ok-name", "epochs": "many", "lr": "0"}).content.decode()
-    assert "Enter a whole number." in html and "learning rate must be a positive number" in html
+    assert "Enter a whole number." in html and "learning rate must be a number above 0" in html
     assert not Job.objects.exists()
 
 
