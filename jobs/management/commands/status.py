@@ -6,7 +6,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from jobs.models import Job
 from jobs.report import get_job, job_detail, job_record, job_summary, jobs_table
-from jobs.views import metric_names, progress
+from jobs.views import progress
+from metrics.series import metric_names
 
 # --exit-code: the job's state as the exit status, for scripts that wait on a job.
 EXIT_CODES = {Job.State.SUCCEEDED: 0, Job.State.FAILED: 1, Job.State.CANCELLED: 2}
