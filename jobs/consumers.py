@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from accounts import policy
 
 from .events import job_group
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
-    """Relays one channel-layer group to a logged-in browser; anonymous connections are closed."""
+    """Relays one channel-layer group to a browser whose user may view (accounts.policy); others are closed:
+    4401 anonymous, 4403 refused."""
 
     group = ""
 
@@ -21,6 +25,9 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
+            return
+        if not await database_sync_to_async(policy.allowed)(user, "view"):
+            await self.close(code=4403)
             return
         self.joined = self.group_name()
         await self.channel_layer.group_add(self.joined, self.channel_name)

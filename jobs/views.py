@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import replace
 
 from django import forms
 from django.contrib import messages
@@ -15,11 +14,14 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from accounts import actions
+from accounts.audit import web_source
+from accounts.policy import Refused
 from cluster.models import Node
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
-from . import lifecycle, report
-from .launch import LaunchError, LaunchRequest, create_job, dry_run
+from . import report
+from .launch import LaunchError, LaunchRequest
 from .logs import job_lines
 from .models import Job, Rank
 from .scheduler import request_schedule
@@ -189,7 +191,8 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     try:
-        job = lifecycle.cancel(job)  # returns at once: a worker (or the reconciler) stops the processes
+        # returns at once: a worker (or the reconciler) stops the processes
+        job = actions.cancel(request.user, job, web_source(request))
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
@@ -232,8 +235,8 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
     """A new job with the same parameters under a new name."""
     job = get_object_or_404(Job, pk=pk)
     try:
-        new = create_job(replace(relaunch_request(job), owner=request.user))
-    except LaunchError as exc:
+        new = actions.launch(request.user, relaunch_request(job), web_source(request))
+    except (LaunchError, Refused) as exc:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
     request_schedule()
@@ -320,13 +323,13 @@ def launch(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         try:
             if "dry_run" in request.POST:
-                commands = dry_run(form.launch_request())
+                commands = actions.preview(request.user, form.launch_request())
             else:
-                job = create_job(replace(form.launch_request(), owner=request.user))
+                job = actions.launch(request.user, form.launch_request(), web_source(request))
                 request_schedule()
                 messages.success(request, f"job {job.name} queued")
                 return redirect("job-detail", job.pk)
-        except LaunchError as exc:
+        except (LaunchError, Refused) as exc:
             form.add_error(None, str(exc))
     return render(request, "jobs/launch.html", {"form": form, "commands": commands, "nav": "launch"})
 

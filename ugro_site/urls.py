@@ -8,6 +8,7 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
+    path("api/", include("api.urls")),
     path("", include("cluster.urls")),
     path("", include("jobs.urls")),
     path("", include("metrics.urls")),

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from cluster.models import Alert
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "List open alerts (newest first); --all lists resolved ones and INFO events too."
 
     def add_arguments(self, parser):

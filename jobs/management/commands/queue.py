@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from jobs.report import jobs_table
 from jobs.scheduler import queued_jobs
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "List queued jobs in the order they will start."
 
     def handle(self, **options):

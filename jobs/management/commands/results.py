@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from jobs.report import get_job, results
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Show a job's results: config, duration, exit codes, final loss, checkpoints, log files."
 
     def add_arguments(self, parser):

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from jobs.models import Job
 from jobs.report import get_job, job_detail, jobs_table
 
@@ -10,7 +11,7 @@ EXIT_CODES = {Job.State.SUCCEEDED: 0, Job.State.FAILED: 1, Job.State.CANCELLED: 
 NOT_ENDED_EXIT = 3
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = (
         "Show jobs (or one job in detail). Exits 1 if the named job FAILED. With --exit-code the exit "
         "status is the job's state: 0 succeeded, 1 failed, 2 cancelled, 3 not ended yet."
