@@ -11,7 +11,7 @@ from django.http import HttpRequest, JsonResponse
 
 from jobs.models import Job
 
-from . import policy
+from . import audit, policy
 
 RULES = {
     "cluster-overview": "view",
@@ -55,6 +55,9 @@ class PolicyMiddleware:
         why = policy.reason(request.user, action, job)
         if why is None:
             return None
+        if request.method not in SAFE_METHODS:
+            target = job.name if job else str(request.POST.get("name") or request.path)[:200]
+            audit.record(request.user, action, target, source=audit.web_source(request), outcome=f"refused: {why}")
         if request.path.startswith("/api/"):
             return JsonResponse({"error": why}, status=403)
         raise policy.Refused(why)

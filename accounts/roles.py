@@ -36,6 +36,8 @@ def ensure_roles(apps=None) -> None:
         wanted = []
         for app_label, model, codename, name in perms:
             ct, _ = content_type_model.objects.get_or_create(app_label=app_label, model=model)
-            perm, _ = permission_model.objects.get_or_create(content_type=ct, codename=codename, defaults={"name": name})
+            perm, _ = permission_model.objects.get_or_create(
+                content_type=ct, codename=codename, defaults={"name": name}
+            )
             wanted.append(perm)
         group.permissions.add(*wanted)

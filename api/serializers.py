@@ -31,8 +31,9 @@ class LaunchSerializer(serializers.Serializer):
     metrics_pattern = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     metrics_files = serializers.ListField(child=serializers.CharField(max_length=1000), required=False,
                                           default=list, max_length=50)  # fmt: skip
-    dry_run = serializers.BooleanField(required=False, default=False,
-                                       help_text="return each rank's exact command; create and start nothing")  # fmt: skip
+    dry_run = serializers.BooleanField(
+        required=False, default=False, help_text="return each rank's exact command; create and start nothing"
+    )
 
     def validate(self, data):
         if data.get("nodes") and data.get("count") is not None:

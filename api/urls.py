@@ -33,8 +33,9 @@ urlpatterns = [
     path("v1/queue", api(views.QueueView), name="queue"),
     path("v1/health", api(views.HealthView), name="health"),
     path("v1/nodes/<str:name>/drain", api(views.NodeDrainView), name="node-drain"),
-    path("v1/nodes/<str:name>/undrain", login_not_required(views.NodeDrainView.as_view(enable=True)),
-         name="node-undrain"),  # fmt: skip
+    path(
+        "v1/nodes/<str:name>/undrain", login_not_required(views.NodeDrainView.as_view(enable=True)), name="node-undrain"
+    ),  # fmt: skip
     path("v1/audit", api(views.AuditView), name="audit"),
     path("v1/me", api(views.MeView), name="me"),
     path("schema", api(SchemaView), name="schema"),

@@ -105,8 +105,10 @@ class JobsView(APIView):
 
     @extend_schema(
         summary="Recent jobs (`ugro status`)",
-        parameters=[OpenApiParameter("limit", int, description="at most this many, newest first (default 20)"),
-                    OpenApiParameter("state", str, description="only jobs in this state")],  # fmt: skip
+        parameters=[
+            OpenApiParameter("limit", int, description="at most this many, newest first (default 20)"),
+            OpenApiParameter("state", str, description="only jobs in this state"),
+        ],  # fmt: skip
         responses=s.JobSerializer(many=True),
     )
     def get(self, request: Request) -> Response:
@@ -153,8 +155,14 @@ class JobView(APIView):
             "rdzv_endpoint": job.rdzv_endpoint,
             "launch_spread_s": job.launch_spread_s,
             "ranks": [
-                {"index": r.index, "node": r.node.name, "state": r.state, "exit_code": r.exit_code,
-                 "log_lines": r.log_lines, "log_offset": r.log_offset}
+                {
+                    "index": r.index,
+                    "node": r.node.name,
+                    "state": r.state,
+                    "exit_code": r.exit_code,
+                    "log_lines": r.log_lines,
+                    "log_offset": r.log_offset,
+                }
                 for r in ranks
             ],  # fmt: skip
             "lines": report.job_detail(job),
@@ -359,4 +367,3 @@ class MeView(APIView):
         scope = getattr(request.auth, "scope", None)
         return Response({"username": request.user.get_username(), "role": policy.role_of(request.user),
                          "scope": scope})  # fmt: skip
-

@@ -40,9 +40,10 @@ def loopback(tmp_path_factory):
 def os_account(request):
     """Tests with a database get an operator account named like the OS user, as management commands run
     as that account when no --as is given (accounts/commands.py)."""
-    if not (request.node.get_closest_marker("django_db") or {"db", "transactional_db", "live_server"} & set(
-        request.fixturenames
-    )):
+    if not (
+        request.node.get_closest_marker("django_db")
+        or {"db", "transactional_db", "live_server"} & set(request.fixturenames)
+    ):
         return None
     request.getfixturevalue("_django_db_helper")
     import getpass

@@ -1,4 +1,5 @@
 """The quickstart's helpers: a local demo node and a first admin."""
+
 from __future__ import annotations
 
 import io

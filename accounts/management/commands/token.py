@@ -71,7 +71,7 @@ class Command(UserCommand):
             rows = rows.filter(user=self.user)
         self.stdout.write(f"{'PREFIX':10} {'USER':12} {'SCOPE':8} {'NAME':16} {'CREATED':17} {'LAST USED':17} STATE")
         for t in rows:
-            when = (lambda d: timezone.localtime(d).strftime("%Y-%m-%d %H:%M") if d else "-")  # noqa: E731
+            when = lambda d: timezone.localtime(d).strftime("%Y-%m-%d %H:%M") if d else "-"  # noqa: E731
             state = f"revoked {when(t.revoked_at)}" if t.revoked_at else "active"
             self.stdout.write(f"{t.prefix:10} {t.user.get_username()[:12]:12} {t.scope:8} {t.name[:16]:16} "
                               f"{when(t.created_at):17} {when(t.last_used_at):17} {state}")  # fmt: skip

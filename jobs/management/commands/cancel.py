@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from django.core.management.base import CommandError
 
-from accounts.commands import UserCommand
 from accounts import actions, policy
+from accounts.commands import UserCommand
 from jobs import lifecycle
 from jobs.report import get_job
 

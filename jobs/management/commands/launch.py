@@ -6,8 +6,8 @@ import time
 from django.conf import settings
 from django.core.management.base import CommandError
 
-from accounts.commands import UserCommand
 from accounts import actions, policy
+from accounts.commands import UserCommand
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.logs import rank_lines
 from jobs.models import Job
