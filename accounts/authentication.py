@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed
 
@@ -27,3 +28,13 @@ class BearerTokenAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request) -> str:
         return 'Bearer realm="ugro"'
+
+
+class BearerTokenScheme(OpenApiAuthenticationExtension):
+    """How the OpenAPI schema describes the token (drf-spectacular finds this subclass by itself)."""
+
+    target_class = "accounts.authentication.BearerTokenAuthentication"
+    name = "ugroToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer ugro_...` (ugro token)"}

@@ -74,12 +74,12 @@ def reason(user, action: str, job=None, *, priority: int | None = None, scope: s
     who = user.get_username()
     if not user.is_active:
         return f"account {who} is disabled"
-    if scope is not None and action not in SCOPES.get(scope, set()):
-        return f"this token's scope is {scope}: it cannot {action}"
     if not user.has_perm(ACTIONS[action]):
         role = role_of(user)
         have = f"role {role}" if role != "none" else "no role (ask an operator for one)"
         return f"{who} has {have}: not allowed to {action}"
+    if scope is not None and action not in SCOPES.get(scope, set()):
+        return f"this token's scope is {scope}: it cannot {action}"
     if action in JOB_ACTIONS and job is not None and job.owner_id != user.pk:
         if not user.has_perm("accounts.manage_any_job"):
             owner = job.owner.get_username() if job.owner_id else "the system"

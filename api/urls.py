@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.contrib.auth.decorators import login_not_required
+from django.contrib.auth.decorators import login_not_required, login_required
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
@@ -40,5 +40,5 @@ urlpatterns = [
     path("v1/me", api(views.MeView), name="me"),
     path("schema", api(SchemaView), name="schema"),
     # the docs page is for people: Django's login first (the split view serves its script as a file: CSP)
-    path("docs", DocsView.as_view(url_name="api:schema"), name="docs"),
+    path("docs", login_required(DocsView.as_view(url_name="api:schema")), name="docs"),
 ]

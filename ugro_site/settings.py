@@ -171,6 +171,7 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Launch, watch and stop training jobs on the cluster; everything the `ugro` client does.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["api.permissions.PolicyPermission"],
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",

@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,51 +15,99 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Access',
+            name="Access",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
             ],
             options={
-                'permissions': [('view_cluster', 'See jobs, nodes, logs and metrics'), ('launch_job', "Launch jobs; cancel and resume one's own"), ('manage_any_job', "Cancel and resume anyone's job"), ('any_priority', 'Launch at any priority (0-100)'), ('manage_nodes', 'Change nodes, drain and undrain them'), ('view_audit', 'Read the audit log')],
-                'managed': False,
-                'default_permissions': (),
+                "permissions": [
+                    ("view_cluster", "See jobs, nodes, logs and metrics"),
+                    ("launch_job", "Launch jobs; cancel and resume one's own"),
+                    ("manage_any_job", "Cancel and resume anyone's job"),
+                    ("any_priority", "Launch at any priority (0-100)"),
+                    ("manage_nodes", "Change nodes, drain and undrain them"),
+                    ("view_audit", "Read the audit log"),
+                ],
+                "managed": False,
+                "default_permissions": (),
             },
         ),
         migrations.CreateModel(
-            name='ApiToken',
+            name="ApiToken",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(help_text="What it is for, e.g. 'laptop'.", max_length=100)),
-                ('prefix', models.CharField(help_text="The token's first characters (not secret).", max_length=16, unique=True)),
-                ('digest', models.CharField(help_text='sha256 of the whole token, hex.', max_length=64)),
-                ('scope', models.CharField(choices=[('read', 'read: see jobs, logs, nodes'), ('launch', 'launch: also launch, cancel, resume'), ('operate', 'operate: also drain and undrain nodes')], default='read', max_length=8)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('last_used_from', models.CharField(blank=True, max_length=64)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_tokens', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(help_text="What it is for, e.g. 'laptop'.", max_length=100)),
+                (
+                    "prefix",
+                    models.CharField(
+                        help_text="The token's first characters (not secret).", max_length=16, unique=True
+                    ),
+                ),
+                ("digest", models.CharField(help_text="sha256 of the whole token, hex.", max_length=64)),
+                (
+                    "scope",
+                    models.CharField(
+                        choices=[
+                            ("read", "read: see jobs, logs, nodes"),
+                            ("launch", "launch: also launch, cancel, resume"),
+                            ("operate", "operate: also drain and undrain nodes"),
+                        ],
+                        default="read",
+                        max_length=8,
+                    ),
+                ),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("last_used_from", models.CharField(blank=True, max_length=64)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="api_tokens",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'API token',
-                'ordering': ['-created_at'],
+                "verbose_name": "API token",
+                "ordering": ["-created_at"],
             },
         ),
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('time', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('username', models.CharField(blank=True, help_text='Kept when the account is deleted.', max_length=150)),
-                ('action', models.CharField(db_index=True, max_length=32)),
-                ('target', models.CharField(blank=True, help_text='The job, node or token acted on.', max_length=200)),
-                ('source', models.CharField(blank=True, help_text='web/api/cli, address, token prefix.', max_length=200)),
-                ('outcome', models.CharField(default='ok', help_text='ok, or the one-line refusal.', max_length=300)),
-                ('argv', models.JSONField(blank=True, default=list, help_text="The job's script and arguments, exactly.")),
-                ('detail', models.JSONField(blank=True, default=dict)),
-                ('user', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("time", models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
+                (
+                    "username",
+                    models.CharField(blank=True, help_text="Kept when the account is deleted.", max_length=150),
+                ),
+                ("action", models.CharField(db_index=True, max_length=32)),
+                ("target", models.CharField(blank=True, help_text="The job, node or token acted on.", max_length=200)),
+                (
+                    "source",
+                    models.CharField(blank=True, help_text="web/api/cli, address, token prefix.", max_length=200),
+                ),
+                ("outcome", models.CharField(default="ok", help_text="ok, or the one-line refusal.", max_length=300)),
+                (
+                    "argv",
+                    models.JSONField(blank=True, default=list, help_text="The job's script and arguments, exactly."),
+                ),
+                ("detail", models.JSONField(blank=True, default=dict)),
+                (
+                    "user",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-time', '-pk'],
+                "ordering": ["-time", "-pk"],
             },
         ),
     ]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class Command(UserCommand):
         listing.add_argument("--all", action="store_true", help="every account's tokens (superuser)")
         rev = sub.add_parser("revoke", help="revoke a token by its prefix")
         rev.add_argument("prefix")
+        for verb in (create, listing, rev):  # `token create NAME --as USER` reads naturally too
+            verb.add_argument("--as", dest="as_user", metavar="USER", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     def handle(self, verb, **o):
         return getattr(self, f"_{verb}")(**o)
