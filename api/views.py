@@ -27,7 +27,7 @@ from jobs.models import Job, Rank
 from jobs.scheduler import queued_jobs, request_schedule
 from jobs.views import metric_names, progress
 from metrics.models import FinalMetric
-from ugro_site.celery import send_task
+from ugro_site.celery import send_task, worker_alive
 
 from . import serializers as s
 
@@ -137,7 +137,8 @@ class JobsView(APIView):
             return Response({"lines": actions.preview(request.user, req)})
         job = actions.launch(request.user, req, web_source(request))
         request_schedule()
-        return Response(s.JobSerializer(job_summary(job)).data, status=status.HTTP_201_CREATED)
+        data = {**s.JobSerializer(job_summary(job)).data, "worker_alive": worker_alive()}
+        return Response(data, status=status.HTTP_201_CREATED)
 
 
 class JobView(APIView):

@@ -167,6 +167,8 @@ def cmd_launch(client: Client, a) -> int:
         print("\n".join(answer["lines"]))
         return EXIT_OK
     print(f"job {answer['name']} queued (id {answer['id']})")
+    if answer.get("worker_alive") is False:
+        print("no UGRO worker is running on the server: the job waits in the queue until one does (bin/start)")
     if a.detach:
         return EXIT_OK
     try:
