@@ -144,3 +144,33 @@ def test_logs_follow_prints_each_line_once_until_the_job_ends(ugro_script, serve
     assert out_path.read_text().splitlines() == [
         "[rank 0] first", "[rank 0] second", "[rank 0] <b>third</b>", "-- job run1 succeeded",
     ]  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_ugro_launch_through_the_api_starts_every_rank_and_follows_to_the_end(
+    ugro_script, lab, controller_env, live_server, tmp_path
+):
+    """The whole path: the client -> the API queues the job -> a real worker starts torchrun on three sshd
+    nodes -> the client follows the merged log until the job succeeds."""
+    from accounts.models import AuditEvent
+
+    from .conftest import FAST_TRAIN
+    from .test_worker_restart_e2e import kill_worker, start_worker
+
+    user = User.objects.create_user("erin")
+    user.groups.add(Group.objects.get(name="launcher"))
+    _, token = create_token(user, "e2e", "launch")
+    worker = start_worker(controller_env, tmp_path, "wapi")
+    try:
+        done = ugro(ugro_script, {"url": live_server.url, "token": token}, "launch", "--name", "viaapi", "--nodes",
+                    "3", "--", *FAST_TRAIN, timeout=240)  # fmt: skip
+    finally:
+        kill_worker(worker)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("job viaapi queued (id ")
+    assert lines[-1] == "-- job viaapi succeeded"
+    assert {f"[rank {r}]" for r in range(3)} <= {ln[:8] for ln in lines}
+    job = Job.objects.get(name="viaapi")
+    assert job.state == Job.State.SUCCEEDED and job.owner == user and job.ranks.count() == 3
+    assert AuditEvent.objects.get(action="launch", target="viaapi").argv == [job.script, *job.script_args]
