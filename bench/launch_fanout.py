@@ -326,6 +326,7 @@ class Bench:
         self.rdzv_port = 29700
         self.api_env: dict[str, str] = {}  # the ugro_client method: UGRO_URL and UGRO_TOKEN
         self.token = ""
+        self.daphne_pid: int | None = None
 
     # -- the ways of issuing ----------------------------------------------------------------
     def issue_seq_ssh(self, tag: str, n: int) -> dict:
@@ -489,6 +490,7 @@ class Bench:
         else:
             watcher.arm(tag, n)
         worker_cpu0 = self.worker.cpu() if method in WORKER_METHODS else 0.0
+        api_cpu0 = pid_cpu(self.daphne_pid) if method == "ugro_client" else 0.0
         cpu0 = controller_cpu()
         t0_wall = time.time()
         t0 = time.monotonic()
@@ -504,6 +506,10 @@ class Bench:
         if method in WORKER_METHODS:
             worker_cpu = self.worker.cpu() - worker_cpu0
             cpu += worker_cpu
+        api_cpu = None
+        if method == "ugro_client":
+            api_cpu = pid_cpu(self.daphne_pid) - api_cpu0
+            cpu += api_cpu
         seen = watcher.result()
         if cli:
             try:
@@ -529,6 +535,8 @@ class Bench:
         }
         if worker_cpu is not None:
             row["worker_cpu_s"] = round(worker_cpu, 4)
+        if api_cpu is not None:
+            row["api_server_cpu_s"] = round(api_cpu, 4)
         if cli:
             for key in ("job_state", "job_tag", "launched_by", "cli_breakdown_s", "cancel_s", "cancel_unclean",
                         "failure_reason", "stdout_tail"):  # fmt: skip
@@ -553,6 +561,17 @@ class Bench:
 
 
 UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli", "ugro_cli_worker", "ugro_client")
+
+
+def pid_cpu(pid: int | None) -> float:
+    """CPU seconds (user+sys, reaped children too) of one process, e.g. the API server."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def accounts(bench: Bench) -> None:
@@ -732,6 +751,7 @@ def main() -> int:
             accounts(bench)  # manage.py runs as the OS user's account; the client with a token
         if "ugro_client" in cli:
             daphne, bench.api_env = start_api(tmp, bench)
+            bench.daphne_pid = daphne.pid
             meta["api_url"] = bench.api_env["UGRO_URL"]
         if any(m in cli for m in WORKER_METHODS):
             bench.worker = Worker(tmp, bench.cli_env, str(tmp / "bench.sqlite3"))

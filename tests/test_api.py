@@ -195,3 +195,26 @@ def test_drain_and_undrain_a_node(lab):
         ("drain", "n2"),
         ("undrain", "n2"),
     ]
+
+
+def test_admin_creates_a_token_shown_once_and_revokes_it(lab, admin_client):
+    response = admin_client.post("/admin/accounts/apitoken/add/", {"user": lab["user"].pk, "name": "ci box",
+                                                                  "scope": "read"}, follow=True)  # fmt: skip
+    shown = [str(m) for m in response.context["messages"] if "shown once" in str(m)]
+    token = shown[0].rsplit(" ", 1)[1]
+    row = ApiToken.objects.get(name="ci box")
+    assert token.startswith(f"ugro_{row.prefix}_") and row.digest == hashlib.sha256(token.encode()).hexdigest()
+    assert token not in admin_client.get(f"/admin/accounts/apitoken/{row.pk}/change/").content.decode()
+    assert api(lab, "get", "/api/v1/me", token=token).json()["scope"] == "read"
+    admin_client.post("/admin/accounts/apitoken/", {"action": "revoke_tokens", "_selected_action": [row.pk]})
+    assert api(lab, "get", "/api/v1/me", token=token).status_code == 401
+    assert [e.action for e in AuditEvent.objects.order_by("pk")] == ["token_create", "token_revoke"]
+    assert admin_client.get("/admin/accounts/auditevent/").status_code == 200
+
+
+def test_viewers_see_no_launch_link(lab):
+    client = Client()
+    client.force_login(User.objects.create_user("vic"))  # a new account: viewer
+    assert 'href="/jobs/launch/"' not in client.get("/jobs/").content.decode()
+    client.force_login(lab["user"])
+    assert 'href="/jobs/launch/"' in client.get("/jobs/").content.decode()
