@@ -30,14 +30,14 @@ from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
 from metrics.files import follow_metric_files
-from metrics.ingest import RankStream, parse_lines
+from metrics.ingest import RankStream, Sample, parse_lines, save_points
 from metrics.models import MetricPoint
 
 from . import lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Checkpoint, Job, Rank
-from .nodes import node_request, on_each
+from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -261,7 +261,7 @@ class JobFollower:
             if points:
                 committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                 size = self._append_jsonl(committed, jsonl)
-                MetricPoint.objects.bulk_create(points, batch_size=2000)
+                save_points(points)
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
             if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
                 raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
@@ -269,7 +269,7 @@ class JobFollower:
         self._publish(rank, old, len(data), lines, points)
         return len(data)
 
-    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[MetricPoint]) -> None:
+    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
         # of this commit, so a page that loaded the log up to some offset can drop what it has.
         shown = [display_text(ln) for ln in lines]
@@ -293,6 +293,8 @@ class JobFollower:
         return committed + len(chunk)
 
     def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:
+        if not unreachable(err):
+            return  # the node took the request (or answered an error): it is there, if slow
         lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
         for rank in group:
             since = rank.last_contact or rank.started_at or now

@@ -19,8 +19,11 @@ from django.contrib.auth.models import Group
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from cluster.links import LinkError
 from cluster.models import Alert, Node
+from jobs import follow as follow_module
 from jobs import lifecycle
+from jobs import reconcile as reconcile_module
 from jobs.failure import Failure, FailureKind
 from jobs.follow import JobFollower, LeaseLost, claim, follow
 from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
@@ -144,6 +147,38 @@ def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings
         a.step()
     rank = job.ranks.get()
     assert rank.log_offset == 4 and rank.local_log.read_bytes() == b"one\n"
+
+
+@pytest.mark.parametrize("where", ["follower", "reconciler"])
+def test_a_late_answer_is_not_silence_but_a_node_that_cannot_be_reached_is(
+    local_node, fast_settings, monkeypatch, where
+):
+    """A controller too busy to read a node's answer in time must not call its ranks lost (R10 at 10 jobs:
+    4 jobs failed NODE_LOST on healthy nodes); a node that cannot be connected to, past the limit, is lost."""
+    job = running_job(local_node)
+    job.ranks.update(last_contact=timezone.now() - timedelta(seconds=60))  # past NODE_LOST_AFTER_S (20 s)
+    assert claim(job.pk, "f")
+    errors = {
+        "late": LinkError("box: tail was sent, then no answer in time (timeout 7.5s)", delivered=True),
+        "unreachable": LinkError("box: cannot connect: [Errno 111] Connection refused", delivered=False),
+    }
+
+    def fail_with(kind):
+        def request(node, op, /, timeout=30.0, **fields):
+            raise errors[kind]
+
+        monkeypatch.setattr(follow_module, "node_request", request)
+        monkeypatch.setattr(reconcile_module, "node_request", request)
+        if where == "follower":
+            JobFollower(job, "f").step()
+        else:
+            reconcile_module.check_ranks(job)
+
+    fail_with("late")
+    assert job.ranks.get().state == Rank.State.RUNNING
+    fail_with("unreachable")
+    rank = job.ranks.get()
+    assert rank.state == Rank.State.LOST and "Connection refused" in rank.lost_reason
 
 
 def test_a_line_without_a_newline_is_taken_in_pieces_and_following_goes_on(local_node, fast_settings):

@@ -131,6 +131,7 @@ CHANNEL_LAYERS = {
 
 # Celery: Redis is transport only; results are not needed (the DB holds every outcome).
 CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_TRANSPORT = "ugro_site.broker:Transport"  # kombu's Redis transport, Redis restarts survived
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ALWAYS_EAGER = env_bool("UGRO_TASKS_EAGER", False)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
