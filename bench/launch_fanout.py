@@ -472,7 +472,8 @@ class Bench:
         cli = method in CLI_METHODS
         if cli:
             # UGRO picks the job's tag (<name>-<8 hex>): watch for the name's prefix.
-            tag = f"bf{ {'ugro_cli_worker': 'w', 'ugro_client': 'k'}.get(method, 'c')}{n}-{uuid.uuid4().hex[:8]}"
+            letter = {"ugro_cli_worker": "w", "ugro_client": "k"}.get(method, "c")
+            tag = f"bf{letter}{n}-{uuid.uuid4().hex[:8]}"
             watcher = self.prefix_watcher
             self.next_rdzv_port()
             if method in WORKER_METHODS:
