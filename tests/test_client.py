@@ -147,25 +147,35 @@ def test_logs_follow_prints_each_line_once_until_the_job_ends(ugro_script, serve
 
 
 @pytest.mark.e2e
-def test_ugro_launch_through_the_api_starts_every_rank_and_follows_to_the_end(
+def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_cancels(
     ugro_script, lab, controller_env, live_server, tmp_path
 ):
     """The whole path: the client -> the API queues the job -> a real worker starts torchrun on three sshd
     nodes -> the client follows the merged log until the job succeeds."""
     from accounts.models import AuditEvent
 
-    from .conftest import FAST_TRAIN
+    from .conftest import FAST_TRAIN, SLOW_TRAIN, job_pids
     from .test_worker_restart_e2e import kill_worker, start_worker
 
     user = User.objects.create_user("erin")
     user.groups.add(Group.objects.get(name="launcher"))
     _, token = create_token(user, "e2e", "launch")
+    where = {"url": live_server.url, "token": token}
     worker = start_worker(controller_env, tmp_path, "wapi")
     try:
-        done = ugro(ugro_script, {"url": live_server.url, "token": token}, "launch", "--name", "viaapi", "--nodes",
-                    "3", "--", *FAST_TRAIN, timeout=240)  # fmt: skip
+        done = ugro(ugro_script, where, "launch", "--name", "viaapi", "--nodes", "3", "--", *FAST_TRAIN, timeout=240)
+        # and a long job cancelled through the client: it returns once nothing of the job is left
+        assert ugro(ugro_script, where, "launch", "--name", "long", "--nodes", "2", "--detach", "--", *SLOW_TRAIN,
+                    timeout=60).returncode == 0  # fmt: skip
+        wait_for(lambda: Job.objects.get(name="long").state == Job.State.RUNNING, timeout=90, what="long to run")
+        tag = Job.objects.get(name="long").tag
+        wait_for(lambda: len(job_pids(tag)) >= 2, timeout=30, what="long's processes")
+        cancelled = ugro(ugro_script, where, "cancel", "long", timeout=120)
     finally:
         kill_worker(worker)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == "job long cancelled; no process of it remains on its nodes"
+    assert job_pids(tag) == []
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("job viaapi queued (id ")
