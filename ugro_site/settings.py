@@ -163,6 +163,8 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["api.permissions.PolicyPermission"],
+    # JSON only: people browse the API at /api/docs (DRF's own HTML pages need inline scripts our CSP refuses)
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "api.views.one_line_errors",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
