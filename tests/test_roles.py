@@ -88,19 +88,20 @@ def attempt(surface: str, action: str, user: User, world: dict) -> bool:
             _command(user, "cancel", target.name)
         target.refresh_from_db()
         return target.state == Job.State.CANCELLED
+    if surface == "page" and action in ("nodes", "audit"):
+        # the admin (staff status given here: the role's permissions decide)
+        user.is_staff = True
+        user.save()
+        node = Node.objects.get(name="n1")
+        url = f"/admin/cluster/node/{node.pk}/change/" if action == "nodes" else "/admin/accounts/auditevent/"
+        return client.get(url).status_code == 200
     if action == "nodes":
-        if surface == "page":
-            return client.post("/admin/cluster/node/1/change/", {}).status_code != 403 and user.has_perm(
-                "cluster.change_node"
-            )
         if surface == "api":
             client.post("/api/v1/nodes/n1/drain", **auth)
         else:
             return _command(user, "import_cluster", "/nonexistent/cluster.yaml", refusal="not allowed")
         return not Node.objects.get(name="n1").enabled
     if action == "audit":
-        if surface == "page":
-            return user.has_perm("accounts.view_auditevent")
         if surface == "api":
             return client.get("/api/v1/audit", **auth).status_code == 200
         return _command(user, "audit")
