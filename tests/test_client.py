@@ -184,3 +184,27 @@ def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_canc
     job = Job.objects.get(name="viaapi")
     assert job.state == Job.State.SUCCEEDED and job.owner == user and job.ranks.count() == 3
     assert AuditEvent.objects.get(action="launch", target="viaapi").argv == [job.script, *job.script_args]
+
+
+def test_launch_follows_and_ctrl_c_leaves_the_job_queued_and_says_how_to_follow(ugro_script, server, tmp_path):
+    import signal
+
+    path, site = ugro_script
+    env = {**os.environ, "PYTHONPATH": str(site), "UGRO_URL": server["url"], "UGRO_TOKEN": server["token"]}
+    out_path = tmp_path / "launch.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([NO_DJANGO_PYTHON, str(path), "launch", "--name", "waits", "--nodes", "1"], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        # no worker runs in this test: the job waits in the queue and the client says so, then follows
+        wait_for(lambda: "no UGRO worker is running" in out_path.read_text(), timeout=20, what="the warning")
+        wait_for(lambda: "waits queued" in out_path.read_text().splitlines()[-1], timeout=20, what="following")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out_path.read_text()
+    assert "left job waits to go on without this command. Follow it: ugro logs waits --follow;" in text
+    assert "cancel it: ugro cancel waits" in text
+    assert Job.objects.get(name="waits").state == Job.State.QUEUED

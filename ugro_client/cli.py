@@ -174,7 +174,10 @@ def cmd_launch(client: Client, a) -> int:
     try:
         job = follow(client, a.name, rank=None, tail=0, announce_states=True)
     except KeyboardInterrupt:
-        print(f"\nleft job {a.name} running. Follow it: ugro logs {a.name} --follow; cancel it: ugro cancel {a.name}")
+        print(
+            f"\nleft job {a.name} to go on without this command. Follow it: ugro logs {a.name} --follow; "
+            f"cancel it: ugro cancel {a.name}"
+        )
         return EXIT_OK
     return EXIT_OK if job["state"] == "succeeded" else EXIT_FAILED
 
