@@ -74,7 +74,7 @@ def job_summary(job: Job, *, with_progress: bool = True) -> dict:
     pct = None
     if job.state == Job.State.SUCCEEDED:
         pct = 100.0
-    elif with_progress and job.running_at:
+    elif with_progress and job.running_at and job.is_live:  # ended jobs: no per-job metric queries in lists
         prog = progress(job, metric_names(job))
         pct = prog["percent"] if prog else None
     return {

@@ -218,3 +218,15 @@ def test_viewers_see_no_launch_link(lab):
     assert 'href="/jobs/launch/"' not in client.get("/jobs/").content.decode()
     client.force_login(lab["user"])
     assert 'href="/jobs/launch/"' in client.get("/jobs/").content.decode()
+
+
+def test_the_jobs_list_costs_the_same_few_queries_for_many_ended_jobs(lab, django_assert_max_num_queries):
+    node = Node.objects.get(name="n1")
+    for i in range(30):
+        now = timezone.now()
+        job = Job.objects.create(name=f"old{i}", script="s.py", state=Job.State.FAILED, owner=lab["user"],
+                                 started_at=now, running_at=now, finished_at=now)  # fmt: skip
+        Rank.objects.create(job=job, node=node, index=0, state=Rank.State.EXITED, active=False)
+    with django_assert_max_num_queries(8):
+        rows = api(lab, "get", "/api/v1/jobs/", {"limit": 30}).json()
+    assert len(rows) == 30 and rows[0]["nodes"] == ["n1"]
