@@ -17,10 +17,10 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.exceptions import PermissionDenied
 
+from jobs.launch import PRIORITY_MAX, PRIORITY_MIN
 from jobs.models import Job
 
 ROLES = ("viewer", "launcher", "operator")
-PRIORITY_MIN, PRIORITY_MAX = 0, 100
 
 # action -> the permission it needs (job actions on someone else's job need manage_any_job too)
 ACTIONS = {

@@ -92,6 +92,7 @@ def _node_checks(node: Node, script: str) -> tuple[list[str], list[str], dict | 
     """(problems, notes, versions) for one node; link errors propagate to on_each."""
     problems: list[str] = []
     notes: list[str] = []
+    node.reach()  # a silent node fails here within the connect timeout, as in the health poll
     path = script_path(node, script)
     found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
     if not found.get(node.workdir):
@@ -176,7 +177,8 @@ def check_nodes(nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int) 
     reachable = []
     for node, result, err in on_each(nodes, lambda n: _node_checks(n, script)):
         if err is not None:
-            report.problems.append(f"{node.name}: {err}")
+            why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
+            report.problems.append(f"{node.name}: {why}")
             continue
         reachable.append(node)
         problems, notes, versions = result

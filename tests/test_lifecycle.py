@@ -181,6 +181,28 @@ def test_a_late_answer_is_not_silence_but_a_node_that_cannot_be_reached_is(
     assert rank.state == Rank.State.LOST and "Connection refused" in rank.lost_reason
 
 
+def test_a_follower_with_a_job_cap_asks_for_another_follower_for_the_rest(local_node, fast_settings, tmp_path):
+    """Jobs are spread over follow tasks (each job's pass then waits only for its own nodes and writes)."""
+    other = Node.objects.create(
+        name="box2", address="127.0.0.1", transport="local", role="worker", workdir=str(tmp_path / "n2"),
+        agent_python=sys.executable,
+    )  # fmt: skip
+    jobs = [running_job(local_node, "j1"), running_job(other, "j2")]
+    for job in jobs:
+        write_log(job, b"hello\n")
+    asked = []
+    follow(1.0, max_jobs=1, more_wanted=lambda: asked.append(1))
+    copied = [job.ranks.get().log_offset for job in jobs]
+    # then exactly one job was followed and another follower was asked for
+    assert sorted(copied) == [0, 6] and asked
+    # and when every left-over job has a follower already, nobody else is asked for
+    left = jobs[copied.index(0)]
+    Job.objects.filter(pk=left.pk).update(follower="other", follower_until=timezone.now() + timedelta(seconds=60))
+    asked.clear()
+    follow(1.0, max_jobs=1, more_wanted=lambda: asked.append(1))
+    assert not asked
+
+
 def test_a_line_without_a_newline_is_taken_in_pieces_and_following_goes_on(local_node, fast_settings):
     # given a rank that prints 5 MiB with no newline (a binary dump), then a line, then exits
     job = running_job(local_node)

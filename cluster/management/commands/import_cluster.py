@@ -18,7 +18,7 @@ class Command(UserCommand):
 
     def handle(self, path, **options):
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_bytes()  # decoded (UTF-8 only) and bounded by import_cluster
         except OSError as exc:
             raise CommandError(f"cannot read {path}: {exc.strerror}") from None
         try:
