@@ -21,12 +21,15 @@ RULES = {
     "api-job-logs": "view",
     "api-job-checkpoints": "view",
     "api-job-series": "view",
+    "api-job-system": "view",
+    "node-detail": "view",
+    "api-node-history": "view",
     "job-launch": "launch",
     "job-relaunch": "launch",
     "job-cancel": "cancel",
     "job-resume": "resume",
 }
-EXEMPT_NAMES = {"prometheus-metrics", "login", "logout", "password_change", "password_change_done"}
+EXEMPT_NAMES = {"prometheus-metrics", "login", "logout", "password_change", "password_change_done", "favicon"}
 EXEMPT_NAMESPACES = {"admin", "api", "djdt"}
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
