@@ -15,7 +15,7 @@ from cluster.models import Alert, Node
 from .conftest import REPO, free_port
 
 pytestmark = pytest.mark.e2e
-UGRO = str(REPO / ".venv" / "bin" / "ugro")
+UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]  # the admin commands (ugro-admin)
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactiona
     _ssh_node("mute", silent_sshd)
     env = {**controller_env, "UGRO_CONNECT_TIMEOUT_S": "1.5"}
     # when `ugro health` runs (first call after start)
-    done = subprocess.run([UGRO, "health"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*UGRO, "health"], env=env, capture_output=True, text=True, timeout=120)
     # then it exits 1 with the node DOWN and the plain reason, no paramiko traceback
     assert done.returncode == 1
     assert "node mute: SSH did not answer within 1.5 s" in done.stdout, done.stdout + done.stderr
@@ -75,7 +75,7 @@ def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactiona
     assert "Traceback" not in done.stderr and "No existing session" not in done.stdout + done.stderr
     assert done.stderr.strip().count("\n") == 0, done.stderr
     # and --json carries the same reason
-    again = subprocess.run([UGRO, "health", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run([*UGRO, "health", "--json"], env=env, capture_output=True, text=True, timeout=120)
     (entry,) = json.loads(again.stdout)["nodes"]
     assert entry["status"] == "down" and "SSH did not answer within 1.5 s" in entry["reason"]
 
