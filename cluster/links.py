@@ -122,9 +122,12 @@ class _Pipe:
     """A byte stream in each direction with a select-able read side; `alive()` is False once the
     far end is known to be gone (the agent exited or the channel closed)."""
 
-    def __init__(self, send, recv, fileno, close, stderr, alive, host_key: str = "", host_key_source: str = "") -> None:
+    def __init__(self, send, recv, fileno, close, stderr, alive, host_key: str = "", host_key_source: str = "",
+                 pending=None) -> None:  # fmt: skip
         self.send, self.recv, self.fileno, self._close, self.stderr = send, recv, fileno, close, stderr
         self.alive = alive
+        # After select() says readable: whether recv() has something (or the end) to return now.
+        self.pending = pending or (lambda: True)
         self.host_key, self.host_key_source = host_key, host_key_source
 
     def close(self) -> None:
@@ -303,17 +306,28 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     def alive() -> bool:
         return not (chan.closed or chan.eof_received or chan.exit_status_ready()) and transport.is_active()
 
-    def stderr() -> str:
-        out = b""
+    err_tail = bytearray()
+
+    def take_stderr() -> None:
         while chan.recv_stderr_ready():
-            out += chan.recv_stderr(65536)
-        return out.decode("utf-8", "replace")[-2000:]
+            err_tail.extend(chan.recv_stderr(65536))
+            del err_tail[:-4000]
+
+    def pending() -> bool:
+        # The channel's fileno turns readable for stderr as well; recv() reads stdout and would block
+        # with only stderr waiting. Taking the stderr clears that, and says whether stdout (or EOF) is there.
+        take_stderr()
+        return chan.recv_ready() or chan.eof_received or chan.closed
+
+    def stderr() -> str:
+        take_stderr()
+        return bytes(err_tail).decode("utf-8", "replace")[-2000:]
 
     def close() -> None:
         chan.close()
         conn.close()
 
-    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source)
+    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending)
 
 
 def fetch_host_key(ep: Endpoint, timeout: float = 10.0) -> str:
@@ -422,7 +436,7 @@ class NodeLink:
         try:
             for _ in range(64):  # bounded: pending bytes are kept, an EOF ends the loop
                 ready, _, _ = select.select([self._pipe.fileno()], [], [], 0)
-                if not ready:
+                if not ready or not self._pipe.pending():
                     break
                 chunk = self._pipe.recv(1 << 20)
                 if not chunk:
@@ -440,7 +454,7 @@ class NodeLink:
             if left <= 0:
                 raise LinkError("no answer in time")
             ready, _, _ = select.select([self._pipe.fileno()], [], [], left)
-            if not ready:
+            if not ready or not self._pipe.pending():
                 continue
             try:
                 chunk = self._pipe.recv(1 << 20)

@@ -250,3 +250,28 @@ def test_an_idle_node_that_goes_silent_is_down_on_the_next_tick_not_after_its_in
     assert node1.status == Node.Status.DOWN and node1.breaker["failures"] == 3
     assert "SSH did not answer within 1.5 s" in node1.status_reason
     assert {n.name: n.status for n in Node.objects.exclude(name="node1")} == {"node2": "healthy", "node3": "healthy"}
+
+
+NOISY_AGENT = b"import sys\nsys.stderr.write('a warning on stderr\\n')\nsys.stderr.flush()\n"
+
+
+def test_a_warm_link_whose_agent_wrote_to_stderr_keeps_answering(loopback):
+    import time
+
+    from cluster.links import NodeLink
+
+    from .test_links_retry import endpoint
+
+    # given a warm link whose agent printed a line on stderr (paramiko's channel then selects as readable)
+    link = NodeLink(endpoint(loopback), connect_timeout=10, extra_source=NOISY_AGENT)
+    link.request("hello", timeout=10)
+    time.sleep(0.5)
+    # when the next request is sent (the link first checks whether its far end is gone)
+    answered: list[dict] = []
+    worker = threading.Thread(target=lambda: answered.append(link.request("hello", timeout=10)), daemon=True)
+    worker.start()
+    worker.join(30)
+    # then it is answered (it used to wait forever for stdout in the check, holding the link's lock)
+    assert answered, "the request hung"
+    assert "a warning on stderr" in link._pipe.stderr()
+    link.close()
