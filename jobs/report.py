@@ -85,3 +85,53 @@ def results(job: Job) -> list[str]:
     for node, path, size in ckpts:
         out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")
     return out
+
+
+def asks_text(job: Job) -> str:
+    """What a job asks for, in a few words: 2 GPUs, 2x4 GPUs, 3 nodes, node1+node2; VRAM and time limit."""
+    if job.gpus:
+        what = f"{job.gpus} GPU{'s' if job.gpus > 1 else ''}"
+    elif job.requested_nodes:
+        what = "+".join(job.requested_nodes) + (f" x{job.gpus_per_node} GPUs" if job.gpus_per_node else "")
+    elif job.gpus_per_node:
+        what = f"{job.requested_count or 1}x{job.gpus_per_node} GPUs"
+    else:
+        what = f"{job.requested_count or 1} node{'s' if (job.requested_count or 1) > 1 else ''}"
+    if job.min_vram_mb:
+        what += f" >={job.min_vram_mb / 1024:.0f}G"
+    return what
+
+
+def queue_table(entries: list, holders: dict[str, list[str]]) -> list[str]:
+    """The `queue` command's lines: waiting jobs (position, reason, estimated start), then what holds GPUs.
+
+    entries: jobs.snapshot.Entry in queue order; holders: job name -> ["node:gpu", ...] of running jobs.
+    """
+    now = timezone.now()
+    rows = [f"{'POS':>3} {'JOB':24} {'PRIO':>4} {'OWNER':10} {'ASKS':18} {'REASON':11} {'EST. START':16} DETAIL"]
+    for e in entries:
+        d, job = e.decision, e.job
+        owner = job.owner.username if job.owner_id else "system"
+        if d.start:
+            reason, est, detail = "-", "now", f"starts at the next pass on {e.placement_text()}"
+        else:
+            reason, detail = d.reason, d.detail
+            est = "unknown" if e.est_start is None else _when(e.est_start, now)
+        rows.append(f"{d.position:>3} {job.name[:24]:24} {job.priority:>4} {owner[:10]:10} {asks_text(job)[:18]:18} "
+                    f"{reason:11} {est:16} {detail}")  # fmt: skip
+    if holders:
+        rows.append("")
+        rows.append("holding GPUs:")
+        for name, gpus in holders.items():
+            rows.append(f"    {name[:24]:24} {' '.join(gpus)}")
+    return rows
+
+
+def _when(at, now) -> str:
+    local = timezone.localtime(at)
+    if (at - now).total_seconds() < 60:
+        return "now"
+    fmt = "%H:%M" if local.date() == timezone.localtime(now).date() else "%m-%d %H:%M"
+    minutes = int((at - now).total_seconds() // 60)
+    left = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+    return f"in {left} ({local.strftime(fmt)})"
