@@ -307,7 +307,7 @@ def dry_run(req: LaunchRequest) -> list[str]:
     )
     job.tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
     cs = ClusterSettings.load()
-    job.rdzv_endpoint = f"{chosen[0][0].address}:{cs.rendezvous_port}"
+    job.rdzv_endpoint = f"{chosen[0][0].address}:{rendezvous_port(cs, ranks_gpus=chosen[0][1])}"
     ranks = [
         Rank(job=job, node=node, index=i, gpu_indices=gpus or list(range(node.gpu_count)))
         for i, (node, gpus) in enumerate(chosen)
@@ -328,6 +328,13 @@ def dry_run(req: LaunchRequest) -> list[str]:
     for path in files:
         out.append(f"metrics file: {path}")
     return out
+
+
+def rendezvous_port(cs: ClusterSettings, ranks_gpus: list[int]) -> int:
+    """The rendezvous port of a job whose rank 0 holds these GPUs of its node: the cluster's port plus
+    the first of them. Jobs sharing a node hold different GPUs (the database sees to it), so their
+    rendezvous stores never meet on one port."""
+    return cs.rendezvous_port + (min(ranks_gpus) if ranks_gpus else 0)
 
 
 def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
@@ -404,7 +411,7 @@ def launch(job: Job) -> Job:
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
     window = job.sync_window_s
     cs = ClusterSettings.load()
-    job.rdzv_endpoint = f"{ranks[0].node.address}:{cs.rendezvous_port}"
+    job.rdzv_endpoint = f"{ranks[0].node.address}:{rendezvous_port(cs, ranks[0].gpu_indices)}"
     job.launcher = follower_id()
     job.save(update_fields=["rdzv_endpoint", "launcher"])
     write_job_config(job, ranks)
