@@ -311,7 +311,7 @@ def plan(
         if binding:
             reserved += 1
             dec.reserved = True
-            dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved from {_fmt_in(t - now)}"
+            dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {_fmt_in(t - now)}"
             first_waiting = first_waiting or dec
         elif choose(d, nodes, lambda s: not s.busy) is not None:
             dec.reason = Reason.RESERVATION

@@ -15,7 +15,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from cluster.models import Node
+from cluster.models import GPU, Node
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from . import lifecycle, report
@@ -23,6 +23,7 @@ from .launch import LaunchError, LaunchRequest, create_job, dry_run
 from .logs import job_lines
 from .models import Job, Rank
 from .scheduler import request_schedule
+from .snapshot import Snapshot, queue
 
 LANES = (
     ("queued", "Queued", (Job.State.QUEUED,)),
@@ -68,6 +69,24 @@ def board(request: HttpRequest) -> HttpResponse:
         "jobs/board.html",
         {"lanes": lanes, "state": state, "q": query, "states": Job.State.choices, "nav": "jobs"},
     )
+
+
+@require_GET
+def queue_page(request: HttpRequest) -> HttpResponse:
+    """Waiting jobs in start order (position, reason, estimated start) and which job holds which GPU."""
+    snap = Snapshot()
+    entries = queue(snap)
+    gpus = []
+    running = {j.pk: j for j in Job.objects.filter(pk__in={h[0] for h in snap.holders.values()})}
+    models = {(g.node_id, g.index): g for g in GPU.objects.all()}
+    for n in snap.nodes:
+        for slot in n.slots:
+            holder = snap.holders.get((n.id, slot.index))
+            gpus.append({"node": n.name, "index": slot.index, "gpu": models.get((n.id, slot.index)),
+                         "job": running.get(holder[0]) if holder else None, "usable": n.usable})  # fmt: skip
+    for e in entries:
+        e.asks = report.asks_text(e.job)
+    return render(request, "jobs/queue.html", {"entries": entries, "gpus": gpus, "nav": "queue"})
 
 
 def metric_names(job: Job) -> list[str]:
@@ -220,6 +239,10 @@ def relaunch_request(job: Job) -> LaunchRequest:
         epochs=params.get("epochs"),
         lr=params.get("lr"),
         nproc_per_node=job.nproc_per_node,
+        gpus=job.gpus,
+        gpus_per_node=job.gpus_per_node,
+        time_limit_s=job.time_limit_s,
+        min_vram_mb=job.min_vram_mb if job.vram_source == "asked" else None,
         extra_args=[str(a) for a in params.get("extra") or []],
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",

@@ -336,3 +336,28 @@ def test_launch_form_shows_each_ranks_command_before_launching(web, chromium):
     assert not Job.objects.exists()
     page.screenshot(path=ARTIFACTS / "launch-dry-run.png", full_page=True)
     assert not errors, errors
+
+
+def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromium):
+    from jobs.launch import LaunchRequest, create_job
+    from jobs.scheduler import place_queued
+
+    # given one node held by a job (no worker: nothing launches it) and a 3-node job waiting behind it
+    create_job(LaunchRequest(name="holder", count=1, time_limit_s=3600))
+    place_queued()
+    create_job(LaunchRequest(name="everything", count=3, priority=20))
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    # when the queue page is opened from the navigation
+    page.click("nav >> text=Queue")
+    page.wait_for_selector("#queue-table")
+    # then the waiting job's reason, estimate and the node holder are shown
+    row = page.locator('#queue-table tr[data-job="everything"]')
+    assert row.get_attribute("data-reason") == "resources"
+    assert "next to start" in row.text_content() and "in 59" in row.text_content()
+    held = page.locator('#gpu-table tr[data-node="node1"]').text_content()
+    assert "whole node (no GPU)" in held and "holder" in held
+    assert "free" in page.locator('#gpu-table tr[data-node="node2"]').text_content()
+    page.screenshot(path=ARTIFACTS / "queue.png", full_page=True)
+    assert not errors, errors

@@ -96,7 +96,7 @@ def test_a_job_that_fits_but_must_wait_says_why():
     running = [Running(job=1, slots=[(1, 0)], ends_at=NOW + 300)]
     d = plan(NOW, nodes, running, [Demand(job=2, gpus=1, min_vram_mb=10 * 1024)])[0]
     assert not d.start and d.reason == Reason.RESOURCES and d.est_start == NOW + 300
-    assert "reserved from in 5m" in d.detail
+    assert "reserved for it in 5m" in d.detail
 
 
 def test_a_job_that_no_usable_gpu_fits_waits_with_no_estimate():
