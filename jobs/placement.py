@@ -146,12 +146,19 @@ def _eligible(d: Demand, s: Slot) -> bool:
     return d.min_vram_mb is None or s.vram_mb >= d.min_vram_mb
 
 
-def _slot_order(s: Slot) -> tuple:
-    # GPUs no reservation needs first, then the smallest card that fits (big cards stay for big models)
-    return (s.reserved_from != INF, s.vram_mb, s.index)
+def _now_order(s: Slot) -> tuple:
+    # GPUs no reservation needs first (then the latest reserved), then the smallest card that fits
+    # (big cards stay for big models)
+    return (-s.reserved_from, s.vram_mb, s.index)
 
 
-def choose(d: Demand, nodes: Sequence[NodeView], ok) -> list[tuple[NodeView, list[Slot]]] | None:
+def _reserve_order(s: Slot) -> tuple:
+    # a reservation takes the GPUs that free up last (by its start): the ones free sooner stay open
+    # to backfill; then the smallest card that fits
+    return (-s.free_at, s.vram_mb, s.index)
+
+
+def choose(d: Demand, nodes: Sequence[NodeView], ok, prefer=_now_order) -> list[tuple[NodeView, list[Slot]]] | None:
     """Slots for the demand among those ok(slot) says are usable, or None if it does not fit.
 
     --gpus N: one node if one has room (the fullest that does), else the nodes with most room.
@@ -182,9 +189,9 @@ def choose(d: Demand, nodes: Sequence[NodeView], ok) -> list[tuple[NodeView, lis
                 if d.named:
                     return None
                 continue
-            room.append((n, sorted(free, key=_slot_order)[: d.per_node]))
+            room.append((n, sorted(free, key=prefer)[: d.per_node]))
         elif free:
-            room.append((n, sorted(free, key=_slot_order)))
+            room.append((n, sorted(free, key=prefer)))
     if d.gpus is not None:
         need = d.gpus
         if sum(len(f) for _, f in room) < need:
@@ -192,10 +199,10 @@ def choose(d: Demand, nodes: Sequence[NodeView], ok) -> list[tuple[NodeView, lis
         single = [(n, f) for n, f in room if len(f) >= need]
         if single:
             # the fullest node that has room; among equals the one with the smallest cards
-            n, f = min(single, key=lambda nf: (len(nf[1]), sum(s.vram_mb for s in nf[1][:need])))
+            n, f = min(single, key=lambda nf: (len(nf[1]), [prefer(s) for s in nf[1][:need]]))
             return [(n, f[:need])]
         out = []
-        for n, f in sorted(room, key=lambda nf: -len(nf[1])):
+        for n, f in sorted(room, key=lambda nf: (-len(nf[1]), [prefer(s) for s in nf[1]])):
             take = f[:need]
             out.append((n, take))
             need -= len(take)
@@ -209,7 +216,7 @@ def choose(d: Demand, nodes: Sequence[NodeView], ok) -> list[tuple[NodeView, lis
         return None
     if d.per_node is not None:
         spare = {n.id: sum(1 for s in n.slots if ok(s) and _eligible(d, s)) for n, _ in room}
-        room = sorted(room, key=lambda nf: spare[nf[0].id])  # stable: node order among equals
+        room = sorted(room, key=lambda nf: (spare[nf[0].id], [prefer(s) for s in nf[1]]))
     return room[:want]
 
 
@@ -265,6 +272,11 @@ def plan(
     decisions: list[Decision] = []
     reserved = 0
     first_waiting: Decision | None = None
+    # Within a pass GPUs only get busier and reservations only earlier, so what did not fit stays so:
+    # a request of the same shape is not tried again (many queued jobs look alike).
+    free_now = sum(1 for n in nodes if n.usable for s in n.slots if not s.busy)
+    no_fit_now: dict[tuple, float] = {}  # shape -> the shortest time limit that did not fit now
+    not_free: set[tuple] = set()  # shapes that do not fit the free GPUs even ignoring reservations
     for position, d in enumerate(order(queued, usage), start=1):
         dec = Decision(job=d.job, position=position)
         decisions.append(dec)
@@ -273,7 +285,12 @@ def plan(
             dec.reason, dec.detail = Reason.QUOTA, f"its sweep runs at most {limit} trials at once"
             continue
         end = now + d.time_limit
-        fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
+        shape = (d.gpus, d.nodes, d.per_node, d.named, d.min_vram_mb)
+        fit = None
+        if free_now >= _count(d, nodes) and no_fit_now.get(shape, INF) > d.time_limit:
+            fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
+            if fit is None:
+                no_fit_now[shape] = d.time_limit
         count = sum(len(f) for _, f in fit) if fit else _count(d, nodes)
         if limits.quota_max_gpus and held.get(d.owner, 0) + count > limits.quota_max_gpus:
             dec.reason = Reason.QUOTA
@@ -288,6 +305,7 @@ def plan(
             for _, f in fit:
                 for s in f:
                     s.busy, s.free_at = True, end
+            free_now -= count
             held[d.owner] = held.get(d.owner, 0) + count
             if d.group is not None:
                 group_running[d.group] = group_running.get(d.group, 0) + 1
@@ -296,7 +314,7 @@ def plan(
         if t == INF:
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
-        at = choose(d, nodes, lambda s, t=t: s.free_at <= t)
+        at = choose(d, nodes, lambda s, t=t: s.free_at <= t, _reserve_order)
         if at is None:  # cannot happen: earliest() found the time from these slots
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
@@ -313,12 +331,13 @@ def plan(
             dec.reserved = True
             dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {_fmt_in(t - now)}"
             first_waiting = first_waiting or dec
-        elif choose(d, nodes, lambda s: not s.busy) is not None:
+        elif shape not in not_free and free_now >= _count(d, nodes) and choose(d, nodes, lambda s: not s.busy):
             dec.reason = Reason.RESERVATION
             dec.detail = "fits now, but would run past the start reserved for " + (
                 f"job {first_waiting.job}" if first_waiting else "a job ahead"
             )
         else:
+            not_free.add(shape)
             dec.reason, dec.detail = Reason.PRIORITY, "jobs ahead of it take the GPUs it needs"
     return decisions
 

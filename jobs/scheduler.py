@@ -39,11 +39,13 @@ def place_queued(only: list[int] | None = None) -> list[Job]:
     and their reservations.
     """
     snap = Snapshot()
+    starting = [d for d in snap.plan() if d.start and (only is None or d.job in only)]
+    jobs = snap.jobs([d.job for d in starting])
     placed = []
-    for decision in snap.plan():
-        if not decision.start or (only is not None and decision.job not in only):
+    for decision in starting:
+        job = jobs.get(decision.job)
+        if job is None or job.state != Job.State.QUEUED:
             continue
-        job = snap.queued[decision.job]
         nodes = [snap.node_rows[node_id] for node_id, _ in decision.placement]
         gpus = [indices for _, indices in decision.placement]
         order = sorted(range(len(nodes)), key=lambda i: nodes[i].placement_key())  # the master hosts rank 0

@@ -17,6 +17,10 @@ from .models import Allocation, Job, Sweep
 from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decayed_usage, plan
 
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
+DEMAND_FIELDS = (
+    "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
+    "gpus_per_node", "min_vram_mb", "sweep_id",
+)  # fmt: skip
 
 
 def time_limit_s(job: Job, cs: ClusterSettings) -> int:
@@ -76,14 +80,11 @@ class Snapshot:
             self.holders[(node_id, index)] = (job_id, name)
         self.running = list(held.values())
 
-        self.queued = {
-            j.pk: j
-            for j in Job.objects.filter(state=Job.State.QUEUED)
-            .select_related("owner")
-            .order_by("-priority", "created_at", "pk")
-        }
         self.by_name = {n.name: n.pk for n in self.node_rows.values()}
-        self.demands = [self._demand(j) for j in self.queued.values()]
+        # plain values, not model instances: a queue of thousands costs little; jobs() loads the few needed
+        waiting = Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk")
+        self.demands = [self._demand(dict(zip(DEMAND_FIELDS, row, strict=True)))
+                        for row in waiting.values_list(*DEMAND_FIELDS)]  # fmt: skip
 
         half_life = max(self.cs.fair_share_half_life_h, 0.01) * 3600
         since = self.now_dt - timedelta(seconds=half_life * USAGE_HALF_LIVES)
@@ -109,25 +110,33 @@ class Snapshot:
             else {},
         )
 
-    def _demand(self, job: Job) -> Demand:
-        named = tuple(self.by_name.get(name, -1) for name in job.requested_nodes)
+    def _demand(self, job: dict) -> Demand:
+        """The planner's view of a queued job (its DEMAND_FIELDS)."""
+        requested = job["requested_nodes"] or []
         return Demand(
-            job=job.pk, priority=job.priority, owner=job.owner_id, submitted=job.created_at.timestamp(),
-            time_limit=float(time_limit_s(job, self.cs)), gpus=job.gpus,
-            nodes=None if job.requested_nodes else (job.requested_count or 1), per_node=job.gpus_per_node,
-            named=named, min_vram_mb=float(job.min_vram_mb) if job.min_vram_mb else None, group=job.sweep_id,
+            job=job["pk"], priority=job["priority"], owner=job["owner_id"], submitted=job["created_at"].timestamp(),
+            time_limit=float(job["time_limit_s"] or self.cs.default_time_limit_s), gpus=job["gpus"],
+            nodes=None if requested else (job["requested_count"] or 1), per_node=job["gpus_per_node"],
+            named=tuple(self.by_name.get(name, -1) for name in requested),
+            min_vram_mb=float(job["min_vram_mb"]) if job["min_vram_mb"] else None, group=job["sweep_id"],
         )  # fmt: skip
+
+    def jobs(self, ids: list[int]) -> dict[int, Job]:
+        """The queued jobs with these ids, as model instances (one query)."""
+        return Job.objects.select_related("owner").in_bulk(ids)
 
     def plan(self, extra: list[Job] = ()) -> list[Decision]:
         """The planner's decisions; extra: unsaved jobs to consider too (a dry run)."""
-        demands = self.demands + [self._demand(j) for j in extra]
+        demands = self.demands + [self._demand({f: getattr(j, f) for f in DEMAND_FIELDS}) for j in extra]
         return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits)
 
 
 def queue(snapshot: Snapshot | None = None) -> list[Entry]:
     """Every waiting job in order, with its position, reason and estimated start (nothing is claimed)."""
     snap = snapshot or Snapshot()
-    return [Entry(snap.queued[d.job], d, snap.node_rows) for d in snap.plan()]
+    decisions = snap.plan()
+    jobs = snap.jobs([d.job for d in decisions])
+    return [Entry(jobs[d.job], d, snap.node_rows) for d in decisions if d.job in jobs]
 
 
 def holders_by_job(snap: Snapshot) -> dict[str, list[str]]:
