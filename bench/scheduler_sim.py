@@ -290,11 +290,12 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scheduler_sim.json").write_text(json.dumps(out, indent=2) + "\n")
-    cols = ["idle_while_waiting_pct", "usable_idle_while_waiting_pct", "utilization_pct", "wait_mean_min", "wait_p95_min", "wait_max_min",
+    cols = ["idle_while_waiting_pct", "usable_idle_while_waiting_pct", "utilization_pct", "wait_mean_min",
+            "wait_p95_min", "wait_max_min",
             "wait_mean_8gpu_min", "wait_max_8gpu_min", "wait_mean_1gpu_min", "makespan_h"]  # fmt: skip
-    print(f"{'policy':16}" + "".join(f"{c:>22}" for c in cols))  # noqa: T201
+    print(f"{'policy':16}" + "".join(f"{c:>31}" for c in cols))  # noqa: T201
     for name, r in results.items():
-        print(f"{name:16}" + "".join(f"{r[c]!s:>22}" for c in cols))  # noqa: T201
+        print(f"{name:16}" + "".join(f"{r[c]!s:>31}" for c in cols))  # noqa: T201
     print(f"one planner pass, {planner['queued']} queued: median {planner['median_ms']} ms")  # noqa: T201
     print(f"one database pass, {db_pass['queued']} queued: median {db_pass['place_queued_median_ms']} ms, "  # noqa: T201
           f"{db_pass['queries_per_pass']} queries; queue listing {db_pass['queue_listing_median_ms']} ms")  # fmt: skip
