@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Max, Prefetch
+from django.db.models import Count, Max, Prefetch
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -21,9 +21,10 @@ from metrics.models import FinalMetric, JobMetrics, MetricPoint
 from . import lifecycle, report
 from .launch import LaunchError, LaunchRequest, create_job, dry_run
 from .logs import job_lines
-from .models import Job, Rank
+from .models import Job, Rank, Sweep
 from .scheduler import request_schedule
 from .snapshot import Snapshot, queue
+from .sweeps import cancel_sweep, trial_rows
 
 LANES = (
     ("queued", "Queued", (Job.State.QUEUED,)),
@@ -33,6 +34,7 @@ LANES = (
 DONE_LIMIT = 50
 CHART_METRICS = ("loss", "lr", "tokens_per_sec", "grad_norm")
 MAX_TAIL = 5000
+SWEEP_CHART_MAX = 50
 
 
 def human_duration(seconds: float | None) -> str:
@@ -202,6 +204,47 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         context["summary_ranks"], context["summary"] = summary_metrics(job)
         context["config_path"] = job.job_dir / "config.json"
     return render(request, "jobs/detail.html", context)
+
+
+@require_GET
+def sweeps(request: HttpRequest) -> HttpResponse:
+    """Every sweep with its trial counts by state."""
+    rows = []
+    for sweep in Sweep.objects.annotate(n=Count("trials")).order_by("-created_at")[:200]:
+        rows.append({"sweep": sweep, "n": sweep.n})
+    return render(request, "jobs/sweeps.html", {"rows": rows, "nav": "jobs"})
+
+
+@require_GET
+def sweep_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A sweep's trials as a sortable table (params, state, final and best metric) and their curves."""
+    sweep = get_object_or_404(Sweep, pk=pk)
+    rows = trial_rows(sweep)
+    names = sorted({k for r in rows for k in r.params})
+    for r in rows:
+        r.cells = [r.params.get(k, "") for k in names]
+    return render(
+        request,
+        "jobs/sweep.html",
+        {
+            "sweep": sweep,
+            "rows": rows,
+            "param_names": names,
+            "best": next((r for r in rows if r.is_best), None),
+            "live": any(not r.job.is_ended for r in rows),
+            "chart_rows": rows[:SWEEP_CHART_MAX],
+            "nav": "jobs",
+        },
+    )
+
+
+@require_POST
+def sweep_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel every trial of the sweep not yet ended (returns at once; a worker stops running ones)."""
+    sweep = get_object_or_404(Sweep, pk=pk)
+    stopping = cancel_sweep(sweep)
+    messages.success(request, f"sweep {sweep.name} cancelled ({len(stopping)} running trials being stopped)")
+    return redirect("sweep-detail", sweep.pk)
 
 
 @require_POST

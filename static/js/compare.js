@@ -1,4 +1,5 @@
-/* Compare: the mean loss curve of each chosen job on one chart. */
+/* Compare: the mean curve of one metric (loss unless the chart names another) of each chosen job on
+   one chart; a job marked data-best is drawn thicker and starred (a sweep's best trial). */
 (function () {
   "use strict";
   const UGRO = window.UGRO;
@@ -6,11 +7,17 @@
   const jobs = Array.from(document.querySelectorAll(".compare-jobs li"));
   if (!box || !jobs.length) return;
   const info = document.getElementById("chart-info");
-  const plot = new UGRO.LinePlot(box, { yLabel: "loss", height: 380 });
+  const metric = box.dataset.metric || "loss";
+  const plot = new UGRO.LinePlot(box, { yLabel: metric, height: 380 });
 
   Promise.all(
     jobs.map(function (li) {
-      const url = box.dataset.seriesBase + encodeURIComponent(li.dataset.job) + "/series?name=loss&buckets=1500";
+      const url =
+        box.dataset.seriesBase +
+        encodeURIComponent(li.dataset.job) +
+        "/series?name=" +
+        encodeURIComponent(metric) +
+        "&buckets=1500";
       return UGRO.getJSON(url).catch(function () {
         return null;
       });
@@ -22,11 +29,13 @@
       // One rank: its own curve; several: the mean across ranks.
       const ranks = Object.values(json.ranks || {});
       const xy = ranks.length === 1 ? ranks[0] : json.mean;
-      lines.push({ label: jobs[i].dataset.name, color: UGRO.color(i), xs: xy.x, ys: xy.y, width: 2 });
+      const best = jobs[i].dataset.best === "1";
+      const label = (best ? "\u2605 " : "") + jobs[i].dataset.name;
+      lines.push({ label: label, color: UGRO.color(i), xs: xy.x, ys: xy.y, width: best ? 4 : 2 });
     });
     if (!plot.set(lines)) {
-      box.replaceChildren(UGRO.el("p", "empty", "None of these jobs recorded a loss."));
+      box.replaceChildren(UGRO.el("p", "empty", "None of these jobs recorded " + metric + " yet."));
     }
-    info.textContent = lines.length + " of " + jobs.length + " jobs have a loss curve";
+    info.textContent = lines.length + " of " + jobs.length + " jobs have a " + metric + " curve";
   });
 })();
