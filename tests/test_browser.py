@@ -361,3 +361,40 @@ def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromi
     assert "free" in page.locator('#gpu-table tr[data-node="node2"]').text_content()
     page.screenshot(path=ARTIFACTS / "queue.png", full_page=True)
     assert not errors, errors
+
+
+def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium):
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from jobs.models import Sweep
+    from metrics.models import MetricPoint
+
+    # given a 3-trial sweep whose trials logged a loss (trial 2 ends lowest)
+    call_command("sweep", "sw", "--grid", "lr=0.1,0.2,0.3", "--nodes", "1", stdout=open(os.devnull, "w"))
+    sweep = Sweep.objects.get(name="sw")
+    now = timezone.now()
+    ends = {"sw-001": 1.5, "sw-002": 0.5, "sw-003": 1.0}
+    for job in sweep.trials.all():
+        MetricPoint.objects.bulk_create(
+            MetricPoint(job=job, rank=0, step=s, name="loss", value=ends[job.name] + 2.0 / s, time=now)
+            for s in range(1, 21)
+        )
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    page.goto(f"{web}/sweeps/{sweep.pk}/")
+    # then the three curves are drawn on one chart with the best trial starred
+    page.locator("#chart-info", has_text="3 of 3 jobs have a loss curve").wait_for(timeout=10_000)
+    assert "\u2605 sw-002" in page.text_content("#compare-chart")
+    assert page.get_attribute('#trials tr[data-job="sw-002"]', "class") == "best"
+    # and clicking "Final loss" sorts the trials by it, again reverses
+    header = page.locator("#trials th", has_text="Final loss")
+    header.click()
+    order = page.eval_on_selector_all("#trials tbody tr", "rows => rows.map(r => r.dataset.job)")
+    assert order == ["sw-002", "sw-003", "sw-001"]
+    header.click()
+    order = page.eval_on_selector_all("#trials tbody tr", "rows => rows.map(r => r.dataset.job)")
+    assert order == ["sw-001", "sw-003", "sw-002"]
+    page.screenshot(path=ARTIFACTS / "sweep.png", full_page=True)
+    assert not errors, errors
