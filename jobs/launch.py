@@ -26,6 +26,7 @@ from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
 from . import lifecycle
+from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_vram
@@ -73,6 +74,8 @@ class LaunchRequest:
     sweep: Any = None
     sweep_params: dict = field(default_factory=dict)
     resumed_from: Any = None  # the previous attempt (for the VRAM it needed)
+    batch_per_gpu: int | None = None  # the even split's batch per GPU: {local_batch}, UGRO_LOCAL_BATCH
+    batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
 
 
 MAX_PRIORITY = 100
@@ -156,6 +159,18 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     extra = [_check_arg(a, "extra argument") for a in req.extra_args]
     if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
         raise LaunchError("nproc-per-node must be between 1 and 64")
+    per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
+    if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
+        raise LaunchError("--batch-per-gpu must be at least 1")
+    if req.batch_weights:
+        known = set(Node.objects.values_list("name", flat=True))
+        unknown = sorted(set(req.batch_weights) - known)
+        if unknown:
+            raise LaunchError(f"batch weight for {unknown[0]!r}: no such node")
+        if not isinstance(per_gpu, int) or per_gpu < 1:
+            raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
+        if any(not math.isfinite(w) or w <= 0 for w in req.batch_weights.values()):
+            raise LaunchError("batch weights must be positive numbers")
     if not 0 <= req.priority <= MAX_PRIORITY:
         raise LaunchError(f"priority must be between 0 and {MAX_PRIORITY}")
     try:
@@ -184,7 +199,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         script=script,
         script_args=args,
         params={"model": req.model or None, "dataset": req.dataset or None, "epochs": req.epochs, "lr": req.lr,
-                "extra": extra},
+                "extra": extra, **_batch_params(per_gpu, req.batch_weights)},
         requested_nodes=list(req.nodes),
         requested_count=None if req.nodes or req.gpus else count,
         nproc_per_node=req.nproc_per_node,
@@ -201,6 +216,31 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         resumed_from=req.resumed_from,
     )  # fmt: skip
     return job, pattern, files
+
+
+def _batch_params(per_gpu: Any, weights: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(per_gpu, int) and per_gpu >= 1:
+        out["batch_per_gpu"] = per_gpu
+    if weights:
+        out["batch_weights"] = dict(weights)
+    return out
+
+
+def assign_batches(job: Job, ranks: list[Rank]) -> None:
+    """Each rank's local batch (per GPU) and weight, set on the rank objects (rank_env and rank_command
+    read them): in proportion to its node's batch weight when the job has weights, else even."""
+    per_gpu = (job.params or {}).get("batch_per_gpu")
+    weights = (job.params or {}).get("batch_weights") or {}
+    for r in ranks:
+        r.local_batch = per_gpu
+    if not per_gpu:
+        return
+    counts = [job.nproc_per_node or len(r.gpu_indices) or 1 for r in ranks]
+    local = split_batch(per_gpu, [float(weights.get(r.node.name, 1.0)) for r in ranks], counts)
+    for r, b in zip(ranks, local, strict=True):
+        r.local_batch = b
+        r.batch_weight = b / per_gpu if weights else None
 
 
 def _check_resources(req: LaunchRequest, enabled: list[Node]) -> tuple[int | None, int | None, str]:
@@ -312,6 +352,7 @@ def dry_run(req: LaunchRequest) -> list[str]:
         Rank(job=job, node=node, index=i, gpu_indices=gpus or list(range(node.gpu_count)))
         for i, (node, gpus) in enumerate(chosen)
     ]
+    assign_batches(job, ranks)
     out = [f"dry run of job {job.name}: nothing was created or started"]
     if not decision.start:
         out.append(f"  (it would wait: {decision.reason}, {decision.detail}; these GPUs are its estimate)")
@@ -353,8 +394,15 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
         f"--local-addr={node.address}",
         "--max-restarts=0",
         job.script,
-        *job.script_args,
+        *_with_local_batch(job.script_args, getattr(rank, "local_batch", None)),
     ]
+
+
+def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
+    """The script's arguments with {local_batch} filled in (left as written when the job has none)."""
+    if local_batch is None:
+        return list(args)
+    return [a.replace("{local_batch}", str(local_batch)) for a in args]
 
 
 def rank_env(job: Job, rank: Rank) -> dict[str, str]:
@@ -369,6 +417,9 @@ def rank_env(job: Job, rank: Rank) -> dict[str, str]:
         # torchrun writes the failing worker's error (exit code, traceback) here, as it documents
         "TORCHELASTIC_ERROR_FILE": rank.remote_error,
     })  # fmt: skip
+    if rank.batch_weight is not None and getattr(rank, "local_batch", None):  # an uneven split
+        env["UGRO_LOCAL_BATCH"] = str(rank.local_batch)
+        env["UGRO_BATCH_WEIGHT"] = f"{rank.batch_weight:.6g}"
     if rank.gpu_indices:  # the GPUs it holds, and no other (a node without GPUs keeps its own setting)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in rank.gpu_indices)
     return env
@@ -409,6 +460,8 @@ def launch(job: Job) -> Job:
     start, or a start past the sync window: FAILING, and the teardown stops whatever did start.
     """
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
+    assign_batches(job, ranks)
+    Rank.objects.bulk_update(ranks, ["batch_weight"])
     window = job.sync_window_s
     cs = ClusterSettings.load()
     job.rdzv_endpoint = f"{ranks[0].node.address}:{rendezvous_port(cs, ranks[0].gpu_indices)}"

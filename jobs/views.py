@@ -286,6 +286,8 @@ def relaunch_request(job: Job) -> LaunchRequest:
         gpus_per_node=job.gpus_per_node,
         time_limit_s=job.time_limit_s,
         min_vram_mb=job.min_vram_mb if job.vram_source == "asked" else None,
+        batch_per_gpu=params.get("batch_per_gpu"),
+        batch_weights=dict(params.get("batch_weights") or {}),
         extra_args=[str(a) for a in params.get("extra") or []],
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",

@@ -6,6 +6,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from jobs.batches import parse_weights
 from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
 from jobs.limits import parse_duration, parse_size_mb
 from jobs.logs import rank_lines
@@ -42,6 +43,15 @@ class Command(BaseCommand):
             "--min-vram", default="", dest="min_vram",
             help="memory each GPU needs, e.g. 10G (default: learned from earlier runs of the script, if any)",
         )  # fmt: skip
+        parser.add_argument(
+            "--batch-per-gpu", type=int, dest="batch_per_gpu",
+            help="the even split's batch per GPU: fills {local_batch} (default: training.batch_size_per_gpu)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--batch-weights", default="", dest="batch_weights",
+            help="uneven GPUs: NODE=WEIGHT,... relative speeds; each rank gets its share of the global batch "
+            "(UGRO_LOCAL_BATCH, UGRO_BATCH_WEIGHT, {local_batch})",
+        )  # fmt: skip
         parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
         parser.add_argument("--priority", type=int, default=0, help="0-100, higher starts first")
         parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
@@ -68,6 +78,7 @@ class Command(BaseCommand):
         try:
             limit = parse_duration(o["time_limit"]) if o["time_limit"] else None
             vram = parse_size_mb(o["min_vram"]) if o["min_vram"] else None
+            weights = parse_weights(o["batch_weights"]) if o["batch_weights"] else {}
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         req = LaunchRequest(
@@ -75,7 +86,7 @@ class Command(BaseCommand):
             dataset=o["dataset"], epochs=o["epochs"], lr=o["lr"], nproc_per_node=o["nproc_per_node"],
             extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
             metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
-            time_limit_s=limit, min_vram_mb=vram,
+            time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
         )  # fmt: skip
         if o["dry_run"]:
             try:
