@@ -279,3 +279,24 @@ def test_fair_share_starts_the_user_who_used_less_first():
     create_job(LaunchRequest(name="alice1", gpus=1, owner=alice))
     create_job(LaunchRequest(name="bob1", gpus=1, owner=bob))
     assert [j.name for j in place_queued()] == ["bob1"]
+
+
+def test_gpu_rows_take_model_and_memory_from_the_health_readings():
+    from cluster.gpus import record_readings
+
+    (node,) = lab_nodes((8, 8))
+    readings = [
+        {"index": 0, "name": "NVIDIA GeForce RTX 5070 Ti", "mem_total_mb": 12227, "uuid": "GPU-a"},
+        {"index": 1, "name": "NVIDIA GeForce RTX 4070", "mem_total_mb": 8188, "uuid": "GPU-b"},
+        {"index": 7, "name": "not declared", "mem_total_mb": 1},  # past gpu_count: ignored
+    ]
+    assert record_readings({node.name: readings}, [node]) == 2
+    rows = {g.index: (g.model, g.vram_mb, g.uuid) for g in node.gpus.all()}
+    assert rows == {
+        0: ("NVIDIA GeForce RTX 5070 Ti", 12227.0, "GPU-a"),
+        1: ("NVIDIA GeForce RTX 4070", 8188.0, "GPU-b"),
+    }
+    assert record_readings({node.name: readings}, [node]) == 0  # unchanged: nothing written
+    # a job asking for 10 GB now fits only GPU 0
+    job = create_job(LaunchRequest(name="big", gpus=1, min_vram_mb=10 * 1024))
+    assert place_queued() == [job] and job.ranks.get().gpu_indices == [0]
