@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
 from cluster.models import Node
 from jobs.follow import follow
@@ -70,21 +72,47 @@ def test_two_jobs_run_side_by_side_on_one_node_each_on_its_own_gpu(gpu_lab):
 
 
 def test_a_job_past_its_time_limit_gets_sigterm_then_ends_failed_timeout(gpu_lab):
-    # given a job with a 3 s time limit whose script would run for a minute
-    job = create_job(LaunchRequest(name="overtime", gpus=2, time_limit_s=3, script="scripts/gpus_seen.py",
+    # given a running job whose script would run for a minute and has printed its first line
+    job = create_job(LaunchRequest(name="overtime", gpus=2, time_limit_s=3600, script="scripts/gpus_seen.py",
                                    extra_args=["--hold", "60"]))  # fmt: skip
     schedule()
     job.refresh_from_db()
     assert job.state == Job.State.RUNNING, job.failure_reason
-    # when the reconciler passes after the limit
+
+    def printed() -> bool:
+        follow(1.0, job_ids=[job.pk])
+        log = job.ranks.get().local_log
+        return log.exists() and log.read_text().count("CUDA_VISIBLE_DEVICES") == 2
+
+    wait_for(printed, timeout=60, interval=0.2, what="both workers to start")
+    # when its time limit is found passed (a 1 s limit, the job started longer ago than that)
+    Job.objects.filter(pk=job.pk).update(time_limit_s=1)
     run_to_end([job], timeout=60)
     job.refresh_from_db()
     # then it was stopped with kind TIMEOUT, the script got SIGTERM (time for a last checkpoint)
     assert job.state == Job.State.FAILED and job.failure_kind == "TIMEOUT", job.failure_reason
-    assert "past its time limit of 0m03s" in job.failure_reason
+    assert "past its time limit of 0m01s" in job.failure_reason
     log = job.ranks.get().local_log.read_text()
     assert "CUDA_VISIBLE_DEVICES=0,1" in log and "local 1/2" in log
     assert "got SIGTERM: saving a last checkpoint" in log, log
     assert "done" not in log.split()
     assert job_pids(job.tag) == [] and not job.allocations.filter(active=True).exists()
-    assert (job.finished_at - job.started_at).total_seconds() < 30
+
+
+def test_a_job_starts_beside_another_jobs_busy_gpu_on_the_same_node(gpu_lab):
+    # given node1's GPU 0 nearly full, held by another job
+    workdir = Path(gpu_lab.workdir)
+    readings = json.loads((workdir / "gpus.json").read_text())
+    readings[0]["mem_used_mb"] = 8000
+    (workdir / "gpus.json").write_text(json.dumps(readings))
+    other = Job.objects.create(name="other", script="x.py", state=Job.State.RUNNING, started_at=timezone.now())
+    Allocation.objects.create(job=other, node=gpu_lab, gpu_index=0)
+    # when a 1-GPU job is scheduled, it gets GPU 1 and its pre-flight looks at GPU 1 only
+    job = create_job(LaunchRequest(name="beside", gpus=1, script="scripts/gpus_seen.py"))
+    schedule()
+    job.refresh_from_db()
+    assert job.state != Job.State.FAILED, job.failure_reason
+    run_to_end([job])
+    job.refresh_from_db()
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    assert "CUDA_VISIBLE_DEVICES=1" in job.ranks.get().local_log.read_text()
