@@ -5,7 +5,20 @@ from __future__ import annotations
 from django.contrib import admin
 from django.utils import timezone
 
-from .models import Alert, AlertSettings, ClusterSettings, HealthSample, Node
+from .models import GPU, Alert, AlertSettings, ClusterSettings, HealthSample, Node
+
+
+class GPUInline(admin.TabularInline):
+    """One row per device, following gpu_count; the health monitor fills in model and memory."""
+
+    model = GPU
+    extra = 0
+    can_delete = False
+    fields = ("index", "model", "vram_mb", "uuid")
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(Node)
@@ -17,6 +30,7 @@ class NodeAdmin(admin.ModelAdmin):
     search_fields = ("name", "address", "hostname", "gpu_model")
     health_fields = ("status", "health_score", "status_reason", "health_checks", "last_seen", "last_poll_at")
     readonly_fields = health_fields
+    inlines = [GPUInline]
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
         ("Reaching it", {"fields": ("transport", "address", "ssh_port", "user", "key_path", "agent_python")}),

@@ -300,3 +300,18 @@ def test_gpu_rows_take_model_and_memory_from_the_health_readings():
     # a job asking for 10 GB now fits only GPU 0
     job = create_job(LaunchRequest(name="big", gpus=1, min_vram_mb=10 * 1024))
     assert place_queued() == [job] and job.ranks.get().gpu_indices == [0]
+
+
+def test_admin_shows_a_nodes_gpus_and_a_jobs_allocations():
+    from django.test import Client
+
+    (node,) = lab_nodes((8, 12))
+    job = create_job(LaunchRequest(name="adm", gpus=2))
+    place_queued()
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", password="pw-root-12345"))
+    node_page = client.get(f"/admin/cluster/node/{node.pk}/change/").content.decode()
+    assert "RTX 12GB" in node_page and "12288" in node_page
+    job_page = client.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()
+    assert "Allocations" in job_page or "allocations" in job_page
+    assert client.get("/admin/jobs/sweep/").status_code == 200
