@@ -29,7 +29,7 @@ from . import lifecycle
 from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
-from .limits import learned_vram
+from .limits import learned_speeds, learned_vram
 from .models import Job, Rank
 from .nodes import node_request, on_each
 from .preflight import run_preflight
@@ -76,6 +76,7 @@ class LaunchRequest:
     resumed_from: Any = None  # the previous attempt (for the VRAM it needed)
     batch_per_gpu: int | None = None  # the even split's batch per GPU: {local_batch}, UGRO_LOCAL_BATCH
     batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
+    batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
 
 
 MAX_PRIORITY = 100
@@ -162,6 +163,10 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
     if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
         raise LaunchError("--batch-per-gpu must be at least 1")
+    if req.batch_weights_auto and req.batch_weights:
+        raise LaunchError("--batch-weights is either auto or NODE=WEIGHT,...")
+    if req.batch_weights_auto and (not isinstance(per_gpu, int) or per_gpu < 1):
+        raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
     if req.batch_weights:
         known = set(Node.objects.values_list("name", flat=True))
         unknown = sorted(set(req.batch_weights) - known)
@@ -199,7 +204,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         script=script,
         script_args=args,
         params={"model": req.model or None, "dataset": req.dataset or None, "epochs": req.epochs, "lr": req.lr,
-                "extra": extra, **_batch_params(per_gpu, req.batch_weights)},
+                "extra": extra, **_batch_params(per_gpu, "auto" if req.batch_weights_auto else req.batch_weights)},
         requested_nodes=list(req.nodes),
         requested_count=None if req.nodes or req.gpus else count,
         nproc_per_node=req.nproc_per_node,
@@ -218,12 +223,12 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     return job, pattern, files
 
 
-def _batch_params(per_gpu: Any, weights: dict[str, float]) -> dict[str, Any]:
+def _batch_params(per_gpu: Any, weights: dict[str, float] | str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(per_gpu, int) and per_gpu >= 1:
         out["batch_per_gpu"] = per_gpu
     if weights:
-        out["batch_weights"] = dict(weights)
+        out["batch_weights"] = weights if isinstance(weights, str) else dict(weights)
     return out
 
 
@@ -232,6 +237,10 @@ def assign_batches(job: Job, ranks: list[Rank]) -> None:
     read them): in proportion to its node's batch weight when the job has weights, else even."""
     per_gpu = (job.params or {}).get("batch_per_gpu")
     weights = (job.params or {}).get("batch_weights") or {}
+    if weights == "auto":  # learned when placed: the nodes are known only now
+        weights = learned_speeds(job.script, [r.node for r in ranks]) if per_gpu else {}
+        if not weights:
+            weights = {r.node.name: 1.0 for r in ranks}  # nothing learned yet: an even split, said so
     for r in ranks:
         r.local_batch = per_gpu
     if not per_gpu:

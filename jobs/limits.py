@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from django.db.models import Count
+
 from cluster.models import HealthSample
 
 from .models import Job
@@ -88,3 +90,34 @@ def learned_vram(script: str, previous: Job | None = None) -> tuple[int, str] | 
         if peak:
             return round(peak * LEARNED_MARGIN), f"learned: peak {peak / 1024:.1f} GB of job {job.name}"
     return None
+
+
+SPEED_WARMUP_STEPS = 5  # the first steps (compilation, caches) say little about a GPU's speed
+
+
+def learned_speeds(script: str, nodes: list) -> dict[str, float]:
+    """Per node: its GPUs' speed (median tokens/s per worker) in the latest run of the script that ran on
+    that node alone (in a multi-node run every rank steps at the slowest one's pace: it says nothing of
+    a GPU's own speed). Nodes with no such run get the mean of the others; {} when none has one."""
+    speeds: dict[str, float] = {}
+    for node in nodes:
+        solo = (
+            Job.objects.filter(script=script, running_at__isnull=False, ranks__node=node)
+            .annotate(n=Count("ranks"))
+            .filter(n=1)
+            .order_by("-running_at")
+            .first()
+        )
+        if solo is None:
+            continue
+        rates = sorted(
+            solo.metric_points.filter(name="tokens_per_sec", step__gt=SPEED_WARMUP_STEPS).values_list(
+                "value", flat=True
+            )[:1000]
+        )
+        if rates:
+            speeds[node.name] = rates[len(rates) // 2]
+    if speeds:
+        mean = sum(speeds.values()) / len(speeds)
+        speeds = {n.name: speeds.get(n.name, mean) for n in nodes}
+    return speeds

@@ -100,3 +100,40 @@ def test_each_rank_gets_its_share_in_its_environment_and_the_local_batch_templat
     with pytest.raises(CommandError, match="batch weight for 'nope': no such node"):
         call_command("launch", "--name", "bad", "--batch-per-gpu", "8", "--batch-weights", "nope=1",
                      stdout=io.StringIO())  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_auto_weights_are_learned_from_earlier_solo_runs_of_the_script_on_each_node():
+    import io
+
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from cluster.models import Node
+    from jobs.models import Job, Rank
+    from metrics.models import MetricPoint
+
+    nodes = [Node.objects.create(name=f"gpu{i}", address=f"10.4.0.{i + 1}", order=i, gpu_count=1,
+                                 role="master" if i == 0 else "worker") for i in range(3)]  # fmt: skip
+    now = timezone.now()
+    # given solo runs of the script: gpu0 at 3000 tokens/s, gpu1 at 1000 (warm-up steps are slower);
+    # a 2-node run on both says nothing of either GPU; gpu2 never ran the script alone
+    for node, rate in ((nodes[0], 3000.0), (nodes[1], 1000.0)):
+        job = Job.objects.create(name=f"solo-{node.name}", script="train/t.py", state="succeeded", running_at=now)
+        Rank.objects.create(job=job, node=node, index=0, active=False)
+        MetricPoint.objects.bulk_create(
+            MetricPoint(job=job, rank=0, step=s, name="tokens_per_sec", value=rate if s > 5 else rate / 10, time=now)
+            for s in range(1, 21)
+        )
+    both = Job.objects.create(name="pair", script="train/t.py", state="succeeded", running_at=now)
+    for i, node in enumerate(nodes[:2]):
+        Rank.objects.create(job=both, node=node, index=i, active=False)
+    MetricPoint.objects.create(job=both, rank=0, step=10, name="tokens_per_sec", value=50.0, time=now)
+    out = io.StringIO()
+    call_command("launch", "--name", "auto", "--nodes", "3", "--script", "train/t.py", "--batch-per-gpu", "8",
+                 "--batch-weights", "auto", "--dry-run", stdout=out)  # fmt: skip
+    envs = [line.split() for line in out.getvalue().splitlines() if "environment:" in line]
+    # then 24 samples split 3000 : 1000 : 2000 (gpu2 gets the mean of the known)
+    assert [next(e for e in env if e.startswith("UGRO_LOCAL_BATCH=")) for env in envs] == [
+        "UGRO_LOCAL_BATCH=12", "UGRO_LOCAL_BATCH=4", "UGRO_LOCAL_BATCH=8"
+    ]  # fmt: skip

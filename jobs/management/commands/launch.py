@@ -49,7 +49,8 @@ class Command(BaseCommand):
         )  # fmt: skip
         parser.add_argument(
             "--batch-weights", default="", dest="batch_weights",
-            help="uneven GPUs: NODE=WEIGHT,... relative speeds; each rank gets its share of the global batch "
+            help="uneven GPUs: NODE=WEIGHT,... relative speeds, or auto (learned from earlier runs of the "
+            "script alone on each node); each rank gets its share of the global batch "
             "(UGRO_LOCAL_BATCH, UGRO_BATCH_WEIGHT, {local_batch})",
         )  # fmt: skip
         parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
@@ -78,7 +79,8 @@ class Command(BaseCommand):
         try:
             limit = parse_duration(o["time_limit"]) if o["time_limit"] else None
             vram = parse_size_mb(o["min_vram"]) if o["min_vram"] else None
-            weights = parse_weights(o["batch_weights"]) if o["batch_weights"] else {}
+            auto = o["batch_weights"].strip() == "auto"
+            weights = parse_weights(o["batch_weights"]) if o["batch_weights"] and not auto else {}
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         req = LaunchRequest(
@@ -87,6 +89,7 @@ class Command(BaseCommand):
             extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
             metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
             time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
+            batch_weights_auto=auto,
         )  # fmt: skip
         if o["dry_run"]:
             try:
