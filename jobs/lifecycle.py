@@ -170,7 +170,7 @@ def fail(job: Job, failure: Failure) -> bool:
     return done
 
 
-def cancel(job: Job) -> Job:
+def cancel(job: Job, reason: str = "cancelled by user") -> Job:
     """Cancel a job: QUEUED -> CANCELLED, or live -> CANCELLING (its processes are then stopped).
 
     Raises ValueError for a job that already ended. Cancelling a job that is already stopping is a
@@ -181,14 +181,14 @@ def cancel(job: Job) -> Job:
     with transaction.atomic():
         if _move(
             job, [Job.State.QUEUED], Job.State.CANCELLED, finished_at=_now(),
-            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+            failure_kind=FailureKind.CANCELLED.value, failure_reason=reason[:4000],
         ):  # fmt: skip
             _release(job)
             transaction.on_commit(lambda: _announce_end(job))
             return job
         if _move(
             job, Job.LIVE_STATES, Job.State.CANCELLING,
-            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+            failure_kind=FailureKind.CANCELLED.value, failure_reason=reason[:4000],
         ):  # fmt: skip
             _after_commit_stopping(job)
             return job

@@ -221,6 +221,11 @@ class Sweep(models.Model):
     max_concurrent = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: no limit.")
     metric = models.CharField(max_length=100, default="loss")
     mode = models.CharField(max_length=3, choices=[("min", "min"), ("max", "max")], default="min")
+    median_stop = models.BooleanField(
+        default=False, help_text="Stop a running trial whose best metric is worse than the median of the others' "
+        "at the same step (median stopping rule)."
+    )  # fmt: skip
+    median_min_steps = models.PositiveIntegerField(default=10, help_text="No trial is stopped before this step.")
     cancelled_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     owner = models.ForeignKey(

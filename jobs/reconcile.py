@@ -6,6 +6,7 @@ rule is idempotent and bounded in time, so running it twice, or after a crash an
 
 - A live job past its time limit (the job's own, else the cluster default): FAILING with kind TIMEOUT;
   the teardown sends SIGTERM, then SIGKILL after the kill grace (time for a last checkpoint).
+- A trial of a sweep with --median-stop doing worse than the median of the others: cancelled.
 - STARTING past its window (sync window + STARTING_GRACE_S): the launcher died or hung -> FAILING
   (TIMEOUT), the teardown stops whatever it started.
 - CANCELLING or FAILING past the kill grace + STOPPING_RETRY_S: the teardown was lost -> run it here.
@@ -37,6 +38,7 @@ from .models import Job, Rank
 from .nodes import node_request, on_each
 from .scheduler import stop_overdue
 from .stop import stop_processes
+from .sweeps import median_stop
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class Report:
     """What one reconcile pass did (for logs, tests and the CLI)."""
 
     timed_out: list[str] = field(default_factory=list)
+    stopped_early: list[str] = field(default_factory=list)
     torn_down: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     judged: list[str] = field(default_factory=list)
@@ -77,6 +80,8 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
                 report.timed_out.append(job.name)
 
     report.timed_out += stop_overdue(job_ids)
+    if job_ids is None:
+        report.stopped_early += median_stop()
 
     retry_after = ugro["KILL_GRACE_S"] + ugro["STOPPING_RETRY_S"]
     for job in jobs.filter(state__in=Job.STOPPING_STATES):

@@ -6,6 +6,8 @@
 A parameter named like a launch field (lr, epochs, model, dataset) fills that field; any other reaches
 the script as `--NAME VALUE`. The scheduler keeps at most max_concurrent trials of a sweep running
 (the others wait with reason "quota"); cancelling the sweep cancels every trial not yet ended.
+With --median-stop the reconciler stops a running trial that does worse than the median of the others
+at the same step (median_stop).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import itertools
 import math
 import random
 import re
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Max, Min
 from django.utils import timezone
 
 from cluster.names import check_name
@@ -142,6 +146,8 @@ class SweepRequest:
     seed: int = 0
     metric: str = "loss"
     mode: str = "min"
+    median_stop: bool = False
+    median_min_steps: int = 10
 
 
 def trial_request(base: LaunchRequest, name: str, params: dict[str, Any]) -> LaunchRequest:
@@ -188,7 +194,8 @@ def create_sweep(req: SweepRequest) -> Sweep:
     with transaction.atomic():
         sweep = Sweep.objects.create(
             name=req.name, script=req.base.script, max_concurrent=req.max_concurrent, metric=req.metric[:100],
-            mode=req.mode, owner=req.base.owner,
+            mode=req.mode, owner=req.base.owner, median_stop=req.median_stop,
+            median_min_steps=req.median_min_steps,
             spec={"grid": grid, "random": rand, "trials": req.trials, "seed": req.seed},
             base={"script": req.base.script, "extra_args": req.base.extra_args, "gpus": req.base.gpus,
                   "count": req.base.count, "nodes": req.base.nodes, "gpus_per_node": req.base.gpus_per_node,
@@ -248,3 +255,40 @@ def trial_rows(sweep: Sweep) -> list[TrialRow]:
     if scored:
         best_of(scored, key=lambda r: r.final).is_best = True
     return rows
+
+
+MEDIAN_MIN_OTHERS = 2  # the median of fewer trials says too little
+
+
+def median_stop(sweeps: list[Sweep] | None = None) -> list[str]:
+    """The median stopping rule, for sweeps that asked for it: a running trial past median_min_steps
+    whose best metric so far is worse than the median of the other trials' best up to the same step
+    (those that reached it) is cancelled, the reason saying so. Returns the trials stopped."""
+    qs = Sweep.objects.filter(median_stop=True, cancelled_at__isnull=True, trials__state=Job.State.RUNNING)
+    stopped = []
+    for sweep in sweeps if sweeps is not None else qs.distinct():
+        points = MetricPoint.objects.filter(job__sweep=sweep, name=sweep.metric)
+        best_fn = Min if sweep.mode == "min" else Max
+        reached = dict(points.values("job").annotate(last=Max("step")).values_list("job", "last"))
+        for trial in sweep.trials.filter(state=Job.State.RUNNING):
+            step = reached.get(trial.pk)
+            if step is None or step < sweep.median_min_steps:
+                continue
+            others = [j for j, last in reached.items() if j != trial.pk and last >= step]
+            if len(others) < MEDIAN_MIN_OTHERS:
+                continue
+            best = dict(
+                points.filter(job__in=[*others, trial.pk], step__lte=step)
+                .values("job")
+                .annotate(best=best_fn("value"))
+                .values_list("job", "best")
+            )
+            median = statistics.median(best[j] for j in others if j in best)
+            mine = best.get(trial.pk)
+            worse = mine is not None and (mine > median if sweep.mode == "min" else mine < median)
+            if worse:
+                reason = (f"stopped early by the median rule: best {sweep.metric} {mine:.6g} by step {step}, "
+                          f"the median of {len(others)} other trials is {median:.6g}")  # fmt: skip
+                lifecycle.cancel(trial, reason)
+                stopped.append(trial.name)
+    return stopped

@@ -150,3 +150,31 @@ def test_sweep_page_lists_trials_marks_the_best_and_escapes_params(four_gpus):
     response = client.post(f"/sweeps/{s.pk}/cancel/")
     assert response.status_code == 302
     assert set(s.trials.values_list("state", flat=True)) == {"cancelled"}
+
+
+def test_the_median_rule_stops_a_trial_worse_than_the_others_at_the_same_step(four_gpus):
+    from jobs.sweeps import median_stop
+
+    sweep("m1", "--grid", "lr=1,2,3,4", "--gpus", "1", "--median-stop", "--median-min-steps", "5")
+    sweep("m0", "--grid", "lr=1,2,3,4", "--gpus", "1")  # the rule is off by default
+    for name in ("m1", "m0"):
+        trials = list(Job.objects.filter(sweep__name=name).order_by("name"))
+        Job.objects.filter(pk__in=[t.pk for t in trials]).update(state=Job.State.RUNNING, started_at=timezone.now())
+        for t in trials[:3]:
+            add_points(t, [3.0 - 0.2 * s for s in range(10)])  # down to 1.2
+        add_points(trials[3], [3.0] * 10)  # stuck at 3.0
+    # when the reconciler applies the rule
+    assert median_stop() == ["m1-004"]
+    stuck = Job.objects.get(name="m1-004")
+    assert stuck.state == Job.State.CANCELLING and stuck.failure_kind == "CANCELLED"
+    assert stuck.failure_reason.startswith("stopped early by the median rule: best loss 3 by step 10")
+    assert Job.objects.get(name="m0-004").state == Job.State.RUNNING
+    assert set(Job.objects.filter(sweep__name="m1").exclude(name="m1-004").values_list("state", flat=True)) == {
+        "running"
+    }
+    # and before min steps nothing is stopped
+    MetricPoint.objects.filter(job__sweep__name="m0").delete()
+    Sweep.objects.filter(name="m0").update(median_stop=True, median_min_steps=50)
+    for t in Job.objects.filter(sweep__name="m0"):
+        add_points(t, [3.0 if t.name.endswith("4") else 1.0] * 10)
+    assert median_stop() == []

@@ -36,6 +36,12 @@ class Command(BaseCommand):
         parser.add_argument("--max-concurrent", type=int, dest="max_concurrent", help="trials running at once")
         parser.add_argument("--metric", default="loss", help="the metric that ranks trials (default loss)")
         parser.add_argument("--mode", default="min", choices=["min", "max"])
+        parser.add_argument(
+            "--median-stop", action="store_true", dest="median_stop",
+            help="stop a running trial whose best metric is worse than the median of the others at the same step",
+        )  # fmt: skip
+        parser.add_argument("--median-min-steps", type=int, default=10, dest="median_min_steps",
+                            help="with --median-stop: no trial is stopped before this step")  # fmt: skip
         parser.add_argument("--gpus", type=int, help="GPUs per trial, on any nodes")
         parser.add_argument("--nodes", type=int, help="nodes per trial")
         parser.add_argument("--gpus-per-node", type=int, dest="gpus_per_node")
@@ -70,6 +76,8 @@ class Command(BaseCommand):
                     seed=o["seed"],
                     metric=o["metric"],
                     mode=o["mode"],
+                    median_stop=o["median_stop"],
+                    median_min_steps=o["median_min_steps"],
                 )  # fmt: skip
             )
         except (LaunchError, ValueError) as exc:
