@@ -49,9 +49,14 @@ def job_detail(job: Job) -> list[str]:
         out.append(f"  rendezvous {job.rdzv_endpoint}, id {job.tag}")
     if job.launch_spread_s is not None:
         out.append(f"  rank start spread {job.launch_spread_s * 1000:.0f} ms (sync window {job.sync_window_s:g}s)")
+    asks = asks_text(job)
+    if job.time_limit_s:
+        asks += f", time limit {human_duration(job.time_limit_s)}"
+    out.append(f"  asks {asks}" + (f" (VRAM {job.vram_source})" if job.vram_source.startswith("learned") else ""))
     for r in job.ranks.select_related("node").order_by("index"):
+        gpus = f"GPUs {','.join(map(str, r.gpu_indices))}" if r.gpu_indices else "whole node"
         out.append(
-            f"  rank {r.index} on {r.node.name:14} {r.state:8} exit {r.exit_text():>6}  "
+            f"  rank {r.index} on {r.node.name:14} {gpus:12} {r.state:8} exit {r.exit_text():>6}  "
             f"{r.log_lines} lines ({r.log_offset} bytes)"
         )
     if job.failure_reason:

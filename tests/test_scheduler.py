@@ -315,3 +315,15 @@ def test_admin_shows_a_nodes_gpus_and_a_jobs_allocations():
     job_page = client.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()
     assert "Allocations" in job_page or "allocations" in job_page
     assert client.get("/admin/jobs/sweep/").status_code == 200
+
+
+def test_status_shows_what_a_job_asked_for_and_each_ranks_gpus():
+    lab_nodes((8, 8))
+    job = create_job(LaunchRequest(name="st", gpus=2, time_limit_s=5400, min_vram_mb=4096))
+    place_queued()
+    out = io.StringIO()
+    call_command("status", "st", stdout=out)
+    text = out.getvalue()
+    assert "  asks 2 GPUs >=4G, time limit 1h30m00s" in text
+    assert "rank 0 on gpu0           GPUs 0,1" in text
+    assert job.name in text
