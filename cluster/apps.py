@@ -9,8 +9,10 @@ class ClusterConfig(AppConfig):
     verbose_name = "Cluster"
 
     def ready(self) -> None:
+        from . import checks, hostkeys, links  # noqa: F401  (checks registers the start-time checks)
         from .models import Node
 
+        links.host_key_recorder = hostkeys.record_first_key
         post_save.connect(_node_saved, sender=Node, dispatch_uid="cluster.sync_gpus")
 
 

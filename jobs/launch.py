@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import shlex
 import time
 import uuid
@@ -32,7 +33,7 @@ from .follow import follower_id
 from .limits import learned_speeds, learned_vram
 from .models import Job, Rank
 from .nodes import node_request, on_each
-from .preflight import run_preflight
+from .preflight import run_preflight, script_path
 from .snapshot import Snapshot
 from .stop import stop_processes
 
@@ -43,6 +44,13 @@ DEFAULT_ARGS_TEMPLATE = [
     "--learning-rate", "{lr}",
 ]  # fmt: skip
 MAX_ARG_LEN = 4096
+
+# Bounds of the numbers a launch takes (forms, CLI and build_job all read these).
+PRIORITY_MIN, PRIORITY_MAX = 0, 100  # the api helper's per-role bounds narrow this, never widen it
+NODES_MAX = 1024
+EPOCHS_MAX = 1_000_000
+LR_MAX = 100.0
+NPROC_MAX = 64
 
 
 class LaunchError(ValueError):
@@ -79,8 +87,6 @@ class LaunchRequest:
     batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
 
 
-MAX_PRIORITY = 100
-
 
 def _check_arg(value: str, what: str) -> str:
     # Values travel as argv items (never through a shell), but a NUL cannot be in argv at all.
@@ -89,6 +95,72 @@ def _check_arg(value: str, what: str) -> str:
     if len(value) > MAX_ARG_LEN:
         raise LaunchError(f"{what} is longer than {MAX_ARG_LEN} characters")
     return value
+
+
+def _int_in(value: Any, low: int, high: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 20 else str(value)[:20] + "..."
+        raise LaunchError(f"{what} must be a whole number from {low} to {high}, not {shown}")
+
+
+def _check_numbers(req: LaunchRequest) -> None:
+    """Every number of a request within its bounds (a huge one would overflow a column: a 500)."""
+    _int_in(req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+    if req.count is not None:
+        _int_in(req.count, 1, NODES_MAX, "the node count")
+    if req.epochs is not None:
+        _int_in(req.epochs, 1, EPOCHS_MAX, "epochs")
+    if req.nproc_per_node is not None:
+        _int_in(req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
+    if req.lr is not None:
+        lr = req.lr
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or not 0 < lr <= LR_MAX:
+            raise LaunchError(f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}")
+    if len(req.nodes) > NODES_MAX:
+        raise LaunchError(f"at most {NODES_MAX} nodes may be named")
+    if len(req.extra_args) > 1000:
+        raise LaunchError("at most 1000 extra arguments")
+
+
+def check_script(script: str) -> str:
+    """The script as given, refused when it could be read as an option or climbs out of a directory."""
+    script = script.strip()
+    if not script:
+        raise LaunchError("no training script given and the cluster has no default script")
+    if script.startswith("-"):
+        raise LaunchError(f"script {script[:80]!r} starts with '-': it would be read as an option, not a file")
+    if ".." in script.split("/"):
+        raise LaunchError(f"script {script[:80]!r} contains '..'; give a path inside an allowed script root")
+    if any(ord(c) < 32 for c in script):
+        raise LaunchError("script contains a control character")
+    return posixpath.normpath(script)
+
+
+def script_roots(node: Node, cs: ClusterSettings) -> list[str]:
+    """Where scripts may live on `node`: ClusterSettings.script_roots ({workdir} is the node's working
+    directory, {scripts} the cluster's paths.scripts), by default the scripts directory and the workdir."""
+    scripts_dir = str((cs.paths or {}).get("scripts") or "")
+    configured = [str(r) for r in (cs.script_roots or []) if str(r).strip()] or ["{scripts}", "{workdir}"]
+    roots = []
+    for root in configured:
+        if "{scripts}" in root and not scripts_dir:
+            continue
+        roots.append(posixpath.normpath(root.replace("{workdir}", node.workdir).replace("{scripts}", scripts_dir)))
+    return roots
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _check_script_roots(script: str, nodes: list[Node], cs: ClusterSettings) -> None:
+    for node in nodes:
+        path = posixpath.normpath(script_path(node, script))
+        roots = script_roots(node, cs)
+        if not any(_under(path, root) for root in roots):
+            raise LaunchError(
+                f"script {path} on {node.name} is outside the allowed script roots ({', '.join(roots) or 'none'})"
+            )
 
 
 def render_args(template: list[str], values: dict[str, str | None]) -> list[str]:
@@ -150,16 +222,9 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     for value, what in ((model, "model"), (dataset, "dataset")):
         if value is not None:
             _check_arg(value, what)
-    if req.epochs is not None and req.epochs < 1:
-        raise LaunchError("epochs must be at least 1")
-    if req.lr is not None and (not math.isfinite(req.lr) or req.lr <= 0):
-        raise LaunchError("learning rate must be a positive number")
-    script = _check_arg(req.script or cs.default_script, "script")
-    if not script.strip():
-        raise LaunchError("no training script given and the cluster has no default script")
+    _check_numbers(req)
+    script = check_script(_check_arg(req.script or cs.default_script, "script"))
     extra = [_check_arg(a, "extra argument") for a in req.extra_args]
-    if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
-        raise LaunchError("nproc-per-node must be between 1 and 64")
     per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
     if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
         raise LaunchError("--batch-per-gpu must be at least 1")
@@ -176,8 +241,6 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
             raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
         if any(not math.isfinite(w) or w <= 0 for w in req.batch_weights.values()):
             raise LaunchError("batch weights must be positive numbers")
-    if not 0 <= req.priority <= MAX_PRIORITY:
-        raise LaunchError(f"priority must be between 0 and {MAX_PRIORITY}")
     try:
         pattern = req.metrics_pattern.strip()
         if pattern:
@@ -188,6 +251,8 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
 
     enabled = list(Node.objects.filter(enabled=True))
     count, vram, vram_source = _check_resources(req, enabled)
+    # Any of these may run it: the script must be under an allowed root on each of them.
+    _check_script_roots(script, [n for n in enabled if n.name in req.nodes] if req.nodes else enabled, cs)
     limit = _check_time_limit(req, cs)
     _check_queue_quota(req, cs)
 
@@ -388,11 +453,20 @@ def rendezvous_port(cs: ClusterSettings, ranks_gpus: list[int]) -> int:
 
 
 def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
-    """The argv that starts torchrun for this rank (never joined into a shell string)."""
+    """The argv that starts torchrun for this rank (never joined into a shell string).
+
+    The script item is the very path pre-flight checked (script_path); the node agent expands its
+    `~` and makes it absolute the same way its `stat` did, so what was checked is what runs.
+    """
+    argv, _ = rank_command_and_script_index(job, rank, nnodes, rdzv_endpoint)
+    return argv
+
+
+def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> tuple[list[str], int]:
     node = rank.node
     nproc = job.nproc_per_node or len(rank.gpu_indices) or 1
     join_timeout = settings.UGRO["JOIN_TIMEOUT_S"]
-    return [
+    prefix = [
         *node.torchrun_argv,
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
@@ -402,9 +476,9 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
         f"--rdzv-conf=join_timeout={join_timeout}",
         f"--local-addr={node.address}",
         "--max-restarts=0",
-        job.script,
-        *_with_local_batch(job.script_args, getattr(rank, "local_batch", None)),
     ]
+    args = _with_local_batch(job.script_args, getattr(rank, "local_batch", None))
+    return [*prefix, script_path(node, job.script), *args], len(prefix)
 
 
 def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
@@ -498,9 +572,9 @@ def launch(job: Job) -> Job:
 
     def start(rank: Rank) -> float:
         left = max(1.0, window - (time.monotonic() - t0))
+        argv, script_index = rank_command_and_script_index(job, rank, len(ranks), job.rdzv_endpoint)
         result = node_request(
-            rank.node, "start", timeout=left,
-            argv=rank_command(job, rank, len(ranks), job.rdzv_endpoint),
+            rank.node, "start", timeout=left, argv=argv, script_index=script_index,
             env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
             key=rank.start_key, record=rank.start_record,
         )  # fmt: skip

@@ -35,7 +35,7 @@ from . import lifecycle
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Job, Rank
-from .nodes import node_request, on_each
+from .nodes import node_request, on_each, unreachable
 from .scheduler import stop_overdue
 from .stop import stop_processes
 from .sweeps import median_stop
@@ -137,7 +137,7 @@ def check_ranks(job: Job) -> list[str]:
             reason = None
             if err is not None:
                 since = rank.last_contact or rank.started_at or now
-                if (now - since).total_seconds() > lost_after:
+                if unreachable(err) and (now - since).total_seconds() > lost_after:
                     reason = f"node {rank.node.name} stopped answering: {err}"
             else:
                 reason = _gone_reason(rank, result["ranks"][i])

@@ -19,7 +19,18 @@ from cluster.models import GPU, Node
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from . import lifecycle, report
-from .launch import LaunchError, LaunchRequest, create_job, dry_run
+from .launch import (
+    EPOCHS_MAX,
+    LR_MAX,
+    NODES_MAX,
+    NPROC_MAX,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    LaunchError,
+    LaunchRequest,
+    create_job,
+    dry_run,
+)
 from .logs import job_lines
 from .models import Job, Rank, Sweep
 from .scheduler import request_schedule
@@ -323,14 +334,25 @@ class LaunchForm(forms.Form):
     nodes = forms.MultipleChoiceField(
         required=False, widget=forms.CheckboxSelectMultiple, help_text="none ticked: use the node count"
     )
-    count = forms.IntegerField(required=False, min_value=1, label="Node count", help_text="blank: all enabled nodes")
+    count = forms.IntegerField(
+        required=False, min_value=1, max_value=NODES_MAX, label="Node count", help_text="blank: all enabled nodes"
+    )
     script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
     model = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default model")
     dataset = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default dataset")
-    epochs = forms.IntegerField(required=False, help_text="blank: not passed to the script")
-    lr = forms.FloatField(required=False, label="Learning rate", help_text="blank: not passed to the script")
-    nproc_per_node = forms.IntegerField(required=False, label="Processes per node", help_text="blank: GPU count")
-    priority = forms.IntegerField(required=False, initial=0)
+    epochs = forms.IntegerField(
+        required=False, min_value=1, max_value=EPOCHS_MAX, help_text="blank: not passed to the script"
+    )
+    lr = forms.FloatField(
+        required=False, min_value=0, max_value=LR_MAX, label="Learning rate",
+        help_text="blank: not passed to the script",
+    )  # fmt: skip
+    nproc_per_node = forms.IntegerField(
+        required=False, min_value=1, max_value=NPROC_MAX, label="Processes per node", help_text="blank: GPU count"
+    )
+    priority = forms.IntegerField(
+        required=False, initial=0, min_value=PRIORITY_MIN, max_value=PRIORITY_MAX, help_text="higher starts first"
+    )
     extra_args = forms.CharField(
         required=False,
         max_length=8000,

@@ -195,7 +195,7 @@ def test_the_cluster_default_time_limit_applies_to_jobs_that_name_none():
         (LaunchRequest(name="x", gpus=2, min_vram_mb=10 * 1024), "asked for 2 GPUs but the cluster has 1 with 10.0 GB"),
         (LaunchRequest(name="x", count=2, gpus_per_node=2), "asked for 2 nodes with 2 GPUs each; the cluster has 1"),
         (LaunchRequest(name="x", gpus=1, count=1), "--gpus N asks for GPUs on any nodes"),
-        (LaunchRequest(name="x", gpus=1, priority=101), "priority must be between 0 and 100"),
+        (LaunchRequest(name="x", gpus=1, priority=101), "priority must be a whole number from 0 to 100"),
         (LaunchRequest(name="x", gpus=1, time_limit_s=9 * 24 * 3600), "--time-limit may be at most 168h"),
     ],
 )  # fmt: skip

@@ -22,7 +22,7 @@ def allocations_of_live_jobs(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('cluster', '0005_gpus'),
+        ('cluster', '0006_gpus'),
         ('jobs', '0004_job_owner'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]

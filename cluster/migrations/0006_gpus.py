@@ -18,7 +18,7 @@ def gpu_rows(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('cluster', '0003_node_poll_lease'),
+        ('cluster', '0005_script_roots_and_bounds'),
     ]
 
     operations = [
