@@ -95,6 +95,7 @@ def _node_checks(node: Node, script: str, held: list[int] | None = None) -> tupl
     the node's other GPUs); None: all of them."""
     problems: list[str] = []
     notes: list[str] = []
+    node.reach()  # a silent node fails here within the connect timeout, as in the health poll
     path = script_path(node, script)
     found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
     if not found.get(node.workdir):
@@ -185,7 +186,8 @@ def check_nodes(
     held = held or {}
     for node, result, err in on_each(nodes, lambda n: _node_checks(n, script, held.get(n.pk))):
         if err is not None:
-            report.problems.append(f"{node.name}: {err}")
+            why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
+            report.problems.append(f"{node.name}: {why}")
             continue
         reachable.append(node)
         problems, notes, versions = result

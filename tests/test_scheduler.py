@@ -4,6 +4,7 @@ limits, VRAM refusal, quotas, and a scheduling pass whose query count does not g
 from __future__ import annotations
 
 import io
+import json
 import threading
 from datetime import timedelta
 
@@ -160,6 +161,14 @@ def test_queue_shows_position_reason_and_estimated_start():
     text = out.getvalue()
     assert "wide" in text and "resources" in text and "small" in text
     assert small.name in text and "big" in text  # running jobs and the GPUs they hold are listed too
+    out = io.StringIO()
+    call_command("queue", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    assert [(q["position"], q["name"], q["reason"]) for q in data["queue"]] == [
+        (1, "wide", "resources"),
+        (2, "small", None),
+    ]
+    assert data["queue"][1]["starts_now"] and data["holding"] == {"big": ["gpu0:0"]}
 
 
 def test_a_job_past_its_time_limit_is_stopped_with_kind_timeout():

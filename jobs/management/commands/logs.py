@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import time
 
 from django.core.management.base import BaseCommand, CommandError
@@ -17,8 +18,12 @@ class Command(BaseCommand):
         parser.add_argument("--rank", type=int)
         parser.add_argument("--tail", type=int, help="only the last N lines")
         parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+        parser.add_argument("--json", action="store_true", dest="as_json",
+                            help='one JSON object per line: {"rank", "time", "text"}; with --follow the last is '
+                            '{"job", "state", "reason"}')  # fmt: skip
 
-    def handle(self, name, rank=None, tail=None, follow=False, **options):
+    def handle(self, name, rank=None, tail=None, follow=False, as_json=False, **options):
+        self.as_json = as_json
         job = get_job(name)
         if rank is not None and not job.ranks.filter(index=rank).exists():
             raise CommandError(f"job {job.name} has no rank {rank} (ranks 0-{job.ranks.count() - 1})")
@@ -26,7 +31,7 @@ class Command(BaseCommand):
             raise CommandError("--tail must be at least 1")
         ranks = list(job.ranks.order_by("index"))
         for line in job_lines(job, rank, tail, ranks=ranks):
-            self.stdout.write(line.text if rank is not None else line.prefixed())
+            self._write(line, rank)
         if follow:
             try:
                 self._follow(job, rank, {r.index: r.log_offset for r in ranks})
@@ -45,13 +50,23 @@ class Command(BaseCommand):
                     if rank_index is not None and r.index != rank_index:
                         continue
                     for end, line in rank_lines(r, offsets.get(r.index, 0)):
-                        self.stdout.write(line.text if rank_index is not None else line.prefixed())
+                        self._write(line, rank_index)
                         offsets[r.index] = end
                 if settled:
-                    self.stdout.write(
-                        f"-- job {job.name} {job.state}" + (f": {job.failure_reason}" if job.failure_reason else "")
-                    )
+                    if self.as_json:
+                        end = {"job": job.name, "state": job.state, "reason": job.failure_reason or None}
+                        self.stdout.write(json.dumps(end))
+                    else:
+                        self.stdout.write(
+                            f"-- job {job.name} {job.state}" + (f": {job.failure_reason}" if job.failure_reason else "")
+                        )
                     return
                 time.sleep(0.3)
         finally:
             watch.close()
+
+    def _write(self, line, rank_index) -> None:
+        if self.as_json:
+            self.stdout.write(json.dumps({"rank": line.rank, "time": line.time, "text": line.text}))
+        else:
+            self.stdout.write(line.text if rank_index is not None else line.prefixed())

@@ -1,18 +1,38 @@
 from __future__ import annotations
 
+import json
+
 from django.core.management.base import BaseCommand
 
-from jobs.report import queue_table
+from jobs.report import job_summary, queue_table
 from jobs.snapshot import Snapshot, holders_by_job, queue
 
 
 class Command(BaseCommand):
     help = "Waiting jobs in the order they will start: position, why each waits, estimated start; and who holds GPUs."
 
-    def handle(self, **options):
+    def add_arguments(self, parser):
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
+
+    def handle(self, as_json=False, **options):
         snap = Snapshot()
         entries = queue(snap)
         holders = holders_by_job(snap)
+        if as_json:
+            rows = [
+                {
+                    "position": e.decision.position,
+                    **job_summary(e.job),
+                    "starts_now": e.decision.start,
+                    "reason": None if e.decision.start else e.decision.reason,
+                    "detail": e.decision.detail,
+                    "estimated_start": e.est_start.isoformat() if e.est_start else None,
+                    "gpus": e.placement_text() or None,
+                }
+                for e in entries
+            ]
+            self.stdout.write(json.dumps({"queue": rows, "holding": holders}, indent=2))
+            return
         if not entries:
             self.stdout.write("queue is empty")
             if not holders:

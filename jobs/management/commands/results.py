@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
+
 from django.core.management.base import BaseCommand
 
-from jobs.report import get_job, results
+from jobs.report import get_job, results, results_record
 
 
 class Command(BaseCommand):
@@ -10,7 +12,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("name")
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
-    def handle(self, name, **options):
-        for row in results(get_job(name)):
+    def handle(self, name, as_json=False, **options):
+        job = get_job(name)
+        if as_json:
+            self.stdout.write(json.dumps(results_record(job), indent=2))
+            return
+        for row in results(job):
             self.stdout.write(row)
