@@ -20,6 +20,7 @@ import argparse
 import heapq
 import json
 import math
+import os
 import random
 import shutil
 import statistics
@@ -267,6 +268,7 @@ def main() -> None:
     results = {}
     for name, (limits, fifo) in POLICIES.items():
         results[name] = simulate(trace, limits, fifo)
+    load_before = os.getloadavg()[0]
     planner = time_planner(args.pass_jobs, args.seed)
     db_pass = time_db_pass(args.pass_jobs, args.keep)
     out = {
@@ -285,6 +287,8 @@ def main() -> None:
         "policies": results,
         "one_pass_planner": planner,
         "one_pass_database": db_pass,
+        "load1_before_timing": round(load_before, 2),
+        "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -296,8 +300,10 @@ def main() -> None:
     print(f"{'policy':16}" + "".join(f"{c:>31}" for c in cols))  # noqa: T201
     for name, r in results.items():
         print(f"{name:16}" + "".join(f"{r[c]!s:>31}" for c in cols))  # noqa: T201
-    print(f"one planner pass, {planner['queued']} queued: median {planner['median_ms']} ms")  # noqa: T201
+    print(f"one planner pass, {planner['queued']} queued: median {planner['median_ms']} ms, "  # noqa: T201
+          f"min {planner['min_ms']} ms (1-min load {load_before:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
     print(f"one database pass, {db_pass['queued']} queued: median {db_pass['place_queued_median_ms']} ms, "  # noqa: T201
+          f"min {db_pass['place_queued_min_ms']} ms, "
           f"{db_pass['queries_per_pass']} queries; queue listing {db_pass['queue_listing_median_ms']} ms")  # fmt: skip
 
 
