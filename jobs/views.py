@@ -31,6 +31,7 @@ from .launch import (
     create_job,
     dry_run,
 )
+from .limits import parse_duration, parse_size_mb
 from .logs import job_lines
 from .models import Job, Rank, Sweep
 from .scheduler import request_schedule
@@ -337,6 +338,16 @@ class LaunchForm(forms.Form):
     count = forms.IntegerField(
         required=False, min_value=1, max_value=NODES_MAX, label="Node count", help_text="blank: all enabled nodes"
     )
+    gpus = forms.IntegerField(
+        required=False, min_value=1, max_value=NODES_MAX * 64, label="GPUs",
+        help_text="GPUs in all, on any nodes (instead of nodes); blank: whole nodes",
+    )  # fmt: skip
+    time_limit = forms.CharField(
+        required=False, max_length=20, label="Time limit", help_text="e.g. 90m, 2h, 1d; blank: the cluster's default"
+    )
+    min_vram = forms.CharField(
+        required=False, max_length=20, label="Min VRAM per GPU", help_text="e.g. 10G; blank: learned from earlier runs"
+    )
     script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
     model = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default model")
     dataset = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default dataset")
@@ -379,6 +390,20 @@ class LaunchForm(forms.Form):
             (n.name, f"{n.name} ({n.role}, {n.gpu_label})") for n in Node.objects.filter(enabled=True)
         ]
 
+    def clean_time_limit(self) -> int | None:
+        text = (self.cleaned_data["time_limit"] or "").strip()
+        try:
+            return parse_duration(text) if text else None
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean_min_vram(self) -> int | None:
+        text = (self.cleaned_data["min_vram"] or "").strip()
+        try:
+            return parse_size_mb(text) if text else None
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
     def clean_extra_args(self) -> list[str]:
         try:
             return shlex.split(self.cleaned_data["extra_args"] or "")
@@ -390,7 +415,10 @@ class LaunchForm(forms.Form):
         return LaunchRequest(
             name=d["name"].strip(),
             nodes=list(d["nodes"]),
-            count=None if d["nodes"] else d["count"],
+            count=None if d["nodes"] or d["gpus"] else d["count"],
+            gpus=d["gpus"],
+            time_limit_s=d["time_limit"],
+            min_vram_mb=d["min_vram"],
             script=d["script"].strip(),
             model=d["model"].strip(),
             dataset=d["dataset"].strip(),

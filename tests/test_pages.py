@@ -285,3 +285,19 @@ def test_queue_page_queries_do_not_grow_with_the_queue(browser, db, django_asser
     Job.objects.bulk_create(Job(name=f"w{i}", script="s.py", gpus=1) for i in range(100))
     with django_assert_max_num_queries(16):
         assert browser.get("/jobs/queue/").status_code == 200
+
+
+def test_launch_form_asks_for_gpus_time_limit_and_vram(browser, db):
+    Node.objects.create(name="gpu0", address="10.1.1.1", role=Node.Role.MASTER, gpu_count=2, gpu_vram_gb=12)
+    response = browser.post(
+        "/jobs/launch/", {"name": "formgpu", "gpus": "1", "time_limit": "90m", "min_vram": "10G", "priority": "0"}
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    job = Job.objects.get(name="formgpu")
+    assert (job.gpus, job.time_limit_s, job.min_vram_mb, job.requested_count) == (1, 5400, 10240, None)
+    # a bad value is shown at its field, and nothing is queued
+    html = browser.post("/jobs/launch/", {"name": "bad", "time_limit": "soon", "priority": "0"}).content.decode()
+    assert "time limit &#x27;soon&#x27; is not a duration" in html
+    html = browser.post("/jobs/launch/", {"name": "big", "gpus": "1", "min_vram": "16G", "priority": "0"}).content
+    assert b"no GPU has 16.0 GB; the largest is gpu0 GPU 0" in html
+    assert not Job.objects.filter(name__in=["bad", "big"]).exists()
