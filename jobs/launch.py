@@ -85,7 +85,7 @@ class LaunchRequest:
     batch_per_gpu: int | None = None  # the even split's batch per GPU: {local_batch}, UGRO_LOCAL_BATCH
     batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
     batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
-
+    after: str = ""  # the name of a job this one starts after (once it succeeded)
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -255,6 +255,13 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     _check_script_roots(script, [n for n in enabled if n.name in req.nodes] if req.nodes else enabled, cs)
     limit = _check_time_limit(req, cs)
     _check_queue_quota(req, cs)
+    after = None
+    if req.after:
+        after = Job.objects.filter(name=req.after).first()
+        if after is None:
+            raise LaunchError(f"--after {req.after[:64]!r}: no such job")
+        if after.state in (Job.State.FAILED, Job.State.CANCELLED):
+            raise LaunchError(f"--after {after.name}: that job {after.state}; this one would never start")
 
     values = {
         "model": model,
@@ -284,6 +291,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         sweep=req.sweep,
         sweep_params=req.sweep_params,
         resumed_from=req.resumed_from,
+        after=after,
     )  # fmt: skip
     return job, pattern, files
 
@@ -413,6 +421,7 @@ def dry_run(req: LaunchRequest) -> list[str]:
     job, pattern, files = build_job(req)
     snap = Snapshot()
     job.pk, job.created_at = -1, snap.now_dt
+    after, job.after = job.after, None  # placed as if what it waits for had succeeded
     decision = next(d for d in snap.plan(extra=[job]) if d.job == -1)
     if not decision.placement:
         raise LaunchError(f"this job could not be placed: {decision.detail}")
@@ -428,6 +437,8 @@ def dry_run(req: LaunchRequest) -> list[str]:
     ]
     assign_batches(job, ranks)
     out = [f"dry run of job {job.name}: nothing was created or started"]
+    if after is not None:
+        out.append(f"  (it starts only after job {after.name} succeeds; placed here as if it had)")
     if not decision.start:
         out.append(f"  (it would wait: {decision.reason}, {decision.detail}; these GPUs are its estimate)")
     for rank in ranks:

@@ -58,6 +58,10 @@ class Job(models.Model):
     held_gpus = models.PositiveIntegerField(default=0, help_text="GPUs (or whole GPU-less nodes) it was given.")
     sweep = models.ForeignKey("Sweep", null=True, blank=True, on_delete=models.CASCADE, related_name="trials")
     sweep_params = models.JSONField(default=dict, blank=True, help_text="This trial's values of the sweep's params.")
+    after = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="Starts only after this job succeeded (--after).",
+    )  # fmt: skip
     tag = models.CharField(max_length=100, blank=True, help_text="Unique per attempt; marks every process.")
     rdzv_endpoint = models.CharField(max_length=300, blank=True)
     sync_window_s = models.FloatField(default=30.0)

@@ -35,6 +35,7 @@ class Reason:
     RESOURCES = "resources"  # it is next: waiting for GPUs to free up (holds a reservation)
     RESERVATION = "reservation"  # it would fit now but would delay a reserved job
     QUOTA = "quota"  # its owner's GPU quota, or its sweep's max concurrent trials
+    DEPENDENCY = "dependency"  # it starts after another job succeeded (--after)
     NO_FIT = "resources"  # not enough eligible GPUs are up at all (nodes down or disabled)
 
 
@@ -83,6 +84,7 @@ class Demand:
     named: tuple[int, ...] = ()
     min_vram_mb: float | None = None
     group: int | None = None  # its sweep
+    waits_for: str = ""  # why a job it depends on keeps it waiting ("" when none does)
 
 
 @dataclass
@@ -280,6 +282,9 @@ def plan(
     for position, d in enumerate(order(queued, usage), start=1):
         dec = Decision(job=d.job, position=position)
         decisions.append(dec)
+        if d.waits_for:
+            dec.reason, dec.detail = Reason.DEPENDENCY, d.waits_for
+            continue
         limit = limits.group_limits.get(d.group) if d.group is not None else None
         if limit is not None and group_running.get(d.group, 0) >= limit:
             dec.reason, dec.detail = Reason.QUOTA, f"its sweep runs at most {limit} trials at once"

@@ -19,7 +19,7 @@ from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decaye
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
 DEMAND_FIELDS = (
     "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
-    "gpus_per_node", "min_vram_mb", "sweep_id",
+    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id",
 )  # fmt: skip
 
 
@@ -83,8 +83,11 @@ class Snapshot:
         self.by_name = {n.name: n.pk for n in self.node_rows.values()}
         # plain values, not model instances: a queue of thousands costs little; jobs() loads the few needed
         waiting = Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk")
-        self.demands = [self._demand(dict(zip(DEMAND_FIELDS, row, strict=True)))
-                        for row in waiting.values_list(*DEMAND_FIELDS)]  # fmt: skip
+        rows = [dict(zip(DEMAND_FIELDS, row, strict=True)) for row in waiting.values_list(*DEMAND_FIELDS)]
+        after = {r["after_id"] for r in rows if r["after_id"]}
+        self.after = {pk: (name, state) for pk, name, state in
+                      Job.objects.filter(pk__in=after).values_list("pk", "name", "state")} if after else {}  # fmt: skip
+        self.demands = [self._demand(r) for r in rows]
 
         half_life = max(self.cs.fair_share_half_life_h, 0.01) * 3600
         since = self.now_dt - timedelta(seconds=half_life * USAGE_HALF_LIVES)
@@ -119,7 +122,18 @@ class Snapshot:
             nodes=None if requested else (job["requested_count"] or 1), per_node=job["gpus_per_node"],
             named=tuple(self.by_name.get(name, -1) for name in requested),
             min_vram_mb=float(job["min_vram_mb"]) if job["min_vram_mb"] else None, group=job["sweep_id"],
+            waits_for=self._waits_for(job["after_id"]),
         )  # fmt: skip
+
+    def _waits_for(self, after_id: int | None) -> str:
+        if not after_id:
+            return ""
+        name, state = self.after.get(after_id, ("?", ""))
+        if state == Job.State.SUCCEEDED:
+            return ""
+        if state in (Job.State.FAILED, Job.State.CANCELLED):
+            return f"job {name} {state}: this job will not start (cancel it, or relaunch {name})"
+        return f"starts after job {name} succeeds (now {state or 'gone'})"
 
     def jobs(self, ids: list[int]) -> dict[int, Job]:
         """The queued jobs with these ids, as model instances (one query)."""

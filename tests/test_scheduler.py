@@ -336,3 +336,28 @@ def test_status_shows_what_a_job_asked_for_and_each_ranks_gpus():
     assert "  asks 2 GPUs >=4G, time limit 1h30m00s" in text
     assert "rank 0 on gpu0           GPUs 0,1" in text
     assert job.name in text
+
+
+def test_a_job_after_another_waits_with_reason_dependency_until_that_one_succeeded():
+    lab_nodes((8, 8))
+    first = create_job(LaunchRequest(name="prep", gpus=1))
+    then = create_job(LaunchRequest(name="train", gpus=1, after="prep"))
+    # then only the first starts; the second says what it waits for
+    assert place_queued() == [first]
+    (entry,) = queue()
+    assert (entry.job.name, entry.decision.reason) == ("train", "dependency")
+    assert entry.decision.detail == "starts after job prep succeeds (now starting)"
+    # once the first succeeded, it starts
+    Job.objects.filter(pk=first.pk).update(state=Job.State.SUCCEEDED)
+    first.allocations.update(active=False)
+    assert place_queued() == [then]
+    # a job after a failed one is refused at submit; one whose job failed meanwhile says it never starts
+    Job.objects.filter(pk=first.pk).update(state=Job.State.FAILED)
+    with pytest.raises(LaunchError, match="^--after prep: that job failed; this one would never start"):
+        create_job(LaunchRequest(name="never", gpus=1, after="prep"))
+    with pytest.raises(LaunchError, match="^--after 'nope': no such job"):
+        create_job(LaunchRequest(name="never", gpus=1, after="nope"))
+    Job.objects.filter(pk=then.pk).update(state=Job.State.QUEUED)
+    then.allocations.update(active=False)
+    (entry,) = queue()
+    assert entry.decision.detail.startswith("job prep failed: this job will not start")

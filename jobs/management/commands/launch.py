@@ -53,6 +53,7 @@ class Command(BaseCommand):
             "script alone on each node); each rank gets its share of the global batch "
             "(UGRO_LOCAL_BATCH, UGRO_BATCH_WEIGHT, {local_batch})",
         )  # fmt: skip
+        parser.add_argument("--after", default="", help="start only after this job succeeded (a dependency)")
         parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
         parser.add_argument("--priority", type=int, default=0, help="0-100, higher starts first")
         parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
@@ -89,7 +90,7 @@ class Command(BaseCommand):
             extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
             metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
             time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
-            batch_weights_auto=auto,
+            batch_weights_auto=auto, after=o["after"],
         )  # fmt: skip
         if o["dry_run"]:
             try:
