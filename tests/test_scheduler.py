@@ -17,7 +17,7 @@ from django.utils import timezone
 from cluster.models import GPU, ClusterSettings, HealthSample, Node
 from jobs import lifecycle
 from jobs.launch import LaunchError, LaunchRequest, create_job, rank_command, rank_env
-from jobs.models import Allocation, Job
+from jobs.models import Allocation, Job, Rank
 from jobs.scheduler import place_queued, queue, stop_overdue
 
 pytestmark = pytest.mark.django_db
@@ -113,7 +113,7 @@ def test_two_schedulers_racing_for_one_gpu_never_both_get_it():
     for _ in range(5):  # a few rounds: the interleaving differs each time
         Job.objects.filter(pk__in=[j.pk for j in jobs]).update(state=Job.State.QUEUED, started_at=None)
         Allocation.objects.all().delete()
-        jobs[0].ranks.all().delete(), jobs[1].ranks.all().delete()
+        Rank.objects.filter(job__in=jobs).delete()
         threads = [threading.Thread(target=scheduler, args=(j,)) for j in jobs]
         for t in threads:
             t.start()
