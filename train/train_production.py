@@ -239,7 +239,7 @@ class StridedBatches:
         rank: int,
         world_size: int,
         seed: int,
-        split: "BatchSplit | None" = None,
+        split: BatchSplit | None = None,
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
@@ -298,7 +298,7 @@ class BatchSplit:
         self.weight = local * world_size / global_batch  # what UGRO_BATCH_WEIGHT says
 
     @classmethod
-    def from_env(cls, d: "Dist") -> "BatchSplit | None":
+    def from_env(cls, d: Dist) -> BatchSplit | None:
         raw = os.environ.get("UGRO_LOCAL_BATCH")
         if not raw:
             return None
