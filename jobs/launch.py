@@ -54,7 +54,15 @@ NPROC_MAX = 64
 
 
 class LaunchError(ValueError):
-    """The launch request is invalid; nothing was created or started."""
+    """The launch request is invalid; nothing was created or started.
+
+    ``problems`` holds every problem found, each as (launch form field or "" for the whole request, message);
+    the text is all their messages on one line.
+    """
+
+    def __init__(self, message: str = "", problems: list[tuple[str, str]] | None = None) -> None:
+        self.problems = problems if problems is not None else [("", message)]
+        super().__init__("; ".join(text for _, text in self.problems))
 
 
 @dataclass
@@ -103,23 +111,40 @@ def _int_in(value: Any, low: int, high: int, what: str) -> None:
         raise LaunchError(f"{what} must be a whole number from {low} to {high}, not {shown}")
 
 
-def _check_numbers(req: LaunchRequest) -> None:
-    """Every number of a request within its bounds (a huge one would overflow a column: a 500)."""
-    _int_in(req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+def _number_problems(req: LaunchRequest) -> list[tuple[str, str]]:
+    """Every number of a request within its bounds (a huge one would overflow a column: a 500): the
+    problems found, each as (launch form field, message)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field_name: str, value: Any, low: int, high: int, what: str) -> None:
+        try:
+            _int_in(value, low, high, what)
+        except LaunchError as exc:
+            problems.append((field_name, str(exc)))
+
+    check("priority", req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
     if req.count is not None:
-        _int_in(req.count, 1, NODES_MAX, "the node count")
+        check("count", req.count, 1, NODES_MAX, "the node count")
     if req.epochs is not None:
-        _int_in(req.epochs, 1, EPOCHS_MAX, "epochs")
+        check("epochs", req.epochs, 1, EPOCHS_MAX, "epochs")
     if req.nproc_per_node is not None:
-        _int_in(req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
+        check("nproc_per_node", req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
     if req.lr is not None:
         lr = req.lr
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or not 0 < lr <= LR_MAX:
-            raise LaunchError(f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}")
+            message = f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}"
+            problems.append(("lr", message))
     if len(req.nodes) > NODES_MAX:
-        raise LaunchError(f"at most {NODES_MAX} nodes may be named")
+        problems.append(("nodes", f"at most {NODES_MAX} nodes may be named"))
     if len(req.extra_args) > 1000:
-        raise LaunchError("at most 1000 extra arguments")
+        problems.append(("extra_args", "at most 1000 extra arguments"))
+    return problems
+
+
+def _check_numbers(req: LaunchRequest) -> None:
+    problems = _number_problems(req)
+    if problems:
+        raise LaunchError(problems=problems)
 
 
 def check_script(script: str) -> str:
@@ -207,13 +232,24 @@ def _never_ran(name: str):
 
 
 def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
-    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError."""
+    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError naming every
+    problem of the request at once (a form shows each beside its field)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field_name: str, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as exc:  # LaunchError is one too
+            problems.append((field_name, str(exc)))
+            return None
+
     try:
         check_name(req.name, "job name")
     except ValueError as exc:
-        raise LaunchError(str(exc)) from None
-    if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
-        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+        problems.append(("name", str(exc)))
+    else:
+        if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
+            problems.append(("name", f"a job named {req.name!r} already exists; choose another name"))
     cs = ClusterSettings.load()
     training = cs.training or {}
     # only what the user gave, else what the cluster configured; nothing else reaches the script
@@ -221,47 +257,45 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     dataset = req.dataset or str(training.get("default_dataset") or "") or None
     for value, what in ((model, "model"), (dataset, "dataset")):
         if value is not None:
-            _check_arg(value, what)
-    _check_numbers(req)
-    script = check_script(_check_arg(req.script or cs.default_script, "script"))
-    extra = [_check_arg(a, "extra argument") for a in req.extra_args]
-    per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
-    if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
-        raise LaunchError("--batch-per-gpu must be at least 1")
-    if req.batch_weights_auto and req.batch_weights:
-        raise LaunchError("--batch-weights is either auto or NODE=WEIGHT,...")
-    if req.batch_weights_auto and (not isinstance(per_gpu, int) or per_gpu < 1):
-        raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
-    if req.batch_weights:
-        known = set(Node.objects.values_list("name", flat=True))
-        unknown = sorted(set(req.batch_weights) - known)
-        if unknown:
-            raise LaunchError(f"batch weight for {unknown[0]!r}: no such node")
-        if not isinstance(per_gpu, int) or per_gpu < 1:
-            raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
-        if any(not math.isfinite(w) or w <= 0 for w in req.batch_weights.values()):
-            raise LaunchError("batch weights must be positive numbers")
-    try:
-        pattern = req.metrics_pattern.strip()
-        if pattern:
-            compile_pattern(pattern)
-        files = check_paths(req.metrics_files)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from None
+            check(what, _check_arg, value, what)
+    problems.extend(_number_problems(req))
+    script = check("script", lambda given: check_script(_check_arg(given, "script")), req.script or cs.default_script)
+    extra = [check("extra_args", _check_arg, a, "extra argument") for a in req.extra_args]
+    pattern = req.metrics_pattern.strip()
+    if pattern:
+        check("metrics_pattern", compile_pattern, pattern)
+    files = check("metrics_files", check_paths, req.metrics_files)
 
     enabled = list(Node.objects.filter(enabled=True))
-    count, vram, vram_source = _check_resources(req, enabled)
-    # Any of these may run it: the script must be under an allowed root on each of them.
-    _check_script_roots(script, [n for n in enabled if n.name in req.nodes] if req.nodes else enabled, cs)
-    limit = _check_time_limit(req, cs)
-    _check_queue_quota(req, cs)
-    after = None
-    if req.after:
-        after = Job.objects.filter(name=req.after).first()
-        if after is None:
-            raise LaunchError(f"--after {req.after[:64]!r}: no such job")
-        if after.state in (Job.State.FAILED, Job.State.CANCELLED):
-            raise LaunchError(f"--after {after.name}: that job {after.state}; this one would never start")
+    enabled_names = {n.name for n in enabled}
+    if req.nodes:
+        for name in req.nodes:
+            if name not in enabled_names:
+                known = Node.objects.filter(name=name).exists()
+                problems.append(("nodes", f"node {name!r} is {'disabled' if known else 'not in the cluster'}"))
+        if len(set(req.nodes)) != len(req.nodes):
+            problems.append(("nodes", "a node is named twice"))
+    count = req.count
+    if not req.nodes and count is None and req.gpus is None:
+        count = 1 if req.gpus_per_node else len(enabled)
+    if not enabled:
+        problems.append(("", "the cluster has no enabled nodes; import cluster.yaml or add nodes in admin"))
+    elif count is not None and count > len(enabled):
+        problems.append(("count", f"asked for {count} nodes but the cluster has {len(enabled)} enabled"))
+    if enabled and script is not None:
+        # Any of these may run it: the script must be under an allowed root on each of them.
+        runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
+        check("script", _check_script_roots, script, runners, cs)
+    vram, vram_source = None, ""
+    if enabled and not any(f in ("nodes", "count") for f, _ in problems):
+        vram, vram_source = check("gpus", _check_gpus, req, enabled, count, script or cs.default_script) or (None, "")
+    limit = check("time_limit", _check_time_limit, req, cs)
+    check("", _check_queue_quota, req, cs)
+    after = check("after", _find_after, req.after) if req.after else None
+    per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
+    check("batch_weights", _check_batches, req, per_gpu)
+    if problems:
+        raise LaunchError(problems=problems)
 
     values = {
         "model": model,
@@ -325,41 +359,23 @@ def assign_batches(job: Job, ranks: list[Rank]) -> None:
         r.batch_weight = b / per_gpu if weights else None
 
 
-def _check_resources(req: LaunchRequest, enabled: list[Node]) -> tuple[int | None, int | None, str]:
-    """Validate what the request asks of the cluster; (node count, min VRAM MiB, where it came from).
+def _check_gpus(req: LaunchRequest, enabled: list[Node], count: int | None, script: str) -> tuple[int | None, str]:
+    """Validate what the request asks of the cluster's GPUs; (min VRAM MiB, where it came from).
 
     A request no GPU (or node) of the cluster could ever satisfy is refused here, naming what the
     cluster has; one that only has to wait is accepted.
     """
-    if not enabled:
-        raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
-    enabled_names = {n.name for n in enabled}
-    if req.nodes:
-        for name in req.nodes:
-            if name not in enabled_names:
-                known = Node.objects.filter(name=name).exists()
-                raise LaunchError(f"node {name!r} is {'disabled' if known else 'not in the cluster'}")
-        if len(set(req.nodes)) != len(req.nodes):
-            raise LaunchError("a node is named twice")
     if req.gpus is not None and (req.nodes or req.count is not None or req.gpus_per_node is not None):
         raise LaunchError("--gpus N asks for GPUs on any nodes: use it alone, or --nodes K --gpus-per-node M")
     if req.gpus is not None and req.gpus < 1:
         raise LaunchError("--gpus must be at least 1")
     if req.gpus_per_node is not None and req.gpus_per_node < 1:
         raise LaunchError("--gpus-per-node must be at least 1")
-    count = req.count
-    if count is not None and count < 1:
-        raise LaunchError("--nodes must be at least 1")
-    if not req.nodes and count is None and req.gpus is None:
-        count = 1 if req.gpus_per_node else len(enabled)
-    if count is not None and count > len(enabled):
-        raise LaunchError(f"asked for {count} nodes but the cluster has {len(enabled)} enabled")
-
     vram, source = req.min_vram_mb, "asked" if req.min_vram_mb else ""
     if vram is not None and vram < 1:
         raise LaunchError("--min-vram must be at least 1M")
     if vram is None:
-        learned = learned_vram(req.script or ClusterSettings.load().default_script, req.resumed_from)
+        learned = learned_vram(script, req.resumed_from)
         if learned:
             vram, source = learned
     gpus = list(GPU.objects.filter(node__in=enabled).select_related("node"))
@@ -391,7 +407,32 @@ def _check_resources(req: LaunchRequest, enabled: list[Node]) -> tuple[int | Non
         if not req.nodes and sum(1 for n in per_node.values() if n >= req.gpus_per_node) < (count or 1):
             raise LaunchError(f"asked for {count} nodes with {req.gpus_per_node} GPUs{vram_text} each; the "
                               f"cluster has {sum(1 for n in per_node.values() if n >= req.gpus_per_node)}")  # fmt: skip
-    return count, vram, source
+    return vram, source
+
+
+def _find_after(name: str) -> Job:
+    after = Job.objects.filter(name=name).first()
+    if after is None:
+        raise LaunchError(f"--after {name[:64]!r}: no such job")
+    if after.state in (Job.State.FAILED, Job.State.CANCELLED):
+        raise LaunchError(f"--after {after.name}: that job {after.state}; this one would never start")
+    return after
+
+
+def _check_batches(req: LaunchRequest, per_gpu: Any) -> None:
+    if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
+        raise LaunchError("--batch-per-gpu must be at least 1")
+    if req.batch_weights_auto and req.batch_weights:
+        raise LaunchError("--batch-weights is either auto or NODE=WEIGHT,...")
+    if not (req.batch_weights or req.batch_weights_auto):
+        return
+    if not isinstance(per_gpu, int) or per_gpu < 1:
+        raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
+    unknown = sorted(set(req.batch_weights) - set(Node.objects.values_list("name", flat=True)))
+    if unknown:
+        raise LaunchError(f"batch weight for {unknown[0]!r}: no such node")
+    if any(not math.isfinite(w) or w <= 0 for w in req.batch_weights.values()):
+        raise LaunchError("batch weights must be positive numbers")
 
 
 def _check_time_limit(req: LaunchRequest, cs: ClusterSettings) -> int | None:

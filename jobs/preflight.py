@@ -148,7 +148,11 @@ def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
     master = nodes[0]
     free = node_request(master, "port_free", timeout=10, address=master.address, port=port)
     if not free["free"]:
-        return [f"{master.name}: rendezvous port {port} is in use on {master.address} ({free['error']})"]
+        return [
+            f"{master.name}: rendezvous port {port} is in use on {master.address} ({free['error']}); "
+            f"choose another with cluster.master_port in cluster.yaml (then `ugro import_cluster`) "
+            f"or Rendezvous port in admin > Cluster settings"
+        ]
     workers = nodes[1:]
     if not workers:
         return []

@@ -7,6 +7,8 @@ import json
 from django.core.management.base import CommandError
 from django.utils import timezone
 
+from metrics.final import final_loss
+
 from .models import Job
 
 
@@ -166,8 +168,9 @@ def results(job: Job) -> list[str]:
     metrics = job.job_dir / "metrics.jsonl"
     if metrics.exists():
         out.append(f"  metrics: {metrics}")
-    for rank, p in final_losses(job).items():
-        out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
+    loss = final_loss(job.pk)
+    if loss is not None:
+        out.append(f"  final loss: {loss.text} at step {loss.step} (last loss logged by rank {loss.rank})")
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)
@@ -177,24 +180,18 @@ def results(job: Job) -> list[str]:
     return out
 
 
-def final_losses(job: Job) -> dict[int, object]:
-    """The last loss point of each rank."""
-    final: dict[int, object] = {}
-    for p in job.metric_points.filter(name="loss").order_by("-step")[:32]:
-        final.setdefault(p.rank, p)
-    return dict(sorted(final.items()))
-
-
 def results_record(job: Job) -> dict:
     """What `results` shows, as JSON."""
     cfg = job.job_dir / "config.json"
     metrics = job.job_dir / "metrics.jsonl"
+    loss = final_loss(job.pk)
     return {
         **job_record(job),
         "config": str(cfg) if cfg.exists() else None,
         "logs": {str(r.index): str(r.local_log) for r in job.ranks.order_by("index")},
         "metrics_file": str(metrics) if metrics.exists() else None,
-        "final_loss": [{"rank": rank, "value": p.value, "step": p.step} for rank, p in final_losses(job).items()],
+        # one definition everywhere: the last loss rank 0 logged
+        "final_loss": None if loss is None else {"rank": loss.rank, "value": loss.value, "step": loss.step},
         "final_metrics": [
             {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
             for m in job.final_metrics.order_by("rank", "name")

@@ -234,23 +234,26 @@ class TrialRow:
 
 
 def trial_rows(sweep: Sweep) -> list[TrialRow]:
-    """Each trial with its params, last and best value of the sweep's metric (mean over ranks at the
-    last step; best over every point), the best trial marked. A fixed number of queries."""
+    """Each trial with its params, final and best value of the sweep's metric, the best trial marked, in a
+    fixed number of queries. Final: the last value rank 0 logged (else the lowest rank), as every page and
+    command shows a run's final value (metrics/final.py); best: the lowest (mode min) or highest of any rank."""
     jobs = list(sweep.trials.order_by("pk"))
     points = MetricPoint.objects.filter(job__in=jobs, name=sweep.metric)
-    agg: dict[int, dict] = {}
     best_of = min if sweep.mode == "min" else max
-    for job_id, step, value in points.values_list("job_id", "step", "value").order_by("job_id", "step"):
-        a = agg.setdefault(job_id, {"step": step, "last": [], "best": value})
-        if step > a["step"]:
-            a["step"], a["last"] = step, []
-        a["last"].append(value)
+    agg: dict[int, dict] = {}
+    rows_seen = points.values_list("job_id", "rank", "step", "value").order_by("job_id", "rank", "step", "id")
+    for job_id, rank, step, value in rows_seen.iterator():
+        a = agg.setdefault(job_id, {"rank": rank, "step": step, "final": value, "best": value})
+        if rank == a["rank"]:  # ordered by rank: the first rank seen is the lowest
+            a["step"], a["final"] = step, value
         a["best"] = best_of(a["best"], value)
     rows = []
     for job in jobs:
         a = agg.get(job.pk)
-        final = sum(a["last"]) / len(a["last"]) if a else None
-        rows.append(TrialRow(job, job.sweep_params, final, a["best"] if a else None, a["step"] if a else None))
+        if a:
+            rows.append(TrialRow(job, job.sweep_params, a["final"], a["best"], a["step"]))
+        else:
+            rows.append(TrialRow(job, job.sweep_params, None, None, None))
     scored = [r for r in rows if r.final is not None]
     if scored:
         best_of(scored, key=lambda r: r.final).is_best = True

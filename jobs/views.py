@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import replace
+from datetime import timedelta
 
 from django import forms
 from django.contrib import messages
@@ -15,8 +16,11 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from cluster.history import history
 from cluster.models import GPU, Node
+from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.series import metric_names
 
 from . import lifecycle, report
 from .launch import (
@@ -28,6 +32,7 @@ from .launch import (
     PRIORITY_MIN,
     LaunchError,
     LaunchRequest,
+    build_job,
     create_job,
     dry_run,
 )
@@ -103,19 +108,6 @@ def queue_page(request: HttpRequest) -> HttpResponse:
     return render(request, "jobs/queue.html", {"entries": entries, "gpus": gpus, "nav": "queue"})
 
 
-def metric_names(job: Job) -> list[str]:
-    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
-    names: list[str] = []
-    points = MetricPoint.objects.filter(job=job)
-    while len(names) < 50:
-        qs = points.filter(name__gt=names[-1]) if names else points
-        name = qs.order_by("name").values_list("name", flat=True).first()
-        if name is None:
-            break
-        names.append(name)
-    return names
-
-
 def _max_steps(job: Job) -> int | None:
     """The script's --max-steps, if it was given one (the reference script's option)."""
     args = [str(a) for a in job.script_args or []]
@@ -133,12 +125,12 @@ def _max_steps(job: Job) -> int | None:
 
 
 def progress(job: Job, names: list[str]) -> dict | None:
-    """Best-effort progress and ETA: from the training bar's N/M, else from --max-steps and the last step
-    seen, else from the epoch metric."""
+    """Best-effort progress and ETA: from the step and total steps the script shows (a bar's N/M, a logged
+    max_steps), else from --max-steps and the last step seen, else from the epoch metric; 100 % at success."""
     if not job.running_at:
         return None
     bar = JobMetrics.objects.filter(job=job, total_steps__gt=0, step__isnull=False).first()
-    if not names and bar is None:
+    if not names and bar is None and job.state != Job.State.SUCCEEDED:
         return None
     fraction = None
     last = None
@@ -152,11 +144,16 @@ def progress(job: Job, names: list[str]) -> dict | None:
         max_steps = _max_steps(job)
     if fraction is None and max_steps and last is not None:
         fraction = min(1.0, last / max_steps)
-    elif "epoch" in names and (job.params or {}).get("epochs"):
+    if fraction is None and "epoch" in names and (job.params or {}).get("epochs"):
         epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
         epoch = epoch.first()
         if epoch is not None:
             fraction = min(1.0, max(0.0, epoch / float(job.params["epochs"])))
+    if job.state == Job.State.SUCCEEDED:
+        # A run that ended well is done, whatever its last counter said (0-based epochs, a bar not redrawn).
+        fraction = 1.0
+        if max_steps:
+            last = max_steps
     if fraction is None:
         return None
     end = job.finished_at or timezone.now()
@@ -178,7 +175,7 @@ def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     for row in rows:
         last = row.pop("last")
         row["step"] = max(p.step for p in last.values())
-        row["values"] = [f"{last[r].value:.6g}" if r in last else "—" for r in order]
+        row["values"] = [format_value(last[r].value) if r in last else "—" for r in order]
     return order, rows
 
 
@@ -189,7 +186,7 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
         by_name.setdefault(m.name, {})[m.rank] = m.value
     order = sorted({rank for values in by_name.values() for rank in values})
     rows = [
-        {"name": name, "values": [f"{values[r]:.6g}" if r in values else "—" for r in order]}
+        {"name": name, "values": [format_value(values[r]) if r in values else "—" for r in order]}
         for name, values in by_name.items()
     ]
     return order, rows
@@ -198,14 +195,14 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
 @require_GET
 def detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
-    names = metric_names(job)
+    names = metric_names(job.pk)
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
-        "metric_names": chart_names or ["loss"],
+        "metric_names": chart_names,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
@@ -215,6 +212,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         context["final_ranks"], context["final"] = final_metrics(job, names)
         context["summary_ranks"], context["summary"] = summary_metrics(job)
         context["config_path"] = job.job_dir / "config.json"
+        context["final_loss"] = final_loss(job.pk)
     return render(request, "jobs/detail.html", context)
 
 
@@ -318,7 +316,7 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
     request_schedule()
-    messages.success(request, f"job {new.name} queued (relaunch of {job.name})")
+    messages.success(request, f"job {new.name} queued (relaunch of {job.name})", extra_tags="queued")
     return redirect("job-detail", new.pk)
 
 
@@ -411,25 +409,36 @@ class LaunchForm(forms.Form):
             raise forms.ValidationError(f"cannot split the arguments: {exc}") from None
 
     def launch_request(self) -> LaunchRequest:
+        """The request the form describes; with field errors, the request its valid fields describe."""
         d = self.cleaned_data
+        nodes = list(d.get("nodes") or [])
         return LaunchRequest(
-            name=d["name"].strip(),
-            nodes=list(d["nodes"]),
-            count=None if d["nodes"] or d["gpus"] else d["count"],
-            gpus=d["gpus"],
-            time_limit_s=d["time_limit"],
-            min_vram_mb=d["min_vram"],
-            script=d["script"].strip(),
-            model=d["model"].strip(),
-            dataset=d["dataset"].strip(),
-            epochs=d["epochs"],
-            lr=d["lr"],
-            nproc_per_node=d["nproc_per_node"],
-            extra_args=d["extra_args"],
-            priority=d["priority"] or 0,
-            metrics_pattern=d["metrics_pattern"] or "",
-            metrics_files=[line.strip() for line in (d["metrics_files"] or "").splitlines() if line.strip()],
+            name=(d.get("name") or "").strip(),
+            nodes=nodes,
+            count=None if nodes or d.get("gpus") else d.get("count"),
+            gpus=d.get("gpus"),
+            time_limit_s=d.get("time_limit"),
+            min_vram_mb=d.get("min_vram"),
+            script=(d.get("script") or "").strip(),
+            model=(d.get("model") or "").strip(),
+            dataset=(d.get("dataset") or "").strip(),
+            epochs=d.get("epochs"),
+            lr=d.get("lr"),
+            nproc_per_node=d.get("nproc_per_node"),
+            extra_args=d.get("extra_args") or [],
+            priority=d.get("priority") or 0,
+            metrics_pattern=d.get("metrics_pattern") or "",
+            metrics_files=[line.strip() for line in (d.get("metrics_files") or "").splitlines() if line.strip()],
         )
+
+    def add_launch_problems(self, exc: LaunchError) -> None:
+        """Each problem beside its field (a field that already has an error keeps just that one)."""
+        for field_name, message in exc.problems:
+            if field_name in self.fields:
+                if field_name not in self.errors:
+                    self.add_error(field_name, message)
+            else:
+                self.add_error(None, message)
 
 
 def launch(request: HttpRequest) -> HttpResponse:
@@ -443,10 +452,16 @@ def launch(request: HttpRequest) -> HttpResponse:
             else:
                 job = create_job(replace(form.launch_request(), owner=request.user))
                 request_schedule()
-                messages.success(request, f"job {job.name} queued")
+                messages.success(request, f"job {job.name} queued", extra_tags="queued")
                 return redirect("job-detail", job.pk)
         except LaunchError as exc:
-            form.add_error(None, str(exc))
+            form.add_launch_problems(exc)
+    elif request.method == "POST":
+        # The form's own errors and the launch checks of the fields that passed, all at once.
+        try:
+            build_job(form.launch_request())
+        except LaunchError as exc:
+            form.add_launch_problems(exc)
     return render(request, "jobs/launch.html", {"form": form, "commands": commands, "nav": "launch"})
 
 
@@ -456,6 +471,20 @@ def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
     job = get_object_or_404(Job, pk=pk)
     found = report.checkpoints(job)
     return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
+
+
+@require_GET
+def api_system(request: HttpRequest, pk: int) -> JsonResponse:
+    """GPU, CPU and RAM of the job's nodes over its run (its GPUs only when it ran a set number per node)."""
+    job = get_object_or_404(Job, pk=pk)
+    start = job.running_at or job.started_at
+    ranks = list(job.ranks.select_related("node"))
+    if start is None or not ranks:
+        return JsonResponse({"job": job.pk, "metrics": []})
+    until = max(job.finished_at or timezone.now(), start + timedelta(minutes=1))
+    gpus = {r.node_id: set(range(job.nproc_per_node)) for r in ranks} if job.nproc_per_node else None
+    data = history([r.node for r in ranks], start, until, buckets=400, gpus=gpus)
+    return JsonResponse({"job": job.pk, **data})
 
 
 @require_GET

@@ -174,7 +174,7 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     wait_for(lambda: points_shown(page) >= 10, timeout=150, what="the first loss points in the chart")
     first = points_shown(page)
     wait_for(lambda: points_shown(page) > first + 10, timeout=60, what="more loss points")
-    assert page.locator("#chart canvas").count() >= 1
+    assert page.locator('#panels .panel[data-name="loss"] canvas').count() >= 1
     for rank in range(3):
         page.wait_for_selector(f'#log .line[data-rank="{rank}"]', state="attached", timeout=30_000)
     page.wait_for_selector("#job-state.badge-running", timeout=30_000)
@@ -217,7 +217,7 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     assert page.locator(".lane-done .job-card", has_text="web-run").count() == 1
     page.screenshot(path=ARTIFACTS / "jobs-board.png", full_page=True)
     page.goto(f"{server}/compare/?job={job.pk}")
-    page.wait_for_selector("#compare-chart canvas", timeout=10_000)
+    page.wait_for_selector("#compare-chart[data-ready] canvas", timeout=10_000)
     page.screenshot(path=ARTIFACTS / "compare.png", full_page=True)
     assert not errors, errors
 
@@ -249,7 +249,7 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     page.reload()
     line.wait_for(state="visible", timeout=20_000)
     assert page.locator("#log img, #log script, select img").count() == 0
-    assert page.locator("#metric-select option", has_text="<img src=x onerror=alert(3)>").count() == 1
+    assert page.locator("#panels .panel-toggle", has_text="<img src=x onerror=alert(3)>").count() == 1
     assert page.evaluate("window.__pwned") is None
     # checkpoints are asked of the node after the page is up (the script saved none)
     page.locator("#checkpoints", has_text="No checkpoints found on the nodes.").wait_for(timeout=30_000)
@@ -385,7 +385,8 @@ def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium
     log_in(page, web)
     page.goto(f"{web}/sweeps/{sweep.pk}/")
     # then the three curves are drawn on one chart with the best trial starred
-    page.locator("#chart-info", has_text="3 of 3 jobs have a loss curve").wait_for(timeout=10_000)
+    page.locator("#chart-info", has_text="3 of 3 jobs logged loss").wait_for(timeout=10_000)
+    page.wait_for_selector("#compare-chart[data-ready] .u-legend", timeout=10_000)
     assert "\u2605 sw-002" in page.text_content("#compare-chart")
     assert page.get_attribute('#trials tr[data-job="sw-002"]', "class") == "best"
     # and clicking "Final loss" sorts the trials by it, again reverses

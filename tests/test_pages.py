@@ -58,7 +58,8 @@ def job(db, node, settings, tmp_path):
 
 
 def page_urls(job: Job) -> list[str]:
-    return ["/", "/jobs/", "/jobs/launch/", "/jobs/queue/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}"]
+    return ["/", "/jobs/", "/jobs/launch/", "/jobs/queue/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}",
+            "/nodes/gpu-master/"]  # fmt: skip
 
 
 def api_urls(job: Job) -> list[str]:
@@ -66,6 +67,8 @@ def api_urls(job: Job) -> list[str]:
         f"/api/jobs/{job.pk}/series?name=loss",
         f"/api/jobs/{job.pk}/logs?tail=10",
         f"/api/jobs/{job.pk}/checkpoints",
+        f"/api/jobs/{job.pk}/system",
+        "/api/nodes/gpu-master/history",
     ]
 
 

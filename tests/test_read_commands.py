@@ -90,7 +90,7 @@ def test_queue_results_alerts_and_logs_speak_json(jobs):
     queue = json.loads(run("queue", "--json"))["queue"]
     assert [(q["position"], q["name"]) for q in queue] == [(1, "exp2")]
     results = json.loads(run("results", "exp1", "--json"))
-    assert results["final_loss"] == [{"rank": 0, "value": 2.5, "step": 30}] and results["checkpoints"] == []
+    assert results["final_loss"] == {"rank": 0, "value": 2.5, "step": 30} and results["checkpoints"] == []
     assert results["logs"]["0"].endswith("rank_0.log")
     open_alert(Node.objects.get(name="gpu2"), "ram", "warning", "RAM 92 % used")
     (alert,) = json.loads(run("alerts", "--json"))["alerts"]

@@ -543,6 +543,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
     last_loss = float("nan")
     # a slower GPU, simulated on CPU (tests and bench/uneven_batch.py): seconds per sample of this rank
     sample_sleep = float(os.environ.get("TRAIN_SAMPLE_SLEEP", "0") or 0)
+    # The run's final loss is the last loss it logged (rank 0's line): UGRO's pages and CLI show the same.
+    logged_loss = float("nan")
     tokens_per_step = local_batch * args.seq_len
     ddp_model.train()
     interval_losses: list[float] = []
@@ -599,14 +601,13 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
 
             if step % args.log_every == 0 or step == total_steps:
                 elapsed = max(time.time() - interval_t0, 1e-9)
+                logged_loss = round(sum(interval_losses) / len(interval_losses), 6)
                 emit(
                     json.dumps(
                         {
                             "step": step,
                             "epoch": epoch,
-                            "loss": round(
-                                sum(interval_losses) / len(interval_losses), 6
-                            ),
+                            "loss": logged_loss,
                             "lr": float(f"{lr:.6g}"),
                             "tokens_per_sec": round(
                                 interval_steps * tokens_per_step / elapsed, 2
@@ -630,7 +631,7 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
     d.barrier()
     d.log(
         f"training complete: job={args.job_id} steps={step} "
-        f"epochs={step / steps_per_epoch:.2f} final_loss={last_loss:.4f} "
+        f"epochs={step / steps_per_epoch:.2f} final_loss={logged_loss:.6g} "
         f"elapsed={time.time() - t_start:.1f}s output_dir={output_dir}"
     )
     return 0
