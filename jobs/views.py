@@ -233,6 +233,8 @@ def sweep_detail(request: HttpRequest, pk: int) -> HttpResponse:
     names = sorted({k for r in rows for k in r.params})
     for r in rows:
         r.cells = [r.params.get(k, "") for k in names]
+        r.final_text = format_value(r.final) if r.final is not None else "—"
+        r.best_text = format_value(r.best) if r.best is not None else "—"
     return render(
         request,
         "jobs/sweep.html",
