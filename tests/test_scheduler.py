@@ -318,7 +318,7 @@ def test_admin_shows_a_nodes_gpus_and_a_jobs_allocations():
     job = create_job(LaunchRequest(name="adm", gpus=2))
     place_queued()
     client = Client()
-    client.force_login(User.objects.create_superuser("root", password="pw-root-12345"))
+    client.force_login(User.objects.create_superuser("boss", password="pw-boss-12345"))
     node_page = client.get(f"/admin/cluster/node/{node.pk}/change/").content.decode()
     assert "RTX 12GB" in node_page and "12288" in node_page
     job_page = client.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()

@@ -136,8 +136,11 @@ def test_trials_show_final_and_best_metric_and_the_best_trial_is_marked(four_gpu
 
 
 def test_sweep_page_lists_trials_marks_the_best_and_escapes_params(four_gpus):
+    from django.contrib.auth.models import Group
+
     client = Client()
-    client.force_login(User.objects.create_user("alice", password="pw-alice-123"))
+    alice = User.objects.create_user("alice", password="pw-alice-123")
+    client.force_login(alice)
     sweep("p1", "--grid", "note=<b>x</b>,plain", "--gpus", "1")
     s = Sweep.objects.get(name="p1")
     first = s.trials.order_by("name").first()
@@ -147,7 +150,10 @@ def test_sweep_page_lists_trials_marks_the_best_and_escapes_params(four_gpus):
     assert "&lt;b&gt;x&lt;/b&gt;" in html and "<b>x</b>" not in html
     assert 'data-metric="loss"' in html and html.count("<li data-job=") == 2 and "&#9733; p1-001" in html
     assert client.get("/sweeps/").status_code == 200
-    # cancel from the page: every trial cancelled
+    # cancel from the page: a viewer may not (the trials are someone else's), an operator may
+    assert client.post(f"/sweeps/{s.pk}/cancel/").status_code == 403
+    assert set(s.trials.values_list("state", flat=True)) == {"queued"}
+    alice.groups.add(Group.objects.get(name="operator"))
     response = client.post(f"/sweeps/{s.pk}/cancel/")
     assert response.status_code == 302
     assert set(s.trials.values_list("state", flat=True)) == {"cancelled"}

@@ -4,10 +4,12 @@ import sys
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts import actions, policy
+from accounts.commands import UserCommand
 from jobs.batches import parse_weights
-from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
+from jobs.launch import LaunchError, LaunchRequest
 from jobs.limits import parse_duration, parse_size_mb
 from jobs.logs import rank_lines
 from jobs.models import Job
@@ -16,7 +18,8 @@ from jobs.watch import JobWatch
 from ugro_site.celery import worker_alive
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "launch"
     help = "Launch a training job on the cluster's nodes (all at once) and follow it."
 
     def add_arguments(self, parser):
@@ -94,15 +97,15 @@ class Command(BaseCommand):
         )  # fmt: skip
         if o["dry_run"]:
             try:
-                rows = dry_run(req)
-            except LaunchError as exc:
+                rows = actions.preview(self.user, req)
+            except (LaunchError, policy.Refused) as exc:
                 raise CommandError(str(exc)) from None
             for row in rows:
                 self.stdout.write(row)
             return
         try:
-            job = create_job(req)
-        except LaunchError as exc:
+            job = actions.launch(self.user, req, self.source)
+        except (LaunchError, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued (id {job.pk})")
         job = start(job)

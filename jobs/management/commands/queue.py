@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from jobs.report import job_summary, queue_table
 from jobs.snapshot import Snapshot, holders_by_job, queue
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Waiting jobs in the order they will start: position, why each waits, estimated start; and who holds GPUs."
 
     def add_arguments(self, parser):

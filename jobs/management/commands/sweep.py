@@ -1,16 +1,18 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts import actions, policy
+from accounts.commands import UserCommand
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.lifecycle import teardown
 from jobs.limits import parse_duration, parse_size_mb
 from jobs.models import Sweep
 from jobs.scheduler import request_schedule
-from jobs.sweeps import SweepRequest, cancel_sweep, create_sweep, trial_rows
+from jobs.sweeps import SweepRequest, trial_rows
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = (
         "Create a sweep: one queued job per trial of a grid (--grid lr=1e-4,3e-4) or random search "
         "(--random lr=loguniform(1e-5,1e-2) --trials 20); --show lists its trials, --cancel cancels them."
@@ -65,7 +67,8 @@ class Command(BaseCommand):
                 name="", script=o["script"], count=o["nodes"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
                 time_limit_s=limit, min_vram_mb=vram, priority=o["priority"], extra_args=o["extra"],
             )  # fmt: skip
-            sweep = create_sweep(
+            sweep = actions.launch_sweep(
+                self.user,
                 SweepRequest(
                     name=o["name"],
                     base=base,
@@ -78,9 +81,10 @@ class Command(BaseCommand):
                     mode=o["mode"],
                     median_stop=o["median_stop"],
                     median_min_steps=o["median_min_steps"],
-                )  # fmt: skip
+                ),  # fmt: skip
+                self.source,
             )
-        except (LaunchError, ValueError) as exc:
+        except (LaunchError, ValueError, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         request_schedule()
         n = sweep.trials.count()
@@ -101,7 +105,10 @@ class Command(BaseCommand):
                               f"{_params(row.params)}{mark}")  # fmt: skip
 
     def _cancel(self, sweep: Sweep) -> None:
-        stopping = cancel_sweep(sweep)
+        try:
+            stopping = actions.cancel_sweep_as(self.user, sweep, self.source)
+        except policy.Refused as exc:
+            raise CommandError(str(exc)) from None
         for job in stopping:
             teardown(job)  # here and now (a worker may be doing the same: both are safe)
         counts: dict[str, int] = {}
