@@ -361,3 +361,35 @@ def test_a_job_after_another_waits_with_reason_dependency_until_that_one_succeed
     then.allocations.update(active=False)
     (entry,) = queue()
     assert entry.decision.detail.startswith("job prep failed: this job will not start")
+
+
+def test_the_api_launches_on_gpus_with_a_time_limit_and_its_queue_says_why_jobs_wait():
+    from django.contrib.auth.models import Group
+    from django.test import Client
+
+    from accounts.tokens import create_token
+
+    lab_nodes((12,), (8,))
+    user = User.objects.create_user("carol")
+    user.groups.add(Group.objects.get(name="launcher"))
+    _, token = create_token(user, "laptop", "launch")
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {token}")
+
+    def launch(**body):
+        return client.post("/api/v1/jobs/", {"name": "x", **body}, content_type="application/json")
+
+    answer = launch(name="big", gpus=1, time_limit="2h", min_vram="10G")
+    assert answer.status_code == 201, answer.json()
+    job = Job.objects.get(name="big")
+    assert (job.gpus, job.time_limit_s, job.min_vram_mb, job.owner) == (1, 7200, 10240, user)
+    place_queued()
+    launch(name="next", gpus=1, min_vram="10G", time_limit="1h")
+    queued = client.get("/api/v1/queue").json()
+    assert [(q["position"], q["name"], q["reason"], q["gpus"]) for q in queued] == [(1, "next", "resources", "gpu0:0")]
+    assert queued[0]["estimated_start"] and not queued[0]["starts_now"]
+    # bad values are refused in one line, nothing created
+    refused = launch(name="bad", time_limit="soon")
+    assert refused.status_code == 400 and "time limit 'soon' is not a duration" in str(refused.json())
+    refused = launch(name="bad", gpus=1, min_vram="16G")
+    assert refused.status_code == 400 and "no GPU has 16.0 GB; the largest is gpu0 GPU 0" in str(refused.json())
+    assert not Job.objects.filter(name="bad").exists()
