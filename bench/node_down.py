@@ -90,6 +90,7 @@ def measure(code: Path, modes: list[str], trials: int, verbose: bool = False) ->
     from cluster.models import Node
     from jobs.models import Job, Rank
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still runs the `finally` below
     cluster = LoopbackCluster(tmp / "nodes", 1, subnet=SUBNET, first_octet=2).start()
     lb = cluster.nodes[0]
     node = Node.objects.create(name="silent", address=lb.address, ssh_port=lb.port, user=cluster.user,
