@@ -212,11 +212,17 @@ def test_admin_creates_a_token_shown_once_and_revokes_it(lab, admin_client):
     assert admin_client.get("/admin/accounts/auditevent/").status_code == 200
 
 
-def test_viewers_see_no_launch_link(lab):
+def test_viewers_see_no_launch_link_and_no_cancel_or_relaunch_button(lab):
+    job = running(lab)
     client = Client()
     client.force_login(User.objects.create_user("vic"))  # a new account: viewer
-    assert 'href="/jobs/launch/"' not in client.get("/jobs/").content.decode()
+    for url in ("/jobs/", f"/jobs/{job.pk}/"):
+        html = client.get(url).content.decode()
+        assert 'href="/jobs/launch/"' not in html and "/cancel/" not in html and "/relaunch/" not in html, url
     client.force_login(lab["user"])
+    for url in ("/jobs/", f"/jobs/{job.pk}/"):
+        html = client.get(url).content.decode()
+        assert f"/jobs/{job.pk}/cancel/" in html and f"/jobs/{job.pk}/relaunch/" in html, url
     assert 'href="/jobs/launch/"' in client.get("/jobs/").content.decode()
 
 
