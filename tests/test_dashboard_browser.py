@@ -199,6 +199,14 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     assert dl.value.suggested_filename == "curves_eval_accuracy.png"
     assert Path(dl.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # a folded group is not drawn while folded, and is drawn at its full width when unfolded
+    page.click('.panel-group[data-group="train"] .group-toggle')
+    assert page.is_hidden('.panel[data-name="train/grad_norm"]')
+    wait_for(lambda: "fold=train" in page.evaluate("location.href"), timeout=5, what="the fold in the URL")
+    page.click('.panel-group[data-group="train"] .group-toggle')
+    width = page.eval_on_selector('.panel[data-name="train/grad_norm"] canvas', "c => c.getBoundingClientRect().width")
+    assert width > 400
+
     # a panel collapsed, a search, the relative time axis: all in the URL, all back after a reload
     page.click('.panel[data-name="lr"] .panel-toggle')
     page.select_option("#x-axis", "relative")

@@ -214,7 +214,13 @@
 
   /** Draw (or update) the chart: the data is rebuilt from the lines; the plot only when its shape changed. */
   UGRO.Panel.prototype.draw = function () {
-    if (this.collapsed || this.root.hidden) return false;
+    // Not drawn while it cannot be seen (collapsed, filtered out, its group folded): it would be sized
+    // for no width. Drawn when shown again.
+    if (this.collapsed || !this.root.isConnected || this.root.offsetParent === null) {
+      this.stale = true;
+      return false;
+    }
+    this.stale = false;
     const keys = this.shownKeys().filter((k) => this.lines.get(k).x.length);
     if (!keys.length) return false;
     const smoothing = this.options.timeOnly ? 0 : this.view.smoothing;
@@ -232,6 +238,8 @@
     const shape = [keys.join(","), this.xMode(), log, smoothed].join("|");
     this._drawnLines = this.lines.size;
     if (this.plot && shape === this.shape) {
+      const size = this.size();
+      if (this.plot.width !== size.width) this.plot.setSize(size); // the window changed while it was hidden
       this.plot.setData(data);
       return true;
     }
@@ -452,6 +460,7 @@
   /** Apply search, collapsed panels and folded groups to the DOM. */
   UGRO.PanelBoard.prototype.apply = function () {
     const query = (this.state.query || "").trim().toLowerCase();
+    // first what is shown (so that a panel can measure itself), then draw what became visible
     for (const group of this.groups.values()) {
       let shown = 0;
       const folded = this.state.folded.has(group.name);
@@ -463,12 +472,14 @@
         const match = !query || name.toLowerCase().includes(query);
         panel.root.hidden = !match;
         if (match) shown++;
-        const collapsed = this.state.hidden.has(name);
-        if (collapsed !== panel.collapsed) panel.setCollapsed(collapsed);
-        else if (match && !folded && !panel.plot) panel.draw();
       }
       group.root.hidden = shown === 0;
       group.count.textContent = shown + (shown === 1 ? " panel" : " panels");
+    }
+    for (const [name, panel] of this.panels) {
+      const collapsed = this.state.hidden.has(name);
+      if (collapsed !== panel.collapsed) panel.setCollapsed(collapsed);
+      else if (panel.stale || !panel.plot) panel.draw();
     }
   };
 
