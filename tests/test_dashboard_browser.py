@@ -163,6 +163,10 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     )
     assert smoothed[:2] == ["rank 0 raw", "rank 0"] and abs(smoothed[2] - smoothed[3]) > 1e-3
 
+    # TensorBoard's formula: EMA debiased by 1 - w^n; a non-finite value passes through and feeds nothing
+    got = page.evaluate("UGRO.smooth([1, 2, NaN, 3], 0.5)")
+    assert got[:2] == [1, pytest.approx(5 / 3)] and math.isnan(got[2]) and got[3] == pytest.approx(17 / 7)
+
     # log y
     page.check("#log-y")
     assert page.evaluate("UGRO.jobBoard.panels.get('loss').plot.scales.y.distr") == 3
