@@ -12,8 +12,10 @@ from .events import job_group
 
 log = logging.getLogger(__name__)
 
-# The close code a page gets while the channel layer (Redis) is down: "try again later" (RFC 6455).
-TRY_AGAIN_LATER = 1013
+# The close code a page gets while the channel layer (Redis) is down. RFC 6455's "try again later" is
+# 1013, but daphne's websocket library sends only 1000 and 3000-4999 (it raises on anything else, and
+# the page would never hear of the close): 4013 is ours, in the range for applications.
+TRY_AGAIN_LATER = 4013
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
@@ -22,8 +24,8 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
     group = ""
 
     async def __call__(self, scope, receive, send) -> None:
-        """Redis down (at connect or mid-stream): one warning line and a close with 1013, which the page
-        answers by reconnecting, instead of an HTTP 500 or a 1011 with a traceback per viewer."""
+        """Redis down (at connect or mid-stream): one warning line and a close with 4013 (try again later),
+        which the page answers by reconnecting, instead of an HTTP 500 or a 1011 with a traceback per viewer."""
         try:
             await super().__call__(scope, receive, send)
         except (RedisError, OSError) as exc:
