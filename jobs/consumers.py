@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from redis.exceptions import RedisError
+
+from accounts import policy
 
 from .events import job_group
 
@@ -19,7 +22,8 @@ TRY_AGAIN_LATER = 4013
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
-    """Relays one channel-layer group to a logged-in browser; anonymous connections are closed."""
+    """Relays one channel-layer group to a browser whose user may view (accounts.policy); others are closed:
+    4401 anonymous, 4403 refused."""
 
     group = ""
 
@@ -42,6 +46,9 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
+            return
+        if not await database_sync_to_async(policy.allowed)(user, "view"):
+            await self.close(code=4403)
             return
         self.joined = self.group_name()
         await self.channel_layer.group_add(self.joined, self.channel_name)

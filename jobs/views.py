@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import replace
 from datetime import timedelta
 from urllib.parse import urlencode
 
@@ -17,13 +16,16 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from accounts import actions
+from accounts.audit import web_source
+from accounts.policy import Refused
 from cluster.history import history
 from cluster.models import Node
 from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from . import lifecycle, report
+from . import report
 from .launch import (
     EPOCHS_MAX,
     LR_MAX,
@@ -34,8 +36,6 @@ from .launch import (
     LaunchError,
     LaunchRequest,
     build_job,
-    create_job,
-    dry_run,
 )
 from .logs import job_lines
 from .models import Job, Rank
@@ -206,7 +206,8 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     try:
-        job = lifecycle.cancel(job)  # returns at once: a worker (or the reconciler) stops the processes
+        # returns at once: a worker (or the reconciler) stops the processes
+        job = actions.cancel(request.user, job, web_source(request))
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
@@ -249,8 +250,8 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
     """A new job with the same parameters under a new name."""
     job = get_object_or_404(Job, pk=pk)
     try:
-        new = create_job(replace(relaunch_request(job), owner=request.user))
-    except LaunchError as exc:
+        new = actions.launch(request.user, relaunch_request(job), web_source(request))
+    except (LaunchError, Refused) as exc:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
     request_schedule()
@@ -359,14 +360,16 @@ def launch(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         try:
             if "dry_run" in request.POST:
-                commands = dry_run(form.launch_request())
+                commands = actions.preview(request.user, form.launch_request())
             else:
-                job = create_job(replace(form.launch_request(), owner=request.user))
+                job = actions.launch(request.user, form.launch_request(), web_source(request))
                 request_schedule()
                 messages.success(request, f"job {job.name} queued", extra_tags="queued")
                 return redirect("job-detail", job.pk)
         except LaunchError as exc:
             form.add_launch_problems(exc)
+        except Refused as exc:
+            form.add_error(None, str(exc))
     elif request.method == "POST":
         # The form's own errors and the launch checks of the fields that passed, all at once.
         try:

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.db import connections
 
 from jobs.models import Job
@@ -126,7 +126,7 @@ def new_page(chromium, errors: list[str]):
 
 
 def log_in(page, base: str) -> None:
-    User.objects.create_user("alice", password="pw-alice-123")
+    User.objects.create_user("alice", password="pw-alice-123").groups.add(Group.objects.get(name="launcher"))
     page.goto(base + "/")
     assert "/accounts/login/" in page.url
     page.fill("#id_username", "alice")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.test import Client
 from django.utils import timezone
 
@@ -18,7 +18,9 @@ HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)>"
 
 @pytest.fixture
 def alice(db):
-    return User.objects.create_user("alice", password="pw-alice-123")
+    user = User.objects.create_user("alice", password="pw-alice-123")
+    user.groups.add(Group.objects.get(name="launcher"))  # launches and cancels her own jobs
+    return user
 
 
 @pytest.fixture
@@ -132,8 +134,8 @@ def test_cancel_requires_csrf_token(alice, job):
     assert job.state == Job.State.RUNNING
 
 
-def test_cancel_a_queued_job_from_the_board(browser, db):
-    job = Job.objects.create(name="waiting", script="s.py")
+def test_cancel_a_queued_job_from_the_board(browser, alice):
+    job = Job.objects.create(name="waiting", script="s.py", owner=alice)
     response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "/jobs/"})
     assert response.status_code == 302 and response["Location"] == "/jobs/"
     job.refresh_from_db()
@@ -141,8 +143,8 @@ def test_cancel_a_queued_job_from_the_board(browser, db):
     assert "job waiting cancelled" in browser.get("/jobs/").content.decode()
 
 
-def test_cancel_never_redirects_off_site(browser, db):
-    job = Job.objects.create(name="waiting", script="s.py")
+def test_cancel_never_redirects_off_site(browser, alice):
+    job = Job.objects.create(name="waiting", script="s.py", owner=alice)
     response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "//evil.example/"})
     assert response["Location"] == f"/jobs/{job.pk}/"
 

@@ -29,6 +29,7 @@ urlpatterns = [
     path("favicon.ico", views.favicon, name="favicon"),
     path("admin/", admin.site.urls),
     path("accounts/", include(auth_urls)),
+    path("api/", include("api.urls")),
     path("", include("cluster.urls")),
     path("", include("jobs.urls")),
     path("", include("metrics.urls")),

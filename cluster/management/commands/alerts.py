@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from cluster.models import Alert
 
 
@@ -21,7 +22,7 @@ def alert_record(a: Alert) -> dict:
     }
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "List open alerts (newest first); --all lists resolved ones and INFO events too."
 
     def add_arguments(self, parser):

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from cluster import monitor
 from cluster.health import BREAKER_TRIP_AFTER, Breaker
 from cluster.models import Node
@@ -32,7 +33,7 @@ def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
     return lines
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Probe every enabled node now and show its health. Exit code 1 if any node is not healthy."
 
     def add_arguments(self, parser):

@@ -2,14 +2,15 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from cluster.models import ClusterSettings, Node
 from jobs.launch import LaunchError, check_script
 from jobs.preflight import check_nodes
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = (
         "Run the launch pre-flight checks on the given (default: all enabled) nodes. "
         "Exit code 1 with one line per problem."

@@ -3,14 +3,15 @@ from __future__ import annotations
 import json
 import time
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from jobs.logs import job_lines, rank_lines
 from jobs.report import get_job
 from jobs.watch import JobWatch
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Show a job's logs: one rank, or all ranks merged in arrival order, rank-prefixed."
 
     def add_arguments(self, parser):

@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from jobs.report import job_summary, jobs_table
 from jobs.scheduler import queued_jobs
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "List queued jobs in the order they will start."
 
     def add_arguments(self, parser):

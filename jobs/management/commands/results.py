@@ -2,12 +2,11 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from jobs.report import get_job, results, results_record
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Show a job's results: config, duration, exit codes, final loss, checkpoints, log files."
 
     def add_arguments(self, parser):

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from jobs.models import Job
 from jobs.report import get_job, job_detail, job_record, job_summary, jobs_table
 from jobs.views import metric_names, progress
@@ -18,7 +19,7 @@ def job_progress(job: Job) -> dict | None:
     return progress(job, metric_names(job)) if job.running_at else None
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = (
         "Show recent jobs as a table (name, state, progress, nodes, age, owner), or one job in detail. "
         "Exits 1 if the named job FAILED. With --exit-code the exit status is the job's state: "
