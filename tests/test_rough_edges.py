@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.test import Client
 from django.utils import timezone
@@ -17,7 +17,9 @@ from metrics.parsing import LineParser
 @pytest.fixture
 def browser(db):
     client = Client()
-    client.force_login(User.objects.create_user("alice", password="pw-alice-123"))
+    alice = User.objects.create_user("alice", password="pw-alice-123")
+    alice.groups.add(Group.objects.get(name="launcher"))  # launching is what these pages are about
+    client.force_login(alice)
     return client
 
 
