@@ -325,10 +325,10 @@ def main_panels(args) -> None:
                   dom_content_loaded_ms: performance.getEntriesByType('navigation')[0].domContentLoadedEventEnd,
                   scripts_end_ms: Math.max(...performance.getEntriesByType('resource')
                     .filter(e => e.name.endsWith('.js')).map(e => e.responseEnd)),
-                  series_start_ms: performance.getEntriesByType('resource').filter(e => e.name.includes('/series'))
-                    .map(e => Math.round(e.startTime)),
-                  series_end_ms: performance.getEntriesByType('resource').filter(e => e.name.includes('/series'))
-                    .map(e => Math.round(e.responseEnd)),
+                  series_start_ms: performance.getEntriesByType('resource')
+                    .filter(e => /[/](series|panels)[?]/.test(e.name)).map(e => Math.round(e.startTime)),
+                  series_end_ms: performance.getEntriesByType('resource')
+                    .filter(e => /[/](series|panels)[?]/.test(e.name)).map(e => Math.round(e.responseEnd)),
                   all_drawn_ms: window.__ugroPanelsDrawnAt,
                 })"""
             )
