@@ -21,7 +21,6 @@ RULES = {
     "api-job-logs": "view",
     "api-job-checkpoints": "view",
     "api-job-series": "view",
-    "api-job-panels": "view",
     "api-job-system": "view",
     "node-detail": "view",
     "api-node-history": "view",

@@ -179,15 +179,16 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
-    # Every panel's first series in one answer, named in the page's head so that the browser fetches it
-    # while it loads the scripts (static/js/job.js asks for this exact URL).
+    # The series each panel asks for first, named in the page's head so that the browser fetches them
+    # while it loads the scripts (static/js/job.js asks for these exact URLs).
     query = {"buckets": FIRST_BUCKETS, **({"time": 1} if request.GET.get("x", "step") != "step" else {})}
-    panels_url = f"{reverse('api-job-panels', args=[job.pk])}?{urlencode(query)}" if chart_names else ""
+    base = reverse("api-job-series", args=[job.pk])
+    series_urls = [(name, f"{base}?{urlencode({'name': name, **query})}") for name in chart_names]
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
         "metric_names": chart_names,
-        "panels_url": panels_url,
+        "series_urls": series_urls,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",

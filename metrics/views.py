@@ -36,20 +36,6 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
     return JsonResponse(data)
 
 
-@require_GET
-def api_panels(request: HttpRequest, pk: int) -> JsonResponse:
-    """`/api/jobs/<id>/panels?buckets=N[&time=1]`: every metric of the job (up to 50), as `series` gives
-    each, in one answer: the job page's first load asks once instead of once per panel."""
-    job = get_object_or_404(Job, pk=pk)
-    try:
-        buckets = min(MAX_BUCKETS, max(1, int(request.GET.get("buckets", 1000))))
-    except ValueError:
-        return JsonResponse({"error": "buckets must be an integer"}, status=400)
-    with_time = request.GET.get("time") == "1"
-    data = {name: series(job.pk, name, buckets=buckets, with_time=with_time) for name in metric_names(job.pk)}
-    return JsonResponse({"job": job.pk, "state": job.state, "series": data})
-
-
 def metric_facts(job: Job, name: str) -> dict:
     """Final value (rank 0's last logged), its step, and the best value seen, as the pages print them."""
     final = final_value(job.pk, name, extremes=True)

@@ -69,7 +69,6 @@ def api_urls(job: Job) -> list[str]:
         f"/api/jobs/{job.pk}/logs?tail=10",
         f"/api/jobs/{job.pk}/checkpoints",
         f"/api/jobs/{job.pk}/system",
-        f"/api/jobs/{job.pk}/panels",
         "/api/nodes/gpu-master/history",
     ]
 
@@ -107,11 +106,6 @@ def test_logged_in_pages_render_with_csp_and_nonced_scripts_only(browser, job):
 def test_json_endpoints_give_series_and_log_lines(browser, job):
     series = browser.get(f"/api/jobs/{job.pk}/series?name=loss&buckets=100").json()
     assert series["ranks"]["0"]["x"] == [1, 2, 3, 4, 5] and series["total_points"] == 5
-    # every metric at once (the job page's first load), each as the series endpoint gives it
-    panels = browser.get(f"/api/jobs/{job.pk}/panels?buckets=100").json()
-    assert list(panels["series"]) == ["loss"]
-    assert panels["series"]["loss"]["ranks"] == series["ranks"] and panels["series"]["loss"]["total_points"] == 5
-    assert browser.get(f"/api/jobs/{job.pk}/panels?buckets=x").status_code == 400
     logs = browser.get(f"/api/jobs/{job.pk}/logs?tail=1").json()
     assert [line[1:] for line in logs["lines"]] == [[0, "step 2 going"]]
     rank0 = job.ranks.get(index=0)

@@ -46,33 +46,32 @@
   }
   const updateInfoSoon = UGRO.throttle(updateInfo, 250);
 
-  /** Put one metric's series (the series endpoint's answer) into its panel, keeping live points newer than it. */
-  function fill(name, json, withTime) {
-    const panel = board.panel(name);
-    const live = new Map(panel.lines); // points that arrived while loading
-    const byKey = {};
-    for (const [rank, xy] of Object.entries(json.ranks || {})) {
-      byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
-    }
-    panel.load(byKey);
-    for (const [key, line] of live) {
-      const loaded = panel.lines.get(key);
-      const last = loaded && loaded.x.length ? loaded.x[loaded.x.length - 1] : -Infinity;
-      for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
-    }
-    totals.set(name, json.total_points);
-    if (withTime) timed.add(name);
-    document.getElementById("chart-empty")?.remove();
-    panel.draw();
-  }
-
-  function loadPanel(name) {
+  function loadPanel(name, first) {
     const buckets = Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
     // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
     const withTime = view.xMode !== "step";
-    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
+    // the first load takes the URL the page preloaded (same URL: the browser answers from its preload)
+    const url =
+      first && first.includes("time=1") === withTime
+        ? first
+        : root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
     const promise = UGRO.getJSON(url).then(function (json) {
-      fill(name, json, withTime);
+      const panel = board.panel(name);
+      const live = new Map(panel.lines); // points that arrived while loading
+      const byKey = {};
+      for (const [rank, xy] of Object.entries(json.ranks || {})) {
+        byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
+      }
+      panel.load(byKey);
+      for (const [key, line] of live) {
+        const loaded = panel.lines.get(key);
+        const last = loaded && loaded.x.length ? loaded.x[loaded.x.length - 1] : -Infinity;
+        for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
+      }
+      totals.set(name, json.total_points);
+      if (withTime) timed.add(name);
+      document.getElementById("chart-empty")?.remove();
+      panel.draw();
       updateInfo();
     });
     loading.set(name, promise);
@@ -81,27 +80,17 @@
     });
   }
 
-  const namesList = document.getElementById("metric-names");
-  let preloaded = namesList.dataset.url || ""; // every panel's first series in one answer, fetched once
+  let preloaded = new Map(Array.from(document.querySelectorAll("#metric-names li"), (li) => [li.dataset.name, li.dataset.url]));
 
   function loadPanels() {
-    const names = new Set(Array.from(namesList.children, (li) => li.dataset.name));
+    const names = new Set(preloaded.keys());
     for (const name of board.panels.keys()) names.add(name);
     // every panel's place first, in one pass: each answer then only draws its own chart
     for (const name of names) board.panel(name, true);
     board.apply();
-    const withTime = view.xMode !== "step";
-    const first = preloaded.includes("time=1") === withTime ? preloaded : "";
-    preloaded = "";
-    const loads = first
-      ? UGRO.getJSON(first).then(function (json) {
-          for (const [name, one] of Object.entries(json.series || {})) fill(name, one, withTime);
-          updateInfo();
-          // a metric that appeared after the page was made
-          return Promise.allSettled(Array.from(names).filter((n) => !Object.hasOwn(json.series || {}, n)).map(loadPanel));
-        })
-      : Promise.allSettled(Array.from(names, loadPanel));
-    return Promise.allSettled([loads]).then(function () {
+    const first = preloaded;
+    preloaded = new Map(); // a preload answers once
+    return Promise.allSettled(Array.from(names, (name) => loadPanel(name, first.get(name)))).then(function () {
       board.apply();
       panelsBox.dataset.ready = "1";
       if (!window.__ugroPanelsDrawnAt) window.__ugroPanelsDrawnAt = performance.now();
