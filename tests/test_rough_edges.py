@@ -18,7 +18,7 @@ from metrics.parsing import LineParser
 def browser(db):
     client = Client()
     alice = User.objects.create_user("alice", password="pw-alice-123")
-    alice.groups.add(Group.objects.get(name="launcher"))  # launching is what these pages are about
+    alice.groups.add(Group.objects.get(name="launcher"))  # launches her own jobs
     client.force_login(alice)
     return client
 
