@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="stop after this global step (0 = no limit)",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch size")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="per-rank batch size (an even split; UGRO_LOCAL_BATCH in the environment overrides it per rank)",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument(
@@ -234,6 +239,7 @@ class StridedBatches:
         rank: int,
         world_size: int,
         seed: int,
+        split: BatchSplit | None = None,
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
@@ -241,12 +247,14 @@ class StridedBatches:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.split = split
+        per_step = split.global_batch if split else batch_size * world_size
         n_windows = (len(tokens) - 1 - (seq_len - 1)) // seq_len
-        self.steps_per_epoch = n_windows // (batch_size * world_size)
+        self.steps_per_epoch = n_windows // per_step
         if self.steps_per_epoch < 1:
             raise ValueError(
                 f"dataset too small: {len(tokens)} tokens give {n_windows} windows of "
-                f"{seq_len}, need at least batch_size*world_size = {batch_size * world_size}"
+                f"{seq_len}, need at least one global batch = {per_step}"
             )
 
     def _starts(self, epoch: int) -> np.ndarray:
@@ -258,16 +266,51 @@ class StridedBatches:
 
     def epoch_batches(self, epoch: int, skip: int = 0):
         starts = self._starts(epoch)
-        per_step = self.batch_size * self.world_size
+        split = self.split
+        per_step = split.global_batch if split else self.batch_size * self.world_size
         for i in range(skip, self.steps_per_epoch):
             chunk = starts[i * per_step : (i + 1) * per_step]
-            mine = chunk[self.rank :: self.world_size]
+            # the same global batch either way; an uneven split gives each rank its own share of it
+            if split:
+                mine = chunk[split.offset : split.offset + split.local]
+            else:
+                mine = chunk[self.rank :: self.world_size]
             idx = (
                 torch.from_numpy(mine)[:, None]
                 + torch.arange(self.seq_len + 1)[None, :]
             )
             window = self.tokens[idx]
             yield window[:, :-1], window[:, 1:]
+
+
+class BatchSplit:
+    """This rank's share of the global batch when GPUs are uneven (UGRO_LOCAL_BATCH / UGRO_BATCH_WEIGHT).
+
+    UGRO gives each rank a local batch in proportion to its GPU's speed; the global batch stays that of
+    the even split. Each rank scales its mean loss by its weight (local batch / even batch), so that
+    DDP's gradient averaging yields exactly the gradient of the global batch's mean loss.
+    """
+
+    def __init__(self, local: int, offset: int, global_batch: int, world_size: int) -> None:
+        self.local = local
+        self.offset = offset
+        self.global_batch = global_batch
+        self.weight = local * world_size / global_batch  # what UGRO_BATCH_WEIGHT says
+
+    @classmethod
+    def from_env(cls, d: Dist) -> BatchSplit | None:
+        raw = os.environ.get("UGRO_LOCAL_BATCH")
+        if not raw:
+            return None
+        local = int(raw)
+        if local < 1:
+            raise ValueError(f"UGRO_LOCAL_BATCH must be >= 1, got {raw!r}")
+        sizes = [local]
+        if d.enabled and d.world_size > 1:
+            sizes = [None] * d.world_size
+            dist.all_gather_object(sizes, local)
+        offset = sum(sizes[: d.rank])
+        return cls(local, offset, sum(sizes), d.world_size)
 
 
 # --------------------------------------------------------------------------
@@ -423,8 +466,15 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
         d.log(notice)
 
     tokens = load_tokens(data_path)
+    split = BatchSplit.from_env(d)
+    local_batch = split.local if split else args.batch_size
+    if split:
+        d.log(
+            f"uneven split: global batch {split.global_batch}, rank 0 takes {split.local} "
+            f"(weight {split.weight:.3f}); the loss is the global batch's mean"
+        )
     batches = StridedBatches(
-        tokens, args.seq_len, args.batch_size, d.rank, d.world_size, args.seed
+        tokens, args.seq_len, args.batch_size, d.rank, d.world_size, args.seed, split
     )
     steps_per_epoch = batches.steps_per_epoch
     total_steps = steps_per_epoch * args.num_epochs
@@ -491,9 +541,11 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
 
     last_saved = step
     last_loss = float("nan")
+    # a slower GPU, simulated on CPU (tests and bench/uneven_batch.py): seconds per sample of this rank
+    sample_sleep = float(os.environ.get("TRAIN_SAMPLE_SLEEP", "0") or 0)
     # The run's final loss is the last loss it logged (rank 0's line): UGRO's pages and CLI show the same.
     logged_loss = float("nan")
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = local_batch * args.seq_len
     ddp_model.train()
     interval_losses: list[float] = []
     interval_t0 = time.time()
@@ -512,7 +564,15 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
             logits = ddp_model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if split:
+                # weighted gradient averaging: DDP divides the sum by world_size
+                (loss * split.weight).backward()
+                share = (loss.detach() * split.local / split.global_batch).reshape(1)
+                if d.enabled and d.world_size > 1:
+                    dist.all_reduce(share)
+                loss = share[0]  # the global batch's mean loss, the same on every rank
+            else:
+                loss.backward()
             if args.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip
@@ -536,6 +596,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
             interval_losses.append(last_loss)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if sample_sleep:
+                time.sleep(sample_sleep * local_batch)
 
             if step % args.log_every == 0 or step == total_steps:
                 elapsed = max(time.time() - interval_t0, 1e-9)
