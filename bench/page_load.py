@@ -318,6 +318,20 @@ def main_panels(args) -> None:
             samples = [time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors) for _ in range(args.repeat)]
             page, memory = page_memory(context, url, UGRO_PANELS_DRAWN, len(names))
             drawn = page.eval_on_selector_all("#panels .panel canvas", "cs => cs.length")
+            # where the time of one load went: the HTML, each script, each series answer, all drawn
+            timeline = page.evaluate(
+                """() => ({
+                  html_response_end_ms: performance.getEntriesByType('navigation')[0].responseEnd,
+                  dom_content_loaded_ms: performance.getEntriesByType('navigation')[0].domContentLoadedEventEnd,
+                  scripts_end_ms: Math.max(...performance.getEntriesByType('resource')
+                    .filter(e => e.name.endsWith('.js')).map(e => e.responseEnd)),
+                  series_start_ms: performance.getEntriesByType('resource')
+                    .filter(e => /[/](series|panels)[?]/.test(e.name)).map(e => Math.round(e.startTime)),
+                  series_end_ms: performance.getEntriesByType('resource')
+                    .filter(e => /[/](series|panels)[?]/.test(e.name)).map(e => Math.round(e.responseEnd)),
+                  all_drawn_ms: window.__ugroPanelsDrawnAt,
+                })"""
+            )
             info_text = page.text_content("#chart-info")
             page.screenshot(path=str(tmp / "ugro-panels.png"), full_page=True)
             page.close()
@@ -330,6 +344,7 @@ def main_panels(args) -> None:
                 "samples": samples,
                 "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in samples),
                 "panels_drawn": drawn,
+                "timeline_of_one_load": timeline,
                 "chart_info": info_text,
                 "memory": memory,
                 "errors": errors[:20],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 from datetime import timedelta
+from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
@@ -51,6 +52,7 @@ LANES = (
 DONE_LIMIT = 50
 CHART_METRICS = ("loss", "lr", "tokens_per_sec", "grad_norm")
 MAX_TAIL = 5000
+FIRST_BUCKETS = 600  # per panel (about half the page's width: two panels a row)
 SWEEP_CHART_MAX = 50
 
 
@@ -199,10 +201,16 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
+    # The series each panel asks for first, named in the page's head so that the browser fetches them
+    # while it loads the scripts (static/js/job.js asks for these exact URLs).
+    query = {"buckets": FIRST_BUCKETS, **({"time": 1} if request.GET.get("x", "step") != "step" else {})}
+    base = reverse("api-job-series", args=[job.pk])
+    series_urls = [(name, f"{base}?{urlencode({'name': name, **query})}") for name in chart_names]
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
         "metric_names": chart_names,
+        "series_urls": series_urls,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",

@@ -137,6 +137,11 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     page.goto(f"{web}/jobs/{job.pk}/")
     ready(page, "#panels[data-ready]", errors)
 
+    # each panel's series was fetched once: the page's preload is what the panel's first load used
+    resources = "performance.getEntriesByType('resource').map(e => e.name)"
+    fetched = [url for url in page.evaluate(resources) if "/series" in url]
+    assert len(fetched) == len(set(fetched)) == 5, fetched
+
     # a panel per metric, grouped by prefix: the loss group first, loss first in it
     assert panel_order(page) == ["loss", "lr", "eval/loss", "eval/accuracy", "train/grad_norm"]
     groups = page.eval_on_selector_all("#panels .panel-group", "gs => gs.map(g => g.dataset.group)")
@@ -157,6 +162,10 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
         " u.data[1][150], u.data[2][150]]; })()"
     )
     assert smoothed[:2] == ["rank 0 raw", "rank 0"] and abs(smoothed[2] - smoothed[3]) > 1e-3
+
+    # TensorBoard's formula: EMA debiased by 1 - w^n; a non-finite value passes through and feeds nothing
+    got = page.evaluate("UGRO.smooth([1, 2, NaN, 3], 0.5)")
+    assert got[:2] == [1, pytest.approx(5 / 3)] and math.isnan(got[2]) and got[3] == pytest.approx(17 / 7)
 
     # log y
     page.check("#log-y")
@@ -198,6 +207,14 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
         page.click('.panel[data-name="eval/accuracy"] .panel-png')
     assert dl.value.suggested_filename == "curves_eval_accuracy.png"
     assert Path(dl.value.path()).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # a folded group is not drawn while folded, and is drawn at its full width when unfolded
+    page.click('.panel-group[data-group="train"] .group-toggle')
+    assert page.is_hidden('.panel[data-name="train/grad_norm"]')
+    wait_for(lambda: "fold=train" in page.evaluate("location.href"), timeout=5, what="the fold in the URL")
+    page.click('.panel-group[data-group="train"] .group-toggle')
+    width = page.eval_on_selector('.panel[data-name="train/grad_norm"] canvas', "c => c.getBoundingClientRect().width")
+    assert width > 400
 
     # a panel collapsed, a search, the relative time axis: all in the URL, all back after a reload
     page.click('.panel[data-name="lr"] .panel-toggle')

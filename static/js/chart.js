@@ -214,9 +214,15 @@
 
   /** Draw (or update) the chart: the data is rebuilt from the lines; the plot only when its shape changed. */
   UGRO.Panel.prototype.draw = function () {
-    if (this.collapsed || this.root.hidden) return false;
+    // Not drawn while it cannot be seen (collapsed, filtered out, its group folded): it would be sized
+    // for no width. Drawn when shown again.
     const keys = this.shownKeys().filter((k) => this.lines.get(k).x.length);
-    if (!keys.length) return false;
+    if (!keys.length) return false; // checked first: asking whether it is visible costs a layout
+    if (this.collapsed || !this.root.isConnected || this.root.offsetParent === null) {
+      this.stale = true;
+      return false;
+    }
+    this.stale = false;
     const smoothing = this.options.timeOnly ? 0 : this.view.smoothing;
     const smoothed = smoothing > 0;
     const log = this.view.log;
@@ -232,6 +238,8 @@
     const shape = [keys.join(","), this.xMode(), log, smoothed].join("|");
     this._drawnLines = this.lines.size;
     if (this.plot && shape === this.shape) {
+      const size = this.size();
+      if (this.plot.width !== size.width) this.plot.setSize(size); // the window changed while it was hidden
       this.plot.setData(data);
       return true;
     }
@@ -426,8 +434,9 @@
     }
   };
 
-  /** The panel of metric `name`, made (in order within its group) the first time it is asked for. */
-  UGRO.PanelBoard.prototype.panel = function (name) {
+  /** The panel of metric `name`, made (in order within its group) the first time it is asked for;
+      `later`: the caller applies the board's state once for a batch of new panels. */
+  UGRO.PanelBoard.prototype.panel = function (name, later) {
     let panel = this.panels.get(name);
     if (panel) return panel;
     const group = this.group(UGRO.groupOf(name));
@@ -445,30 +454,37 @@
       self.apply();
       self.onChange();
     });
-    this.apply();
+    if (!later) this.apply();
     return panel;
   };
 
   /** Apply search, collapsed panels and folded groups to the DOM. */
   UGRO.PanelBoard.prototype.apply = function () {
     const query = (this.state.query || "").trim().toLowerCase();
+    // Write only what changes (each write would make the next size reading lay the page out again),
+    // first what is shown, then draw what became visible.
+    const set = (node, key, value) => {
+      if (node[key] !== value) node[key] = value;
+    };
     for (const group of this.groups.values()) {
       let shown = 0;
       const folded = this.state.folded.has(group.name);
-      group.root.classList.toggle("folded", folded);
-      group.grid.hidden = folded;
-      group.toggle.setAttribute("aria-expanded", String(!folded));
+      if (group.root.classList.contains("folded") !== folded) group.root.classList.toggle("folded", folded);
+      set(group.grid, "hidden", folded);
+      if (group.toggle.getAttribute("aria-expanded") !== String(!folded)) group.toggle.setAttribute("aria-expanded", String(!folded));
       for (const [name, panel] of this.panels) {
         if (UGRO.groupOf(name) !== group.name) continue;
         const match = !query || name.toLowerCase().includes(query);
-        panel.root.hidden = !match;
+        set(panel.root, "hidden", !match);
         if (match) shown++;
-        const collapsed = this.state.hidden.has(name);
-        if (collapsed !== panel.collapsed) panel.setCollapsed(collapsed);
-        else if (match && !folded && !panel.plot) panel.draw();
       }
-      group.root.hidden = shown === 0;
-      group.count.textContent = shown + (shown === 1 ? " panel" : " panels");
+      set(group.root, "hidden", shown === 0);
+      set(group.count, "textContent", shown + (shown === 1 ? " panel" : " panels"));
+    }
+    for (const [name, panel] of this.panels) {
+      const collapsed = this.state.hidden.has(name);
+      if (collapsed !== panel.collapsed) panel.setCollapsed(collapsed);
+      else if (panel.count && (panel.stale || !panel.plot)) panel.draw();
     }
   };
 

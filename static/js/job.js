@@ -46,11 +46,15 @@
   }
   const updateInfoSoon = UGRO.throttle(updateInfo, 250);
 
-  function loadPanel(name) {
+  function loadPanel(name, first) {
     const buckets = Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
     // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
     const withTime = view.xMode !== "step";
-    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
+    // the first load takes the URL the page preloaded (same URL: the browser answers from its preload)
+    const url =
+      first && first.includes("time=1") === withTime
+        ? first
+        : root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
     const promise = UGRO.getJSON(url).then(function (json) {
       const panel = board.panel(name);
       const live = new Map(panel.lines); // points that arrived while loading
@@ -76,10 +80,17 @@
     });
   }
 
+  let preloaded = new Map(Array.from(document.querySelectorAll("#metric-names li"), (li) => [li.dataset.name, li.dataset.url]));
+
   function loadPanels() {
-    const names = new Set(Array.from(document.querySelectorAll("#metric-names li"), (li) => li.dataset.name));
+    const names = new Set(preloaded.keys());
     for (const name of board.panels.keys()) names.add(name);
-    return Promise.allSettled(Array.from(names, loadPanel)).then(function () {
+    // every panel's place first, in one pass: each answer then only draws its own chart
+    for (const name of names) board.panel(name, true);
+    board.apply();
+    const first = preloaded;
+    preloaded = new Map(); // a preload answers once
+    return Promise.allSettled(Array.from(names, (name) => loadPanel(name, first.get(name)))).then(function () {
       board.apply();
       panelsBox.dataset.ready = "1";
       if (!window.__ugroPanelsDrawnAt) window.__ugroPanelsDrawnAt = performance.now();
