@@ -25,12 +25,13 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import lifecycle
+from . import checkpoints, lifecycle
 from .failure import Failure, FailureKind
 from .follow import follower_id
-from .models import Job, Rank
+from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
 from .nodes import node_request, on_each
 from .preflight import run_preflight
+from .recovery import check_batch_template, parse_retry
 from .stop import stop_processes
 
 # The train_production.py interface; a cluster can name another script and template. An item whose
@@ -64,6 +65,16 @@ class LaunchRequest:
     metrics_pattern: str = ""  # a regex: the lines it matches give their key=value / key: value pairs
     metrics_files: list[str] = field(default_factory=list)  # metric files or directories on the nodes
     owner: Any = None  # the user who launches it (None: the system)
+    # recovery (docs/recovery.md)
+    retry: str = ""  # failure kinds retried automatically, e.g. "node-lost,oom"
+    max_attempts: int | None = None
+    min_nodes: int | None = None
+    resume_template: str = ""  # blank: --resume-from {checkpoint}
+    checkpoint_glob: str = ""
+    batch_template: str = ""  # e.g. --batch-size {batch} --grad-accum {accum}
+    batch: int | None = None
+    grad_accum: int | None = None
+    hang_after_s: float | None = None
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -113,7 +124,7 @@ def create_job(req: LaunchRequest) -> Job:
 
 def _never_ran(name: str):
     return Job.objects.filter(
-        name=name, state=Job.State.FAILED, running_at__isnull=True,
+        name=name, state=Job.State.FAILED, running_at__isnull=True, attempt=1,
         failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
     )  # fmt: skip
 
@@ -171,6 +182,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     if not enabled:
         raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
 
+    recovery = _recovery_fields(req, count or len(req.nodes))
     values = {
         "model": model,
         "dataset": dataset,
@@ -191,8 +203,38 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         priority=req.priority,
         sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
         owner=req.owner,
+        **recovery,
     )  # fmt: skip
     return job, pattern, files
+
+
+def _recovery_fields(req: LaunchRequest, nodes: int) -> dict[str, Any]:
+    """The job's recovery settings from a request; LaunchError with a one-line reason."""
+    from_template = req.resume_template.strip() or DEFAULT_RESUME_TEMPLATE
+    if "{checkpoint}" not in from_template:
+        raise LaunchError("--resume-template must contain {checkpoint}")
+    for text, what in ((from_template, "resume template"), (req.batch_template, "batch template"),
+                       (req.checkpoint_glob, "checkpoint glob")):  # fmt: skip
+        _check_arg(text, what)
+    glob = req.checkpoint_glob.strip()
+    if glob.startswith("/") or ".." in glob.split("/"):
+        raise LaunchError("--checkpoint-glob must be relative to the node's workdir, without '..'")
+    if req.max_attempts is not None and not 1 <= req.max_attempts <= 100:
+        raise LaunchError("--max-attempts must be between 1 and 100")
+    if req.min_nodes is not None and not 1 <= req.min_nodes <= max(1, nodes):
+        raise LaunchError(f"--min-nodes must be between 1 and the job's {nodes} nodes")
+    if req.hang_after_s is not None and not (math.isfinite(req.hang_after_s) and req.hang_after_s > 0):
+        raise LaunchError("--hang-after must be a positive number of seconds")
+    try:
+        retry_on = parse_retry(req.retry) if req.retry else []
+        batch = check_batch_template(req.batch_template.strip(), req.batch, req.grad_accum)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    return {
+        "retry_on": retry_on, "max_attempts": req.max_attempts, "min_nodes": req.min_nodes,
+        "resume_template": from_template, "checkpoint_glob": glob, "batch_template": req.batch_template.strip(),
+        "batch": batch, "hang_after_s": req.hang_after_s,
+    }  # fmt: skip
 
 
 def dry_run(req: LaunchRequest) -> list[str]:
@@ -267,6 +309,8 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
         "--max-restarts=0",
         job.script,
         *job.script_args,
+        *checkpoints.batch_args(job),  # after the user's: argparse keeps the last value
+        *checkpoints.resume_args(job),
     ]
 
 
@@ -295,6 +339,8 @@ def write_job_config(job: Job, ranks: list[Rank]) -> None:
         "script_args": job.script_args,
         "params": job.params,
         "rdzv_endpoint": job.rdzv_endpoint,
+        "attempt": job.attempt,
+        "resume_from": job.resume_path or None,
         "created_at": job.created_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "ranks": [
@@ -343,6 +389,13 @@ def launch(job: Job) -> Job:
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
         )
         return job
+    ckpt = job.resume_checkpoint
+    if ckpt is not None and ckpt.node_id != ranks[0].node_id:
+        try:  # rank 0 reads the checkpoint (and broadcasts it): it must be on rank 0's node
+            checkpoints.copy_to(ckpt, ranks[0].node)
+        except ValueError as exc:
+            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+            return job
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:

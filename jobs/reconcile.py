@@ -13,6 +13,8 @@ rule is idempotent and bounded in time, so running it twice, or after a crash an
 - An ended job that still holds nodes (a crash between its end and the release): released.
 - A lost rank of an ended job whose node answers again: the rest of its output is fetched.
 - Processes on a node tagged with a job this controller knows has ended: killed, and an alert says so.
+- RUNNING with no metric line for longer than its hang limit: HUNG (jobs/recovery.py).
+- FAILED with a retry policy: the policy decides, and a due retry is requeued (jobs/recovery.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from django.utils import timezone
 from cluster.alerts import record_event
 from cluster.models import Alert, Node
 
-from . import lifecycle
+from . import lifecycle, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Job, Rank
@@ -51,6 +53,9 @@ class Report:
     released: list[str] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)
     orphans_killed: list[str] = field(default_factory=list)
+    hung: list[str] = field(default_factory=list)
+    stragglers: list[str] = field(default_factory=list)
+    retried: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
@@ -83,6 +88,10 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
         job.refresh_from_db()
         if lifecycle.judge(job):
             report.judged.append(job.name)
+        elif recovery.check_hang(job):
+            report.hung.append(job.name)
+        else:
+            report.stragglers += [f"{job.name}: {m}" for m in recovery.check_stragglers(job)]
 
     for job in jobs.filter(state__in=Job.ENDED_STATES, ranks__active=True).distinct():
         job.ranks.filter(active=True).update(active=False)
@@ -93,6 +102,8 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
     for job in lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct():
         if recover_output(job, follower_id() + ":reconcile"):
             report.recovered.append(job.name)
+
+    report.retried += recovery.retry_pass(job_ids)
 
     if orphans and job_ids is None:
         report.orphans_killed += kill_orphans()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 
 from django.core.management.base import CommandError
+from django.db.models import F
 from django.utils import timezone
 
-from .models import Job
+from .models import Checkpoint, Job
 
 
 def get_job(name: str) -> Job:
@@ -41,7 +43,7 @@ def jobs_table(jobs: list[Job]) -> list[str]:
 
 def job_detail(job: Job) -> list[str]:
     out = [
-        f"job {job.name} (id {job.pk}): {job.state}",
+        f"job {job.name} (id {job.pk}): {job.state}" + (f", attempt {job.attempt}" if job.attempt > 1 else ""),
         f"  script: {job.script} {' '.join(json.dumps(a) if ' ' in a else a for a in job.script_args)}",
         f"  created {job.created_at:%Y-%m-%d %H:%M:%S}, duration {human_duration(job.duration())}",
     ]
@@ -59,9 +61,14 @@ def job_detail(job: Job) -> list[str]:
     return out
 
 
-def checkpoints(job: Job) -> list[tuple[str, str, int]]:
-    """(node, path, size) of the checkpoints the follower recorded for the job."""
-    return [(c.node.name, c.path, c.size) for c in job.checkpoints.select_related("node").order_by("path")]
+def checkpoints(job: Job) -> list[Checkpoint]:
+    """The checkpoints the follower recorded for the job, newest step first."""
+    return list(job.checkpoints.select_related("node").order_by(F("step").desc(nulls_last=True), "path"))
+
+
+def age(mtime: float) -> str:
+    """How long ago a node's file changed (node clock vs ours: close enough for an age)."""
+    return human_duration(max(0.0, time.time() - mtime))
 
 
 def results(job: Job) -> list[str]:
@@ -74,14 +81,27 @@ def results(job: Job) -> list[str]:
     if metrics.exists():
         out.append(f"  metrics: {metrics}")
     final = {}
-    for p in job.metric_points.filter(name="loss").order_by("-step")[:32]:
+    for p in job.metric_points.filter(name="loss", superseded=False).order_by("-step")[:32]:
         final.setdefault(p.rank, p)
     for rank, p in sorted(final.items()):
         out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)
-    out.append(f"  checkpoints: {len(ckpts)}")
-    for node, path, size in ckpts:
-        out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")
+    ready = sum(c.ready for c in ckpts)
+    out.append(f"  checkpoints: {len(ckpts)} ({ready} complete)")
+    if ckpts:
+        out.append(f"    {'STEP':>8} {'NODE':12} {'SIZE':>10} {'AGE':>9}  PATH")
+    for c in ckpts:
+        step = str(c.step) if c.step is not None else "-"
+        note = "" if c.ready else "  (being written or incomplete: not offered)"
+        out.append(f"    {step:>8} {c.node.name[:12]:12} {c.size / 1e6:>7.1f} MB {age(c.mtime):>9}  {c.path}{note}")
+    for a in job.attempts.order_by("number"):
+        out.append(
+            f"  attempt {a.number}: {a.state}{' ' + a.failure_kind if a.failure_kind else ''} at step "
+            f"{a.last_step if a.last_step is not None else '-'} (from step {a.from_step or 0}) on "
+            f"{','.join(a.nodes) or '-'}; then {a.next_reason}"
+        )
+    if job.attempt > 1 or job.recovery_note:
+        out.append(f"  attempt {job.attempt}: {job.state}" + (f"; {job.recovery_note}" if job.recovery_note else ""))
     return out

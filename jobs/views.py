@@ -18,7 +18,8 @@ from django.views.decorators.http import require_GET, require_POST
 from cluster.models import Node
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
-from . import lifecycle, report
+from . import checkpoints as job_checkpoints
+from . import lifecycle, recovery, report
 from .launch import LaunchError, LaunchRequest, create_job, dry_run
 from .logs import job_lines
 from .models import Job, Rank
@@ -115,7 +116,7 @@ def progress(job: Job, names: list[str]) -> dict | None:
         fraction = min(1.0, max(0.0, last / max_steps))
     elif names:
         name = "loss" if "loss" in names else names[0]
-        last = MetricPoint.objects.filter(job=job, name=name).aggregate(step=Max("step"))["step"]
+        last = MetricPoint.objects.filter(job=job, name=name, superseded=False).aggregate(step=Max("step"))["step"]
         max_steps = _max_steps(job)
     if fraction is None and max_steps and last is not None:
         fraction = min(1.0, last / max_steps)
@@ -137,7 +138,7 @@ def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     rows, ranks = [], set()
     for name in names:
         last_by_rank: dict[int, MetricPoint] = {}
-        for point in MetricPoint.objects.filter(job=job, name=name).order_by("-step")[:64]:
+        for point in MetricPoint.objects.filter(job=job, name=name, superseded=False).order_by("-step")[:64]:
             last_by_rank.setdefault(point.rank, point)
         ranks.update(last_by_rank)
         rows.append({"name": name, "last": last_by_rank})
@@ -178,6 +179,17 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
         "nav": "jobs",
     }
+    ckpts = report.checkpoints(job)
+    for c in ckpts:
+        c.size_text = f"{c.size / 1e9:.2f} GB" if c.size >= 1e9 else f"{c.size / 1e6:.1f} MB"
+        c.age = report.age(c.mtime)
+    context.update(
+        checkpoints=ckpts,
+        ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None],
+        resumable=job.state in lifecycle.RESUMABLE_STATES,
+        attempts=list(job.attempts.order_by("number")),
+        stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
+    )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
         context["summary_ranks"], context["summary"] = summary_metrics(job)
@@ -225,6 +237,21 @@ def relaunch_request(job: Job) -> LaunchRequest:
         metrics_pattern=metric_settings.pattern if metric_settings else "",
         metrics_files=list(metric_settings.files) if metric_settings else [],
     )
+
+
+@require_POST
+def resume(request: HttpRequest, pk: int) -> HttpResponse:
+    """The next attempt of a failed or cancelled job, from the chosen checkpoint (latest by default)."""
+    job = get_object_or_404(Job, pk=pk)
+    wanted = request.POST.get("from", "latest")[:40] or "latest"
+    try:
+        job = recovery.resume(job, wanted, who=request.user.get_username())
+    except recovery.RecoveryError as exc:
+        messages.error(request, f"resume of {job.name} refused: {exc}")
+    else:
+        request_schedule()
+        messages.success(request, f"job {job.name} queued as attempt {job.attempt}")
+    return redirect("job-detail", job.pk)
 
 
 @require_POST
@@ -336,7 +363,26 @@ def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
     """The checkpoints the follower recorded for a job (no node is asked during the request)."""
     job = get_object_or_404(Job, pk=pk)
     found = report.checkpoints(job)
-    return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
+    return JsonResponse(
+        {
+            "job": job.pk,
+            "checkpoints": [[c.node.name, c.path, c.size] for c in found],
+            "details": [
+                {
+                    "node": c.node.name,
+                    "path": c.path,
+                    "size": c.size,
+                    "step": c.step,
+                    "mtime": c.mtime,
+                    "kind": c.kind,
+                    "ready": c.ready,
+                    "attempt": c.attempt,
+                }
+                for c in found
+            ],  # fmt: skip
+            "offered": [c.step for c in job_checkpoints.offered(job)],
+        }
+    )
 
 
 @require_GET
@@ -360,4 +406,4 @@ def api_logs(request: HttpRequest, pk: int) -> JsonResponse:
     )
 
 
-__all__ = ["board", "detail", "cancel", "relaunch", "launch", "api_logs"]
+__all__ = ["board", "detail", "cancel", "resume", "relaunch", "launch", "api_logs"]

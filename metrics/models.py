@@ -16,6 +16,10 @@ class MetricPoint(models.Model):
     name = models.CharField(max_length=100)
     value = models.FloatField()
     time = models.DateTimeField()
+    attempt = models.PositiveIntegerField(default=1, help_text="The job's attempt that printed it.")
+    superseded = models.BooleanField(
+        default=False, help_text="A later attempt resumed from an earlier step: this point is off the curve."
+    )
 
     class Meta:
         indexes = [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")]

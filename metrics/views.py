@@ -30,13 +30,19 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
         return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
     data = series(job.pk, name, rank=rank, buckets=buckets)
     data["job"] = job.pk
+    # where each later attempt joined the curve: the chart marks them
+    data["attempts"] = [
+        {"attempt": n, "step": step or 0}
+        for n, step in job.attempts.order_by("number").values_list("number", "from_step")
+        if n > 1
+    ] + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
     data["state"] = job.state
     return JsonResponse(data)
 
 
 def final_loss(job: Job) -> dict:
     """Steps run, last mean loss across ranks at the last step, and the lowest loss seen."""
-    points = MetricPoint.objects.filter(job=job, name="loss")
+    points = MetricPoint.objects.filter(job=job, name="loss", superseded=False)
     agg = points.aggregate(last_step=Max("step"), best=Min("value"))
     last = None
     if agg["last_step"] is not None:

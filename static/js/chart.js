@@ -66,6 +66,32 @@
         })
       ),
     };
+    const self = this;
+    // Vertical marks where a later attempt of the job joined the curve: options.markers = [{x, label}].
+    opts.hooks = {
+      draw: [
+        function (u) {
+          const marks = self.options.markers || [];
+          if (!marks.length) return;
+          const ctx = u.ctx;
+          ctx.save();
+          ctx.strokeStyle = "#dc2626";
+          ctx.fillStyle = "#dc2626";
+          ctx.setLineDash([4, 4]);
+          ctx.font = 12 * devicePixelRatio + "px sans-serif";
+          for (const m of marks) {
+            const x = Math.round(u.valToPos(m.x, "x", true));
+            if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+            ctx.beginPath();
+            ctx.moveTo(x, u.bbox.top);
+            ctx.lineTo(x, u.bbox.top + u.bbox.height);
+            ctx.stroke();
+            ctx.fillText(m.label, x + 4, u.bbox.top + 14 * devicePixelRatio);
+          }
+          ctx.restore();
+        },
+      ],
+    };
     this.plot = new uPlot(opts, data, this.container);
     return true;
   };

@@ -36,6 +36,11 @@
     for (const [rank, steps] of series.ranks) for (const [step, value] of steps) if (!fresh.ranks.get(rank)?.has(step)) fresh.add(rank, step, value);
     series = fresh;
     plot.options.yLabel = name;
+    plot.options.markers = (json.attempts || []).map(function (a) {
+      return { x: a.step, label: "attempt " + a.attempt };
+    });
+    const marks = document.getElementById("chart-attempts");
+    if (marks) marks.textContent = plot.options.markers.map((m) => m.label + " from step " + m.x).join(" · ");
     plot.labels = "";
     draw();
     if (json.total_points > series.count) info.textContent += " (downsampled from " + json.total_points + ")";
@@ -136,46 +141,6 @@
     if (follow.checked) log.scrollTop = log.scrollHeight;
   });
 
-  // ---- checkpoints (ended jobs: listed by asking the nodes, so after the page is up) ----
-  function megabytes(size) {
-    return size >= 1e9 ? (size / 1e9).toFixed(2) + " GB" : (size / 1e6).toFixed(1) + " MB";
-  }
-
-  async function loadCheckpoints() {
-    const table = document.getElementById("checkpoints");
-    if (!table) return;
-    const body = table.tBodies[0];
-    let rows;
-    try {
-      rows = (await UGRO.getJSON(table.dataset.url)).checkpoints;
-    } catch (err) {
-      body.replaceChildren(emptyRow("Could not ask the nodes."));
-      return;
-    }
-    if (!rows.length) {
-      body.replaceChildren(emptyRow("No checkpoints found on the nodes."));
-      return;
-    }
-    body.replaceChildren(
-      ...rows.map(function ([node, path, size]) {
-        const tr = UGRO.el("tr");
-        const code = UGRO.el("code", "", path);
-        const where = UGRO.el("td");
-        where.append(code);
-        tr.append(UGRO.el("td", "", node), where, UGRO.el("td", "num", megabytes(size)));
-        return tr;
-      })
-    );
-  }
-
-  function emptyRow(text) {
-    const tr = UGRO.el("tr");
-    const td = UGRO.el("td", "empty", text);
-    td.colSpan = 3;
-    tr.append(td);
-    return tr;
-  }
-  loadCheckpoints();
 
   // ---- elapsed ----
   function tickElapsed() {

@@ -4,7 +4,7 @@ import time
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.logs import job_lines, rank_lines
+from jobs.logs import attempt_ranks, job_lines, rank_lines
 from jobs.report import get_job
 from jobs.watch import JobWatch
 
@@ -17,9 +17,12 @@ class Command(BaseCommand):
         parser.add_argument("--rank", type=int)
         parser.add_argument("--tail", type=int, help="only the last N lines")
         parser.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+        parser.add_argument("--attempt", type=int, help="an earlier attempt's logs (default: the current one)")
 
-    def handle(self, name, rank=None, tail=None, follow=False, **options):
+    def handle(self, name, rank=None, tail=None, follow=False, attempt=None, **options):
         job = get_job(name)
+        if attempt is not None and attempt != job.attempt:
+            return self._earlier(job, attempt, rank, tail, follow)
         if rank is not None and not job.ranks.filter(index=rank).exists():
             raise CommandError(f"job {job.name} has no rank {rank} (ranks 0-{job.ranks.count() - 1})")
         if tail is not None and tail < 1:
@@ -32,6 +35,19 @@ class Command(BaseCommand):
                 self._follow(job, rank, {r.index: r.log_offset for r in ranks})
             except KeyboardInterrupt:
                 pass
+
+    def _earlier(self, job, attempt, rank, tail, follow):
+        ranks = attempt_ranks(job, attempt)
+        if ranks is None:
+            raise CommandError(f"job {job.name} has no attempt {attempt} (attempts 1-{job.attempt})")
+        if follow:
+            raise CommandError(f"attempt {attempt} of job {job.name} has ended: --follow is for the current one")
+        if rank is not None and rank not in [r.index for r in ranks]:
+            raise CommandError(f"attempt {attempt} of job {job.name} has no rank {rank}")
+        if tail is not None and tail < 1:
+            raise CommandError("--tail must be at least 1")
+        for line in job_lines(job, rank, tail, ranks=ranks):
+            self.stdout.write(line.text if rank is not None else line.prefixed())
 
     def _follow(self, job, rank_index, offsets):
         # Following here (and reconciling when no worker runs) means the job ends, frees its nodes
