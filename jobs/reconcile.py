@@ -32,7 +32,7 @@ from cluster.models import Alert, Node
 from . import lifecycle, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
-from .models import Job, Rank
+from .models import Attempt, Job, Rank
 from .nodes import node_request, on_each
 from .stop import stop_processes
 
@@ -182,4 +182,16 @@ def kill_orphans() -> list[str]:
             )
             record_event(node, f"orphans:{job.name}", message, job_name=job.name, severity=Alert.Severity.WARNING)
             killed.append(f"{node.name}:{job.name}")
+        # an earlier attempt's processes (its tag is no longer the job's): e.g. on a node that was cut off
+        for attempt in Attempt.objects.filter(tag__in=list(tags)).select_related("job"):
+            ghost = Job(pk=attempt.job.pk, name=attempt.job.name, tag=attempt.tag)
+            unclean = stop_processes(ghost, [Rank(job=ghost, node=node, index=0)])
+            pids = tags.get(attempt.tag) or []
+            message = (
+                f"{len(pids)} process(es) of attempt {attempt.number} of job {attempt.job.name} were still running "
+                f"on {node.name}: {'killed' if not unclean else 'could not be confirmed killed'}"
+            )
+            record_event(node, f"orphans:{attempt.job.name}", message, job_name=attempt.job.name,
+                         severity=Alert.Severity.WARNING)  # fmt: skip
+            killed.append(f"{node.name}:{attempt.job.name}#{attempt.number}")
     return killed

@@ -166,13 +166,15 @@ def decide(job: Job) -> tuple[lifecycle.NextAttempt | None, str]:
             return None, _oom_proposal(job)
         batch = {"batch": int(b["batch"]) // 2, "accum": int(b.get("accum") or 1) * 2}
     nodes = None
+    ready = checkpoints.offered(job)
     if kind == FailureKind.NODE_LOST.value:
         prev_nodes = list(job.ranks.order_by("index").values_list("node__name", flat=True))
-        down = set(Node.objects.filter(status=Node.Status.DOWN).values_list("name", flat=True))
-        remaining = [n for n in prev_nodes if n != job.failure_node and n not in down]
-        if job.min_nodes and remaining and len(remaining) >= job.min_nodes:
-            nodes = remaining
-    ready = checkpoints.offered(job)
+        down = set(Node.objects.filter(status=Node.Status.DOWN).values_list("name", flat=True)) | {job.failure_node}
+        remaining = [n for n in prev_nodes if n not in down]
+        reachable = [c for c in ready if c.node.name not in down]
+        # go on without the node only from a checkpoint that is not on it (else wait for it to come back)
+        if job.min_nodes and remaining and len(remaining) >= job.min_nodes and (reachable or not ready):
+            nodes, ready = remaining, reachable
     ckpt = ready[0] if ready else None
     wait = backoff_s(job.attempt)
     what = f"from step {ckpt.step}" if ckpt else "from scratch (no complete checkpoint)"
@@ -284,14 +286,21 @@ def check_hang(job: Job) -> bool:
     contacts = [r.last_contact for r in ranks if r.last_contact]
     if len(contacts) < len(ranks) or (now - min(contacts)).total_seconds() > 2 * lease:
         return False  # nobody has copied its logs lately: cannot tell a hang from an absent follower
-    last = MetricPoint.objects.filter(job=job, attempt=job.attempt).order_by("-time").values_list("time", flat=True)
-    since = last.first() or job.running_at
-    silent = (now - since).total_seconds()
+    since = (
+        MetricPoint.objects.filter(job=job, attempt=job.attempt)
+        .order_by("-time")
+        .values_list("time", flat=True)
+        .first()
+    )
     limit, median = hang_limit(job)
+    if since is None:  # start-up (imports, rendezvous, loading a checkpoint) gets its own, longer allowance
+        since = job.running_at
+        limit = max(limit, settings.UGRO.get("HANG_STARTUP_S", 600.0))
+    silent = (now - since).total_seconds()
     if silent <= limit:
         return False
     step = last_step(job, job.attempt)
-    how = f"median {median:.2f}s between lines" if median else "no metric line yet"
+    how = f"median {median:.2f}s between lines" if median else "one metric line so far"
     message = (
         f"job {job.name} HUNG: no metric line for {silent:.0f}s (limit {limit:g}s, {how}), "
         f"last step {step if step is not None else '-'}"

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,169 @@ def test_resume_refuses_a_running_or_unknown_job_with_one_line_and_changes_nothi
         run("resume", "live", "--from", "scratch", "--nodes", "node9")
     job.refresh_from_db()
     assert job.state == Job.State.CANCELLED and job.attempt == 1 and not job.attempts.exists()
+
+
+# -- the retry policy -----------------------------------------------------------------------------
+
+SHORT = ["--max-steps", "40", "--seq-len", "16", "--log-every", "5", "--save-every", "20", "--step-sleep", "0.05"]
+
+
+def drive(job: Job, predicate, timeout: float = 150, what: str = "condition"):
+    """Follow, reconcile (hangs, stragglers, the retry policy) and start the job's queued attempts, as a
+    worker would, until predicate() holds."""
+    from jobs.scheduler import schedule
+
+    def step():
+        follow(0.5, job_ids=[job.pk])
+        reconcile([job.pk], orphans=False)
+        if Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).exists():
+            schedule(only=[job.pk])
+        return predicate()
+
+    return wait_for(step, timeout=timeout, interval=0.05, what=what)
+
+
+def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_the_accumulation(recovery_settings):
+    from cluster.models import Alert
+
+    # given a job that runs out of memory at step 30 while its per-rank batch is above 2
+    run("launch", "--name", "oomy", "--nodes", "2", "--retry", "oom", "--max-attempts", "3",
+        "--batch-template=--batch-size {batch} --grad-accum {accum}", "--batch", "4", "--detach", "--",
+        *SHORT, "--oom-at-step", "30:2")  # fmt: skip
+    job = Job.objects.get(name="oomy")
+    # when it fails and the policy acts
+    drive(job, lambda: Job.objects.get(pk=job.pk).attempt == 2 and Job.objects.get(pk=job.pk).is_ended,
+          what="the retried attempt to end")  # fmt: skip
+    job.refresh_from_db()
+    # then attempt 2 ran from the step-20 checkpoint with batch 2 x accumulation 2 and finished
+    first = Attempt.objects.get(job=job, number=1)
+    assert first.failure_kind == "OOM" and "batch 2 x accum 2" in first.next_reason, first.next_reason
+    assert job.state == Job.State.SUCCEEDED and job.resume_step == 20, job.failure_reason
+    assert job.batch == {"batch": 2, "accum": 2}
+    config = json.loads((job.job_dir / "config.json").read_text())
+    command = config["ranks"][0]["command"]
+    # the batch arguments after the user's (the last value wins), then the resume argument
+    assert command[-6:] == ["--batch-size", "2", "--grad-accum", "2", "--resume-from",
+                            "outputs/oomy/checkpoint_step20.pt"]  # fmt: skip
+    assert last_step(job) == 40
+    assert Alert.objects.filter(key="recovery:oomy", message__contains="retry: attempt 2 of 3 from step 20").exists()
+
+
+def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_settings):
+    from cluster.models import Alert
+
+    # given a script error before step 28, every time, and a policy that would retry it five times
+    run("launch", "--name", "loop", "--nodes", "2", "--retry", "script-error", "--max-attempts", "5", "--detach",
+        "--", *SHORT, "--batch-size", "4", "--fail-at-step", "28")  # fmt: skip
+    job = Job.objects.get(name="loop")
+
+    def decided_twice():
+        j = Job.objects.get(pk=job.pk)
+        return j.attempt == 2 and j.state == Job.State.FAILED and j.recovery_note
+
+    drive(job, decided_twice, what="attempt 2 to fail and be judged")
+    job.refresh_from_db()
+    # then attempt 2 (resumed from step 20) failed at step 25 like attempt 1, and nothing more is tried
+    assert job.failure_kind == "SCRIPT_ERROR" and job.resume_step == 20
+    assert "crash loop" in job.recovery_note and "failed at step 25" in job.recovery_note, job.recovery_note
+    alert = Alert.objects.get(key="recovery:loop", resolved_at__isnull=True)
+    assert alert.severity == Alert.Severity.CRITICAL and "crash loop" in alert.message
+    for _ in range(3):
+        reconcile([job.pk], orphans=False)
+    job.refresh_from_db()
+    assert job.attempt == 2 and job.state == Job.State.FAILED
+
+
+def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recovery_settings):
+    lab = recovery_settings
+    # given a 3-node job that may go on with 2 nodes
+    run("launch", "--name", "lost", "--nodes", "3", "--retry", "node-lost", "--min-nodes", "2", "--detach", "--",
+        "--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every", "10",
+        "--step-sleep", "0.1")  # fmt: skip
+    job = Job.objects.get(name="lost")
+    drive(job, lambda: checkpoints.offered(job) and last_step(job) >= 15, what="a checkpoint")
+    # the checkpoints are where global rank 0 runs (c10d: any node); the lost node is one without them
+    keeper = checkpoints.offered(job)[0].node.name
+    gone = next(n for n in ("node3", "node2") if n != keeper)
+    node3 = lab.nodes[int(gone[-1]) - 1]
+    try:
+        # when that node stops answering mid-run
+        node3.stop()
+        t0 = time.monotonic()
+        drive(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the job to fail")
+        detected = time.monotonic() - t0
+
+        def training_again() -> bool:
+            j = Job.objects.get(pk=job.pk)
+            return j.attempt == 2 and last_step(j) > (j.resume_step or 0)
+
+        drive(job, training_again, what="attempt 2 to train")
+        back = time.monotonic() - t0 - detected
+        job.refresh_from_db()
+        # then attempt 1 failed as NODE_LOST naming the node, and attempt 2 trains on the other two only
+        first = Attempt.objects.get(job=job, number=1)
+        assert first.failure_kind == "NODE_LOST" and gone in first.failure_reason
+        assert sorted(job.ranks.values_list("node__name", flat=True)) == sorted({"node1", "node2", "node3"} - {gone})
+        assert f"without {gone}" in first.next_reason and job.resume_step >= 10
+        assert job.state == Job.State.RUNNING and job.resume_step % 10 == 0
+        run("cancel", "lost")
+        print(f"node lost: detected after {detected:.1f}s, training again {back:.1f}s later")
+    finally:
+        node3.start()
+    wait_for(lambda: not reconcile().orphans_killed and not job_pids(first.tag), timeout=60,
+             what="the lost node's leftovers to be gone")  # fmt: skip
+
+
+# -- hangs and stragglers -------------------------------------------------------------------------
+
+
+def test_a_hung_job_is_flagged_its_stacks_dumped_and_the_retry_policy_applied(recovery_settings):
+    from cluster.models import Alert
+
+    # given a job that stops printing after step 25 (it sleeps), with a 3 s hang limit and one retry allowed
+    run("launch", "--name", "hung", "--nodes", "2", "--hang-after", "3", "--retry", "hang", "--max-attempts", "2",
+        "--detach", "--", *SHORT, "--batch-size", "4", "--sleep-at-step", "25:600")  # fmt: skip
+    job = Job.objects.get(name="hung")
+    # when it falls silent
+    drive(job, lambda: Job.objects.get(pk=job.pk).attempt == 2, what="the hang to be retried")
+    # then it was flagged HUNG with an alert, and every rank's stacks are in its logs (faulthandler on SIGUSR1)
+    first = Attempt.objects.get(job=job, number=1)
+    assert first.failure_kind == "HANG" and "no metric line for" in first.failure_reason
+    assert Alert.objects.filter(key="hung:hung", message__contains="HUNG").exists()
+    logs = run("logs", "hung", "--attempt", "1")
+    assert logs.count("most recent call first") >= 2 and "train_production.py" in logs
+    assert "SIGUSR1" in first.failure_reason or "py-spy" in first.failure_reason
+    # and the retry resumed from the step-20 checkpoint; it hangs again and the policy gives up
+    job.refresh_from_db()
+    assert job.resume_step == 20
+    drive(job, lambda: Job.objects.get(pk=job.pk).recovery_note != "" and Job.objects.get(pk=job.pk).is_ended,
+          what="attempt 2 to hang and be judged")  # fmt: skip
+    job.refresh_from_db()
+    assert job.failure_kind == "HANG" and "gave up after 2 attempts" in job.recovery_note
+    assert job_pids(job.tag) == []
+
+
+def test_a_rank_sleeping_half_again_per_step_is_flagged_as_a_straggler(recovery_settings, client,
+                                                                      django_user_model):  # fmt: skip
+    from cluster.models import Alert
+    from jobs.recovery import stragglers
+
+    # given three ranks, one of which sleeps 50 % more per step
+    run("launch", "--name", "slow", "--nodes", "3", "--detach", "--", "--max-steps", "2000", "--seq-len", "16",
+        "--batch-size", "4", "--log-every", "5", "--step-sleep", "0.2", "--slow-rank", "2:0.1")  # fmt: skip
+    job = Job.objects.get(name="slow")
+    # when three windows of step times are in
+    drive(job, lambda: Alert.objects.filter(key="straggler:slow").exists(), what="the straggler alert")
+    # then rank 2 is flagged, with the node that runs it, on the page and in an alert on that node
+    found = stragglers(job)
+    assert [s["rank"] for s in found] == [2] and found[0]["ratio"] > 1.33
+    node = found[0]["node"]
+    assert any('"rank": 2,' in line for line in run("logs", "slow", "--rank", str(
+        job.ranks.get(node=node).index)).splitlines())  # fmt: skip
+    alert = Alert.objects.get(key="straggler:slow")
+    assert alert.node == node and "rank 2" in alert.message and "straggler" in alert.message
+    client.force_login(django_user_model.objects.create_user("carol", password="x" * 12))
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="straggler-2"' in page and f"rank 2 on {node.name} is a straggler" in page
+    run("cancel", "slow")
+    assert job_pids(job.tag) == []

@@ -35,7 +35,8 @@ and epoch, the model has no randomness after its seeded initialisation).
 SIGUSR1 makes every rank print all its threads' stacks (faulthandler): UGRO
 sends it when a job hangs and py-spy is not installed on the node.
 
-Options for tests inject failures: --sleep-at-step STEP:SECONDS (a hang),
+Options for tests inject failures: --fail-at-step STEP (an error),
+--sleep-at-step STEP:SECONDS (a hang),
 --slow-rank RANK:SECONDS (a straggler), --oom-at-step STEP:MAX_BATCH (CUDA out
 of memory while the per-rank batch is larger than MAX_BATCH).
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to sleep after every step (for tests)",
     )
     p.add_argument("--sleep-at-step", default="", help="STEP:SECONDS, sleep once (tests: a hang)")
+    p.add_argument("--fail-at-step", type=int, default=0, help="raise an error before STEP (tests)")
     p.add_argument("--slow-rank", default="", help="RANK:SECONDS, extra sleep per step on that rank")
     p.add_argument(
         "--oom-at-step",
@@ -147,7 +149,7 @@ def validate_args(args: argparse.Namespace) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ("max_steps", "save_every", "step_sleep"):
+    for name in ("max_steps", "save_every", "step_sleep", "fail_at_step"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.learning_rate <= 0:
@@ -600,6 +602,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                 break
             t_step = time.perf_counter()
             timing["arrived"] = timing["synced"] = None
+            if args.fail_at_step and step + 1 == args.fail_at_step:
+                raise RuntimeError(f"injected failure before step {step + 1} (--fail-at-step)")
             if oom_at and step + 1 >= oom_at[0] and args.batch_size > oom_at[1]:
                 raise RuntimeError(
                     f"CUDA out of memory. Tried to allocate {args.batch_size * 64} MiB "
@@ -650,9 +654,6 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                 time.sleep(args.step_sleep)
             if slow and slow[0] == d.rank:
                 time.sleep(slow[1])
-            if sleep_at and sleep_at[0] == step:
-                d.log(f"sleeping {sleep_at[1]:g}s at step {step} (--sleep-at-step)")
-                time.sleep(sleep_at[1])
             wait = 0.0
             if timing["arrived"] is not None and timing["synced"] is not None:
                 wait = max(0.0, timing["synced"] - timing["arrived"])
@@ -684,6 +685,10 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                 interval_compute = interval_wait = 0.0
                 interval_steps = 0
                 interval_t0 = time.time()
+
+            if sleep_at and sleep_at[0] == step:
+                d.log(f"sleeping {sleep_at[1]:g}s after step {step} (--sleep-at-step)")
+                time.sleep(sleep_at[1])
 
             epoch_end = step % steps_per_epoch == 0
             if (args.save_every and step % args.save_every == 0) or epoch_end:

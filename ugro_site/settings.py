@@ -214,6 +214,7 @@ UGRO.update(
         "RETRY_BACKOFF_MAX_S": env_float("UGRO_RETRY_BACKOFF_MAX_S", 600.0, minimum=0.0),
         "HANG_MIN_S": env_float("UGRO_HANG_MIN_S", 60.0, minimum=0.1),
         "HANG_FACTOR": env_float("UGRO_HANG_FACTOR", 5.0, minimum=1.0),
+        "HANG_STARTUP_S": env_float("UGRO_HANG_STARTUP_S", 600.0, minimum=1.0),  # before an attempt's first line
         "STRAGGLER_RATIO": env_float("UGRO_STRAGGLER_RATIO", 1.33, minimum=1.0),
         "STRAGGLER_WINDOWS": env_int("UGRO_STRAGGLER_WINDOWS", 3, minimum=1),
     }
