@@ -18,7 +18,8 @@ class Job(models.Model):
     """One distributed training run. Only jobs/lifecycle.py changes `state` (docs/lifecycle.md):
 
     QUEUED -> STARTING -> RUNNING -> SUCCEEDED; STARTING | RUNNING -> FAILING -> FAILED;
-    QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED.
+    QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED;
+    FAILED | CANCELLED -> QUEUED as the next attempt (resume, retry: docs/recovery.md).
     FAILING and CANCELLING hold the nodes while the job's processes are stopped; the final states
     release every node in the same transaction that sets them.
     """
