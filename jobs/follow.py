@@ -336,7 +336,7 @@ def follow(
                     followers.pop(job.pk, None)
                     continue
                 f = followers.get(job.pk)
-                if f is None:
+                if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
                     taken += f.step(wait=wait)

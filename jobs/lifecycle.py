@@ -289,22 +289,16 @@ class NextAttempt:
     retry_at: datetime | None = None  # not before (backoff); None: at once
 
 
-def requeue(job: Job, nxt: NextAttempt) -> bool:
-    """FAILED | CANCELLED -> QUEUED as attempt N+1 of the same job (same name, same curve).
-
-    The ended attempt is kept as an Attempt row; its central logs move to logs/attempt_<N>/ and its rank
-    rows are removed (the job's ranks are always the current attempt's); its metric points past the
-    step the new attempt starts from leave the curve (superseded, not deleted). False if the job is not
-    in a resumable state (another resume won the race, or it is still live).
-    """
-    job.refresh_from_db()
-    if job.state not in RESUMABLE_STATES:
-        return False
-    number = job.attempt
-    moved = archive_logs(job, number)  # before the commit: the next attempt must never write over them
+def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
+    """Inside requeue's transaction: the Attempt row, the ranks removed, the curve cut, the job QUEUED."""
     ranks = list(job.ranks.select_related("node").order_by("index"))
     last_step = MetricPoint.objects.filter(job=job, attempt=number).order_by("-step").values_list("step", flat=True)
     from_step = nxt.checkpoint.step if nxt.checkpoint is not None else None
+    ended = {
+        "tag": job.tag, "state": job.state, "failure_kind": job.failure_kind,
+        "failure_reason": job.failure_reason, "started_at": job.started_at, "finished_at": job.finished_at,
+    }  # fmt: skip
+    ended_from = job.resume_step  # the step the ended attempt started from (None: from scratch)
     fields = {
         "attempt": number + 1,
         "started_at": None, "running_at": None, "finished_at": None, "tag": "", "rdzv_endpoint": "",
@@ -320,35 +314,46 @@ def requeue(job: Job, nxt: NextAttempt) -> bool:
         fields.update(requested_nodes=[], requested_count=nxt.count)
     if nxt.batch is not None:
         fields["batch"] = nxt.batch
+    if not _move(job, [job.state], Job.State.QUEUED, **fields):
+        raise RuntimeError(f"job {job.name} left {ended['state']} while its row was locked")
+    Attempt.objects.create(
+        job=job, number=number, from_step=ended_from, last_step=last_step.first(),
+        nodes=[r.node.name for r in ranks],
+        ranks=[
+            {"index": r.index, "node": r.node.name, "state": r.state, "exit_code": r.exit_code,
+             "log_offset": r.log_offset, "log_lines": r.log_lines, "lost_reason": r.lost_reason}
+            for r in ranks
+        ],
+        logs_dir=str(moved) if moved else "", next_reason=nxt.reason[:300], **ended,
+    )  # fmt: skip
+    Rank.objects.filter(job=job).delete()
+    cut = MetricPoint.objects.filter(job=job, superseded=False)
+    (cut.filter(step__gt=from_step) if from_step is not None else cut).update(superseded=True)
+
+
+def requeue(job: Job, nxt: NextAttempt) -> bool:
+    """FAILED | CANCELLED -> QUEUED as attempt N+1 of the same job (same name, same curve).
+
+    The ended attempt is kept as an Attempt row; its central logs move to logs/attempt_<N>/ and its rank
+    rows are removed (the job's ranks are always the current attempt's); its metric points past the
+    step the new attempt starts from leave the curve (superseded, not deleted). False if the job is not
+    in a resumable state (another resume won the race, or it is still live).
+    """
     with transaction.atomic():
-        ended = {
-            "tag": job.tag, "state": job.state, "failure_kind": job.failure_kind,
-            "failure_reason": job.failure_reason, "started_at": job.started_at, "finished_at": job.finished_at,
-        }  # fmt: skip
-        ended_from = job.resume_step  # the step the ended attempt started from (None: from scratch)
-        if not _move(job, [job.state], Job.State.QUEUED, **fields):
-            transaction.set_rollback(True)
-            done = False
-        else:
-            Attempt.objects.create(
-                job=job, number=number, from_step=ended_from,
-                last_step=last_step.first(), nodes=[r.node.name for r in ranks],
-                ranks=[
-                    {"index": r.index, "node": r.node.name, "state": r.state, "exit_code": r.exit_code,
-                     "log_offset": r.log_offset, "log_lines": r.log_lines, "lost_reason": r.lost_reason}
-                    for r in ranks
-                ],
-                logs_dir=str(moved) if moved else "", next_reason=nxt.reason[:300], **ended,
-            )  # fmt: skip
-            Rank.objects.filter(job=job).delete()
-            if from_step is not None:
-                MetricPoint.objects.filter(job=job, step__gt=from_step, superseded=False).update(superseded=True)
-            else:
-                MetricPoint.objects.filter(job=job, superseded=False).update(superseded=True)
-            done = True
-    if not done:
-        restore_logs(job, number)
-        return False
+        # the row lock makes a second resume wait, then see the job QUEUED: it moves no log file
+        locked = Job.objects.select_for_update().filter(pk=job.pk).first()
+        if locked is None or locked.state not in RESUMABLE_STATES:
+            job.refresh_from_db()
+            return False
+        job.refresh_from_db()
+        number = job.attempt
+        moved = archive_logs(job, number)  # the next attempt must never write over them
+        try:
+            _archive_attempt(job, nxt, number, moved)
+        except Exception:
+            if moved:
+                restore_logs(job, number)
+            raise
     log.warning("job %s: attempt %d queued (%s)", job.name, job.attempt, nxt.reason)
 
     def go() -> None:
