@@ -212,11 +212,14 @@ def _oom_proposal(job: Job) -> str:
 
 def retry_pass(job_ids: list[int] | None = None) -> list[str]:
     """Decide about newly FAILED jobs, and start the retries whose backoff is over; the names requeued."""
-    jobs = Job.objects.filter(state=Job.State.FAILED)
+    now = timezone.now()
+    # jobs with a policy that failed lately (turning a cluster default on does not wake old failures)
+    jobs = Job.objects.filter(state=Job.State.FAILED, finished_at__gte=now - timedelta(days=1))
+    if not settings.UGRO.get("RETRY_ON"):
+        jobs = jobs.exclude(retry_on=[])
     if job_ids is not None:
         jobs = jobs.filter(pk__in=job_ids)
     requeued = []
-    now = timezone.now()
     for job in jobs.filter(recovery_note=""):
         nxt, note = decide(job)
         if not Job.objects.filter(pk=job.pk, state=Job.State.FAILED, recovery_note="").update(

@@ -202,3 +202,16 @@ def test_resume_needs_a_complete_checkpoint_unless_from_scratch(node):
     job.refresh_from_db()
     assert job.attempt == 2 and job.resume_path == "" and job.resume_step is None
     assert Path(job.logs_dir / "attempt_1" / "rank_0.log").exists()
+
+
+def test_the_policy_leaves_jobs_without_one_alone(node):
+    from cluster.models import Alert
+
+    plain = failed_job(node, name="plain")
+    ruled = failed_job(node, name="ruled", kind="NCCL", retry_on=["OOM"])
+    recovery.retry_pass()
+    plain.refresh_from_db()
+    ruled.refresh_from_db()
+    assert plain.recovery_note == "" and not Alert.objects.filter(job_name="plain").exists()
+    assert "not in the job's retry list" in ruled.recovery_note
+    assert Alert.objects.get(key="recovery:ruled").severity == Alert.Severity.CRITICAL
