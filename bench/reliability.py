@@ -207,17 +207,8 @@ class Controller:
         self.logs = {name: tmp / f"{label}-{name}.log" for name in ("worker", "beat", "daphne")}
         self.restarts: list[dict] = []
         celery = [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site"]
-        self.worker_argv = [
-            *celery,
-            "worker",
-            "-P",
-            "threads",
-            "-c",
-            "8",
-            "-n",
-            f"rel-{label}@%h",
-            "--loglevel=warning",
-        ]
+        # the worker exactly as bin/start runs it (bin/worker: threads, no gossip/mingle/heartbeat)
+        self.worker_argv = [str(REPO / "bin" / "worker"), "-n", f"rel-{label}@%h"]
         self.worker = start(self.worker_argv, env, self.logs["worker"])
         self.beat = start([*celery, "beat", "-s", str(tmp / f"{label}-beat-schedule"), "--loglevel=warning"], env,
                           self.logs["beat"])  # fmt: skip

@@ -12,14 +12,18 @@ from .models import Alert, AlertSettings, ClusterSettings, HealthSample, Node
 class NodeAdmin(admin.ModelAdmin):
     list_display = (
         "name", "address", "role", "gpu_label", "transport", "enabled", "status", "health_score", "last_seen",
+        "host_key_fingerprint",
     )  # fmt: skip
     list_filter = ("role", "enabled", "status", "transport")
     search_fields = ("name", "address", "hostname", "gpu_model")
     health_fields = ("status", "health_score", "status_reason", "health_checks", "last_seen", "last_poll_at")
-    readonly_fields = health_fields
+    # the pin changes only by first contact or `ugro trust NODE`, never by a form
+    host_key_fields = ("host_key_fingerprint", "host_key_source", "host_key_pinned_at", "host_key")
+    readonly_fields = health_fields + host_key_fields
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
         ("Reaching it", {"fields": ("transport", "address", "ssh_port", "user", "key_path", "agent_python")}),
+        ("SSH host key", {"fields": host_key_fields}),
         ("GPUs", {"fields": ("gpu_count", "gpu_model", "gpu_vram_gb", "gpu_reader")}),
         ("Training environment", {"fields": ("torchrun_command", "workdir", "env")}),
         ("Health", {"fields": health_fields}),

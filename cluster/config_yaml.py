@@ -22,6 +22,10 @@ from django.db import transaction
 from .models import ClusterSettings, Node
 from .names import check_name
 
+MAX_BYTES = 1 << 20  # a cluster.yaml for hundreds of nodes is a few dozen KiB
+MAX_EXPANDED_NODES = 100_000  # YAML values after every alias is expanded (an alias bomb is billions)
+MAX_DEPTH = 50
+
 NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
              "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader"}  # fmt: skip
 TOP_KEYS = {"cluster", "nodes", "training", "paths"}
@@ -50,18 +54,76 @@ def _expand_user(value: str) -> str:
     return value.replace("${USER}", me).replace("$USER", me).replace("$(whoami)", me)
 
 
+def decode(raw: bytes) -> str:
+    """The file's text; one line if it is too big or not UTF-8."""
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"cluster.yaml is {len(raw)} bytes; the limit is {MAX_BYTES} bytes")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"cluster.yaml is not UTF-8 text: byte 0x{raw[exc.start]:02x} on line {line} (save it as UTF-8)"
+        ) from None
+
+
+def _key_text(node: yaml.Node) -> str:
+    return str(node.value) if isinstance(node, yaml.ScalarNode) else f"<{node.tag}>"
+
+
+def _check_tree(root: yaml.Node | None) -> None:
+    """Refuse duplicate keys (naming both lines) and documents whose aliases expand past the bounds.
+
+    Walks the composed tree as a consumer would see it, every alias expanded, and stops as soon as
+    it has seen MAX_EXPANDED_NODES values: a billion-laughs file is refused after that many steps.
+    """
+    if root is None:
+        return
+    seen = 0
+    stack: list[tuple[yaml.Node, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        seen += 1
+        if seen > MAX_EXPANDED_NODES:
+            raise ConfigError(
+                f"cluster.yaml expands to more than {MAX_EXPANDED_NODES} values (aliases repeated inside "
+                "aliases?); refused"
+            )
+        if len(path) > MAX_DEPTH:
+            raise ConfigError(f"cluster.yaml nests deeper than {MAX_DEPTH} levels ({'.'.join(path[:5])}...)")
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = _key_text(key)
+                line = key.start_mark.line + 1
+                if name != "<<" and name in first:
+                    where = ".".join((*path, name))
+                    raise ConfigError(f"{where} is given twice (lines {first[name]} and {line}); keep one")
+                first.setdefault(name, line)
+                stack.append((value, (*path, name)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, (*path, str(i))) for i, item in enumerate(node.value))
+
+
 class _Doc:
     """The parsed document plus line numbers for each key path, for error messages."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str | bytes) -> None:
+        if isinstance(text, bytes):
+            text = decode(text)
+        elif len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+            raise ConfigError(f"cluster.yaml is larger than {MAX_BYTES} bytes")
         try:
             self.node = yaml.compose(text, Loader=yaml.SafeLoader)
+            _check_tree(self.node)
             self.data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError(f"cluster.yaml is not valid YAML{where}: {problem}") from None
+        except RecursionError:
+            raise ConfigError(f"cluster.yaml nests too deeply (more than {MAX_DEPTH} levels)") from None
 
     def line(self, *path: str) -> int | None:
         node = self.node
@@ -99,7 +161,7 @@ def _get(
     return value
 
 
-def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Validate the file fully; return (cluster settings fields, node fields). Raises ConfigError."""
     doc = _Doc(text)
     data = doc.data
@@ -124,6 +186,10 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     script = _get(doc, training, "script", str, ("training",), None)
     if script is None and scripts_dir:
         script = f"{scripts_dir.rstrip('/')}/train_production.py"
+    roots = _get(doc, paths, "script_roots", list, ("paths",), [])
+    if not all(isinstance(r, str) and r.strip() and ".." not in r.split("/") for r in roots):
+        raise doc.error("must be a list of directories (no '..'), e.g. ['{workdir}', '/opt/scripts']",
+                        "paths", "script_roots")  # fmt: skip
     args = _get(doc, training, "args", list, ("training",), [])
     if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in args):
         raise doc.error("must be a list of strings, e.g. ['--model', '{model}']", "training", "args")
@@ -134,6 +200,7 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
         "rendezvous_port": port,
         "training": training,
         "paths": paths,
+        "script_roots": [r.strip() for r in roots],
     }
     if script:
         settings_fields["default_script"] = script
@@ -211,7 +278,7 @@ def parse_cluster_yaml(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     return settings_fields, out
 
 
-def import_cluster(text: str) -> ImportSummary:
+def import_cluster(text: str | bytes) -> ImportSummary:
     """Apply a cluster.yaml: all of it in one transaction, or nothing."""
     settings_fields, nodes = parse_cluster_yaml(text)
     created, updated = [], []
@@ -260,6 +327,7 @@ def export_cluster() -> str:
         "cluster": {"name": cs.name, "master_ip": cs.master_address, "master_port": cs.rendezvous_port},
         "nodes": nodes,
         "training": training,
-        "paths": cs.paths or {},
-    }
+        "paths": {**(cs.paths or {}), "script_roots": list(cs.script_roots)} if cs.script_roots else
+        {k: v for k, v in (cs.paths or {}).items() if k != "script_roots"},
+    }  # fmt: skip
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)

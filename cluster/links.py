@@ -8,6 +8,9 @@ agent's bootstrap, built from the node's python path through shlex.quote.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import hashlib
 import itertools
 import json
 import logging
@@ -17,6 +20,7 @@ import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,31 @@ class AgentRequestError(Exception):
     """The agent was reached but refused or failed the request; the message is the agent's."""
 
 
+class HostKeyError(LinkError):
+    """The node offered a host key other than the one pinned for it (or in known_hosts): nothing was
+    sent to it, not even our credentials' signature."""
+
+
+def fingerprint(key_line: str) -> str:
+    """SHA256 fingerprint of a host key given as 'type base64', the way OpenSSH prints it."""
+    try:
+        blob = base64.b64decode(key_line.split()[1], validate=True)
+    except (IndexError, ValueError):
+        return "(unreadable key)"
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def key_line(key) -> str:
+    """A paramiko key as 'type base64' (the known_hosts form without the host)."""
+    return f"{key.get_name()} {key.get_base64()}"
+
+
+# Set by the cluster app: records a node's first-seen host key in the database and returns the key
+# pinned for it afterwards (another process may have pinned a different one first). None: links
+# pin in memory only, for the life of the link.
+host_key_recorder: Callable[[Endpoint, str, str], str] | None = None
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """How to reach one node; the key for reusing a warm link."""
@@ -60,6 +89,13 @@ class Endpoint:
     key_path: str = ""
     transport: str = "ssh"  # "ssh" or "local"
     python: str = "/usr/bin/python3"
+    host_key: str = ""  # the pinned host key, 'type base64'; "" = none pinned yet
+    known_hosts: str = ""  # an OpenSSH known_hosts file consulted when no key is pinned
+
+    @property
+    def host_key_name(self) -> str:
+        """The name known_hosts uses for this endpoint."""
+        return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
 
     def describe(self) -> str:
         if self.transport == "local":
@@ -84,9 +120,10 @@ class _Pipe:
     """A byte stream in each direction with a select-able read side; `alive()` is False once the
     far end is known to be gone (the agent exited or the channel closed)."""
 
-    def __init__(self, send, recv, fileno, close, stderr, alive) -> None:
+    def __init__(self, send, recv, fileno, close, stderr, alive, host_key: str = "", host_key_source: str = "") -> None:
         self.send, self.recv, self.fileno, self._close, self.stderr = send, recv, fileno, close, stderr
         self.alive = alive
+        self.host_key, self.host_key_source = host_key, host_key_source
 
     def close(self) -> None:
         try:
@@ -95,7 +132,7 @@ class _Pipe:
             pass
 
 
-def _open_local(ep: Endpoint, timeout: float) -> _Pipe:
+def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     proc = subprocess.Popen(
         [ep.python, "-u", "-c", BOOTSTRAP],
         stdin=subprocess.PIPE,
@@ -127,9 +164,40 @@ def _open_local(ep: Endpoint, timeout: float) -> _Pipe:
     return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None)
 
 
-def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
+def _expected_keys(ep: Endpoint, pinned: str) -> tuple[list, str]:
+    """The keys the node must offer and where they come from: the pinned key, else known_hosts."""
+    from paramiko.hostkeys import HostKeyEntry, HostKeys
+
+    if pinned:
+        entry = HostKeyEntry.from_line(f"{ep.host_key_name} {pinned}")
+        if entry is None or entry.key is None:
+            raise HostKeyError(f"{ep.describe()}: the pinned host key cannot be read; run `ugro trust {ep.name}`")
+        return [entry.key], "pinned"
+    path = os.path.expanduser(ep.known_hosts) if ep.known_hosts else ""
+    if path and os.path.isfile(path):
+        try:
+            found = HostKeys(path).lookup(ep.host_key_name)
+        except (OSError, ValueError) as exc:
+            raise LinkError(f"{ep.describe()}: cannot read {ep.known_hosts}: {exc}") from None
+        if found:
+            return list(found.values()), "known_hosts"
+    return [], "first use"
+
+
+def _changed_key_message(ep: Endpoint, offered: str, expected: list[str], source: str) -> str:
+    want = " or ".join(fingerprint(k) for k in expected)
+    where = f"the key in {ep.known_hosts}" if source == "known_hosts" else "the pinned key"
+    return (
+        f"{ep.describe()}: host key changed: the node offers {fingerprint(offered)} but {where} is {want}; "
+        f"refused (someone may be answering for it). If {ep.name} was reinstalled, check the key on it and run "
+        f"`ugro trust {ep.name}`"
+    )
+
+
+def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     from fabric import Connection
-    from paramiko.ssh_exception import SSHException
+    from paramiko import MissingHostKeyPolicy
+    from paramiko.ssh_exception import BadHostKeyException, SSHException
 
     connect_kwargs: dict[str, Any] = {"banner_timeout": timeout, "auth_timeout": timeout}
     if ep.key_path:
@@ -141,12 +209,28 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         connect_timeout=timeout,
         connect_kwargs=connect_kwargs,
     )
+    expected, source = _expected_keys(ep, pinned)
+
+    class _FirstUse(MissingHostKeyPolicy):
+        # Called only when nothing is expected; the caller records the key it was offered.
+        def missing_host_key(self, client, hostname, key) -> None:
+            pass
+
+    # paramiko checks the offered key against these before authenticating (and prefers their type).
+    conn.client.set_missing_host_key_policy(_FirstUse())
+    for key in expected:
+        conn.client.get_host_keys().add(ep.host_key_name, key.get_name(), key)
     try:
         conn.open()
         transport = conn.client.get_transport()
         transport.set_keepalive(15)
         chan = transport.open_session(timeout=timeout)
+        offered = key_line(transport.get_remote_server_key())
         chan.exec_command(f"exec {shlex.quote(ep.python)} -u -c {shlex.quote(BOOTSTRAP)}")
+    except BadHostKeyException as exc:
+        conn.close()
+        message = _changed_key_message(ep, key_line(exc.key), [key_line(k) for k in expected], source)
+        raise HostKeyError(message) from None
     except (OSError, SSHException, EOFError) as exc:
         conn.close()
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
@@ -170,7 +254,30 @@ def _open_ssh(ep: Endpoint, timeout: float) -> _Pipe:
         chan.close()
         conn.close()
 
-    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive)
+    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source)
+
+
+def fetch_host_key(ep: Endpoint, timeout: float = 10.0) -> str:
+    """The host key a node offers now ('type base64'), read from the key exchange alone: nothing
+    is authenticated or run. For `trust`."""
+    import socket
+
+    from paramiko import Transport
+    from paramiko.ssh_exception import SSHException
+
+    try:
+        sock = socket.create_connection((ep.address, ep.port), timeout=timeout)
+    except OSError as exc:
+        raise LinkError(f"cannot reach {ep.describe()}: {exc}") from None
+    transport = Transport(sock)
+    transport.banner_timeout = timeout
+    try:
+        transport.start_client(timeout=timeout)
+        return key_line(transport.get_remote_server_key())
+    except (OSError, SSHException, EOFError) as exc:
+        raise LinkError(f"cannot read the host key of {ep.describe()}: {exc or type(exc).__name__}") from None
+    finally:
+        transport.close()
 
 
 class NodeLink:
@@ -192,17 +299,20 @@ class NodeLink:
         self._ids = itertools.count(1)
         self.hello: dict[str, Any] | None = None
         self.connect_seconds: float | None = None
+        self.host_key = ep.host_key  # the key this link insists on; learned on first use when none is pinned
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:
         t0 = time.monotonic()
         opener = _open_local if self.ep.transport == "local" else _open_ssh
         try:
-            pipe = opener(self.ep, self.connect_timeout)
+            pipe = opener(self.ep, self.connect_timeout, self.host_key)
         except LinkError:
             raise
         except OSError as exc:
             raise LinkError(f"cannot start the agent on {self.ep.describe()}: {exc}") from None
+        if pipe.host_key and not self.host_key:
+            self._pin(pipe)
         src = agent_source(self.extra_source)
         self._pipe, self._buf = pipe, b""
         try:
@@ -215,6 +325,19 @@ class NodeLink:
                 raise LinkError(f"agent failed to start on {self.ep.describe()}: {detail.splitlines()[-1]}") from None
             raise LinkError(str(exc)) from None
         self.connect_seconds = time.monotonic() - t0
+
+    def _pin(self, pipe: _Pipe) -> None:
+        """Trust on first use (or from known_hosts): record the key; refuse if another was pinned meanwhile."""
+        pinned = pipe.host_key
+        if host_key_recorder is not None:
+            try:
+                pinned = host_key_recorder(self.ep, pipe.host_key, pipe.host_key_source) or pipe.host_key
+            except Exception as exc:  # the key is not kept: the next connection asks again
+                log.warning("could not record the host key of %s: %s", self.ep.describe(), exc)
+        if pinned != pipe.host_key:
+            pipe.close()
+            raise HostKeyError(_changed_key_message(self.ep, pipe.host_key, [pinned], "pinned"))
+        self.host_key = pinned
 
     def _drop(self) -> None:
         if self._pipe is not None:
@@ -350,8 +473,12 @@ class LinkPool:
             if link is None:
                 stale = [k for k in self._links if k.name == ep.name]
                 for k in stale:
-                    self._links.pop(k).close()
-                link = self._links[ep] = NodeLink(ep, connect_timeout)
+                    old = self._links.pop(k)
+                    if link is None and _same_but_pinned(k, ep) and _keeps(old, ep):
+                        link, old.ep = old, ep
+                    else:
+                        old.close()
+                link = self._links[ep] = link or NodeLink(ep, connect_timeout)
             return link
 
     def close_all(self) -> None:
@@ -359,6 +486,30 @@ class LinkPool:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+
+
+def _same_but_pinned(a: Endpoint, b: Endpoint) -> bool:
+    return dataclasses.replace(a, host_key="") == dataclasses.replace(b, host_key="")
+
+
+def _keeps(link: NodeLink, ep: Endpoint) -> bool:
+    """Whether a link made for the same node, differing only in the pinned key, may serve `ep`:
+    the key it learned on first use is now the pinned one; or nothing is pinned (the node's row is
+    new) while the link is connected to a node it checked, whose key is then pinned, as a first
+    contact would."""
+    if not link.host_key:
+        return False
+    if link.host_key == ep.host_key:
+        return True
+    if ep.host_key or not link.connected:
+        return False
+    if host_key_recorder is None:
+        return True
+    try:
+        return host_key_recorder(ep, link.host_key, "first use") == link.host_key
+    except Exception as exc:  # not recorded: a fresh link will meet the node again
+        log.warning("could not record the host key of %s: %s", ep.describe(), exc)
+        return False
 
 
 pool = LinkPool()

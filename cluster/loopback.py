@@ -139,7 +139,7 @@ class LoopbackCluster:
             raise RuntimeError("sshd is not installed (apt-get install openssh-server)")
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        host_key = self.root / "host_ed25519"
+        host_key = self.host_key
         for key in (host_key, self.client_key):
             if not key.exists():
                 subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
@@ -166,6 +166,21 @@ class LoopbackCluster:
         for node in self.nodes:
             node.start()
         return self
+
+    @property
+    def host_key(self) -> Path:
+        return self.root / "host_ed25519"
+
+    def replace_host_key(self) -> None:
+        """Give every node a new host key, as a reinstalled machine (or an impostor) would have:
+        stop each sshd, generate a fresh key, start them again on the same addresses."""
+        for node in self.nodes:
+            node.stop()
+        for path in (self.host_key, Path(f"{self.host_key}.pub")):
+            path.unlink(missing_ok=True)
+        subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-f", str(self.host_key)], check=True)
+        for node in self.nodes:
+            node.start()
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -6,10 +6,14 @@ import shlex
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from .links import Endpoint
+from .links import Endpoint, fingerprint
 from .names import validate_safe_name
+
+PORT_VALIDATORS = [MinValueValidator(1), MaxValueValidator(65535)]
+MAX_GPUS_PER_NODE = 64
 
 
 class ClusterSettings(models.Model):
@@ -19,7 +23,7 @@ class ClusterSettings(models.Model):
     master_address = models.CharField(
         max_length=255, blank=True, help_text="Rendezvous address; blank means the first placed node's address."
     )
-    rendezvous_port = models.PositiveIntegerField(default=29500)
+    rendezvous_port = models.PositiveIntegerField(default=29500, validators=PORT_VALIDATORS)
     default_script = models.CharField(
         max_length=500,
         default="train/train_production.py",
@@ -35,6 +39,14 @@ class ClusterSettings(models.Model):
     )
     training = models.JSONField(default=dict, blank=True)
     paths = models.JSONField(default=dict, blank=True)
+    script_roots = models.JSONField(
+        default=list,
+        blank=True,
+        help_text=(
+            "Directories on the nodes that a launch's script must be inside (cluster.yaml: paths.script_roots); "
+            "{workdir} is each node's working directory, {scripts} is paths.scripts. Empty means both of those."
+        ),
+    )
 
     class Meta:
         verbose_name = verbose_name_plural = "cluster settings"
@@ -68,15 +80,19 @@ class Node(models.Model):
     name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
     hostname = models.CharField(max_length=255, blank=True)
     address = models.CharField(max_length=255, help_text="IP or DNS name the controller and other nodes use.")
-    ssh_port = models.PositiveIntegerField(default=22)
+    ssh_port = models.PositiveIntegerField(default=22, validators=PORT_VALIDATORS)
     user = models.CharField(max_length=64, blank=True)
     key_path = models.CharField(max_length=500, blank=True, help_text="Private key; blank uses your SSH agent/keys.")
     transport = models.CharField(max_length=8, choices=Transport.choices, default=Transport.SSH)
     role = models.CharField(max_length=8, choices=Role.choices, default=Role.WORKER)
-    order = models.IntegerField(default=0, help_text="Placement order (the YAML's rank); masters come first.")
-    gpu_count = models.PositiveIntegerField(default=1)
+    order = models.IntegerField(
+        default=0,
+        validators=[MinValueValidator(-1_000_000), MaxValueValidator(1_000_000)],
+        help_text="Placement order (the YAML's rank); masters come first.",
+    )
+    gpu_count = models.PositiveIntegerField(default=1, validators=[MaxValueValidator(MAX_GPUS_PER_NODE)])
     gpu_model = models.CharField(max_length=100, blank=True)
-    gpu_vram_gb = models.FloatField(default=0)
+    gpu_vram_gb = models.FloatField(default=0, validators=[MinValueValidator(0), MaxValueValidator(100_000)])
     torchrun_command = models.CharField(
         max_length=500,
         default="torchrun",
@@ -108,6 +124,13 @@ class Node(models.Model):
     poll_lease_until = models.DateTimeField(
         null=True, blank=True, help_text="A poll is probing this node until then (overlapping polls skip it)."
     )
+    host_key = models.TextField(
+        blank=True,
+        help_text="The node's pinned SSH host key ('type base64'); a different key is refused. "
+        "Recorded on first contact (or from known_hosts); `manage.py trust NODE` replaces it.",
+    )
+    host_key_source = models.CharField(max_length=20, blank=True, help_text="first use, known_hosts or trust")
+    host_key_pinned_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["order", "name"]
@@ -141,6 +164,11 @@ class Node(models.Model):
         count = f"{self.gpu_count}x " if self.gpu_count > 1 else ""
         return f"{count}{self.gpu_model or 'GPU'}{vram}"
 
+    @property
+    def host_key_fingerprint(self) -> str:
+        """SHA256 fingerprint of the pinned host key, as OpenSSH prints it ('' when none is pinned)."""
+        return fingerprint(self.host_key) if self.host_key else ""
+
     def endpoint(self) -> Endpoint:
         return Endpoint(
             name=self.name,
@@ -150,6 +178,8 @@ class Node(models.Model):
             key_path=self.key_path,
             transport=self.transport,
             python=self.agent_python,
+            host_key=self.host_key,
+            known_hosts=settings.UGRO["KNOWN_HOSTS"],
         )
 
     def link(self):

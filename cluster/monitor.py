@@ -26,8 +26,16 @@ from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
 from . import alerts
-from .health import Breaker, HealthResult, Thresholds, alert_conditions, poll_interval, score_sample
-from .links import AgentRequestError, LinkError
+from .health import (
+    BREAKER_TRIP_AFTER,
+    Breaker,
+    HealthResult,
+    Thresholds,
+    alert_conditions,
+    poll_interval,
+    score_sample,
+)
+from .links import AgentRequestError, HostKeyError, LinkError
 from .models import Alert, HealthSample, Node
 
 log = logging.getLogger(__name__)
@@ -111,6 +119,12 @@ def probe_node(node: Node, breaker: Breaker, now: float, force: bool = False):
         try:
             sample, rtt = _probe(node)
             return sample, rtt, "", False
+        except HostKeyError as exc:
+            # not a blip: the node is DOWN at once, and stays so until someone trusts its new key
+            error = str(exc)
+            breaker.failures = max(breaker.failures, BREAKER_TRIP_AFTER - 1)
+            went_down = breaker.record_failure(now) or went_down
+            break
         except (LinkError, AgentRequestError, OSError) as exc:
             error = str(exc) or type(exc).__name__
             went_down = breaker.record_failure(now) or went_down

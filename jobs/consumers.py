@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from redis.exceptions import RedisError
 
 from .events import job_group
+
+log = logging.getLogger(__name__)
+
+# The close code a page gets while the channel layer (Redis) is down: "try again later" (RFC 6455).
+TRY_AGAIN_LATER = 1013
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
     """Relays one channel-layer group to a logged-in browser; anonymous connections are closed."""
 
     group = ""
+
+    async def __call__(self, scope, receive, send) -> None:
+        """Redis down (at connect or mid-stream): one warning line and a close with 1013, which the page
+        answers by reconnecting, instead of an HTTP 500 or a 1011 with a traceback per viewer."""
+        try:
+            await super().__call__(scope, receive, send)
+        except (RedisError, OSError) as exc:
+            log.warning("websocket %s closed: the channel layer is unreachable (%s)", scope.get("path"), exc)
+            try:
+                await send({"type": "websocket.close", "code": TRY_AGAIN_LATER})
+            except Exception:  # the client went too; nothing is left to tell
+                pass
 
     def group_name(self) -> str:
         return self.group

@@ -21,23 +21,24 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
 from metrics.files import follow_metric_files
-from metrics.ingest import RankStream, parse_lines
+from metrics.ingest import RankStream, Sample, parse_lines, save_points
 from metrics.models import MetricPoint
 
 from . import checkpoints, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Job, Rank
-from .nodes import node_request, on_each
+from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -53,6 +54,9 @@ def follower_id() -> str:
     follow_jobs tasks at once (beat queues one every few seconds) and each must see the others'
     leases as someone else's, or all of them follow the same job and trip over each other."""
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()}"
+
+
+MORE_WANTED_EVERY_S = 2.0
 
 
 def _lease_s() -> float:
@@ -79,6 +83,16 @@ def renew(job_id: int, owner: str) -> None:
         follower_until=now + timedelta(seconds=_lease_s())
     ):
         raise LeaseLost(f"job {job_id}: lease lost to another follower")
+
+
+def relaxed_commit() -> None:
+    """Let this transaction commit without waiting for its WAL to reach the disk (PostgreSQL's
+    synchronous_commit off; no-op elsewhere). A database crash may then lose the last fraction of a
+    second of commits, never corrupt them; and what it loses is taken again: the central files are cut
+    back to the offsets the database kept before anything is appended (see above)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
 
 
 def release(job_id: int, owner: str) -> None:
@@ -235,11 +249,12 @@ class JobFollower:
         lines = split_lines(data)
         stream = self._stream(rank)
         points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final)
-        for p in points:
-            p.attempt = self.job.attempt
+        if self.job.attempt != 1:
+            points = [p._replace(attempt=self.job.attempt) for p in points]
         old = rank.log_offset
         fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
         with transaction.atomic():
+            relaxed_commit()
             renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
             if data:
                 write_at(rank.local_log, old, data)
@@ -248,7 +263,7 @@ class JobFollower:
             if points:
                 committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                 size = self._append_jsonl(committed, jsonl)
-                MetricPoint.objects.bulk_create(points, batch_size=2000)
+                save_points(points)
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
             if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
                 raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
@@ -256,7 +271,7 @@ class JobFollower:
         self._publish(rank, old, len(data), lines, points)
         return len(data)
 
-    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[MetricPoint]) -> None:
+    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
         # of this commit, so a page that loaded the log up to some offset can drop what it has.
         shown = [display_text(ln) for ln in lines]
@@ -280,6 +295,8 @@ class JobFollower:
         return committed + len(chunk)
 
     def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:
+        if not unreachable(err):
+            return  # the node took the request (or answered an error): it is there, if slow
         lost_after = settings.UGRO["NODE_LOST_AFTER_S"]
         for rank in group:
             since = rank.last_contact or rank.started_at or now
@@ -307,16 +324,22 @@ def follow(
     owner: str | None = None,
     idle_sleep: float = 0.25,
     exit_when_idle: bool = False,
+    max_jobs: int | None = None,
+    more_wanted: Callable[[], object] | None = None,
 ) -> None:
     """Follow jobs with output to copy (all, or the given ones) until none is left or max_seconds pass.
 
     After each pass a RUNNING job is judged: its end (success, or failure and the stopping of the
     rest) is decided by jobs/lifecycle.py. exit_when_idle: return as soon as a pass finds no job this
     follower may follow (another follower holds them all, or none runs), so periodic tasks do not pile up.
+    max_jobs: follow at most this many jobs at once; when jobs nobody follows are left over, call
+    more_wanted (at most every MORE_WANTED_EVERY_S) so that another follower takes them: each job's
+    pass then waits only for its own nodes and writes, not for every other job's (R10: 10 jobs).
     """
     owner = owner or follower_id()
     followers: dict[int, JobFollower] = {}
     deadline = time.monotonic() + max_seconds
+    asked_more = 0.0
     try:
         while time.monotonic() < deadline:
             started = time.monotonic()
@@ -330,8 +353,18 @@ def follow(
             # Instead of sleeping between idle passes, each job's node long-polls its share of
             # idle_sleep: a line is taken as soon as it is written, and an idle job costs the
             # same round trips per second as before.
-            wait = min(idle_sleep / max(1, len(active)), max(0.0, deadline - time.monotonic()))
+            held = len(active) if max_jobs is None else min(len(active), max_jobs)
+            wait = min(idle_sleep / max(1, held), max(0.0, deadline - time.monotonic()))
+            left_over = False
             for job in active:
+                if max_jobs is not None and job.pk not in followers and len(followers) >= max_jobs:
+                    left_over = (
+                        left_over
+                        or job.follower == ""
+                        or job.follower_until is None
+                        or (job.follower_until < timezone.now())
+                    )
+                    continue
                 if not claim(job.pk, owner):
                     followers.pop(job.pk, None)
                     continue
@@ -352,6 +385,9 @@ def follow(
                 except Exception:  # one job's trouble must not stop the others being followed
                     log.exception("following %s failed; starting afresh next pass", job.name)
                     followers.pop(job.pk, None)
+            if left_over and more_wanted is not None and time.monotonic() - asked_more > MORE_WANTED_EVERY_S:
+                asked_more = time.monotonic()
+                more_wanted()
             if exit_when_idle and not followers:
                 return
             if not taken:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import shlex
 import time
 import uuid
@@ -30,7 +31,7 @@ from .failure import Failure, FailureKind
 from .follow import follower_id
 from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
 from .nodes import node_request, on_each
-from .preflight import run_preflight
+from .preflight import run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .stop import stop_processes
 
@@ -41,6 +42,13 @@ DEFAULT_ARGS_TEMPLATE = [
     "--learning-rate", "{lr}",
 ]  # fmt: skip
 MAX_ARG_LEN = 4096
+
+# Bounds of the numbers a launch takes (forms, CLI and build_job all read these).
+PRIORITY_MIN, PRIORITY_MAX = 0, 100  # the api helper's per-role bounds narrow this, never widen it
+NODES_MAX = 1024
+EPOCHS_MAX = 1_000_000
+LR_MAX = 100.0
+NPROC_MAX = 64
 
 
 class LaunchError(ValueError):
@@ -84,6 +92,72 @@ def _check_arg(value: str, what: str) -> str:
     if len(value) > MAX_ARG_LEN:
         raise LaunchError(f"{what} is longer than {MAX_ARG_LEN} characters")
     return value
+
+
+def _int_in(value: Any, low: int, high: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 20 else str(value)[:20] + "..."
+        raise LaunchError(f"{what} must be a whole number from {low} to {high}, not {shown}")
+
+
+def _check_numbers(req: LaunchRequest) -> None:
+    """Every number of a request within its bounds (a huge one would overflow a column: a 500)."""
+    _int_in(req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+    if req.count is not None:
+        _int_in(req.count, 1, NODES_MAX, "the node count")
+    if req.epochs is not None:
+        _int_in(req.epochs, 1, EPOCHS_MAX, "epochs")
+    if req.nproc_per_node is not None:
+        _int_in(req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
+    if req.lr is not None:
+        lr = req.lr
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or not 0 < lr <= LR_MAX:
+            raise LaunchError(f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}")
+    if len(req.nodes) > NODES_MAX:
+        raise LaunchError(f"at most {NODES_MAX} nodes may be named")
+    if len(req.extra_args) > 1000:
+        raise LaunchError("at most 1000 extra arguments")
+
+
+def check_script(script: str) -> str:
+    """The script as given, refused when it could be read as an option or climbs out of a directory."""
+    script = script.strip()
+    if not script:
+        raise LaunchError("no training script given and the cluster has no default script")
+    if script.startswith("-"):
+        raise LaunchError(f"script {script[:80]!r} starts with '-': it would be read as an option, not a file")
+    if ".." in script.split("/"):
+        raise LaunchError(f"script {script[:80]!r} contains '..'; give a path inside an allowed script root")
+    if any(ord(c) < 32 for c in script):
+        raise LaunchError("script contains a control character")
+    return posixpath.normpath(script)
+
+
+def script_roots(node: Node, cs: ClusterSettings) -> list[str]:
+    """Where scripts may live on `node`: ClusterSettings.script_roots ({workdir} is the node's working
+    directory, {scripts} the cluster's paths.scripts), by default the scripts directory and the workdir."""
+    scripts_dir = str((cs.paths or {}).get("scripts") or "")
+    configured = [str(r) for r in (cs.script_roots or []) if str(r).strip()] or ["{scripts}", "{workdir}"]
+    roots = []
+    for root in configured:
+        if "{scripts}" in root and not scripts_dir:
+            continue
+        roots.append(posixpath.normpath(root.replace("{workdir}", node.workdir).replace("{scripts}", scripts_dir)))
+    return roots
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _check_script_roots(script: str, nodes: list[Node], cs: ClusterSettings) -> None:
+    for node in nodes:
+        path = posixpath.normpath(script_path(node, script))
+        roots = script_roots(node, cs)
+        if not any(_under(path, root) for root in roots):
+            raise LaunchError(
+                f"script {path} on {node.name} is outside the allowed script roots ({', '.join(roots) or 'none'})"
+            )
 
 
 def render_args(template: list[str], values: dict[str, str | None]) -> list[str]:
@@ -145,16 +219,9 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     for value, what in ((model, "model"), (dataset, "dataset")):
         if value is not None:
             _check_arg(value, what)
-    if req.epochs is not None and req.epochs < 1:
-        raise LaunchError("epochs must be at least 1")
-    if req.lr is not None and (not math.isfinite(req.lr) or req.lr <= 0):
-        raise LaunchError("learning rate must be a positive number")
-    script = _check_arg(req.script or cs.default_script, "script")
-    if not script.strip():
-        raise LaunchError("no training script given and the cluster has no default script")
+    _check_numbers(req)
+    script = check_script(_check_arg(req.script or cs.default_script, "script"))
     extra = [_check_arg(a, "extra argument") for a in req.extra_args]
-    if req.nproc_per_node is not None and not 1 <= req.nproc_per_node <= 64:
-        raise LaunchError("nproc-per-node must be between 1 and 64")
     try:
         pattern = req.metrics_pattern.strip()
         if pattern:
@@ -173,14 +240,14 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         if len(set(req.nodes)) != len(req.nodes):
             raise LaunchError("a node is named twice")
     count = req.count
-    if count is not None and count < 1:
-        raise LaunchError("--nodes must be at least 1")
     if not req.nodes and count is None:
         count = len(enabled)
     if count is not None and count > len(enabled):
         raise LaunchError(f"asked for {count} nodes but the cluster has {len(enabled)} enabled")
     if not enabled:
         raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
+    # Any of these may run it: the script must be under an allowed root on each of them.
+    _check_script_roots(script, [n for n in enabled if n.name in req.nodes] if req.nodes else enabled, cs)
 
     recovery = _recovery_fields(req, count or len(req.nodes))
     values = {
@@ -221,6 +288,9 @@ def _recovery_fields(req: LaunchRequest, nodes: int) -> dict[str, Any]:
         raise LaunchError("--checkpoint-glob must be relative to the node's workdir, without '..'")
     if req.max_attempts is not None and not 1 <= req.max_attempts <= 100:
         raise LaunchError("--max-attempts must be between 1 and 100")
+    for value, what in ((req.batch, "--batch"), (req.grad_accum, "--grad-accum")):
+        if value is not None:
+            _int_in(value, 1, 1_000_000, what)
     if req.min_nodes is not None and not 1 <= req.min_nodes <= max(1, nodes):
         raise LaunchError(f"--min-nodes must be between 1 and the job's {nodes} nodes")
     if req.hang_after_s is not None and not (math.isfinite(req.hang_after_s) and req.hang_after_s > 0):
@@ -293,11 +363,20 @@ def place(job: Job) -> bool:
 
 
 def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
-    """The argv that starts torchrun for this rank (never joined into a shell string)."""
+    """The argv that starts torchrun for this rank (never joined into a shell string).
+
+    The script item is the very path pre-flight checked (script_path); the node agent expands its
+    `~` and makes it absolute the same way its `stat` did, so what was checked is what runs.
+    """
+    argv, _ = rank_command_and_script_index(job, rank, nnodes, rdzv_endpoint)
+    return argv
+
+
+def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> tuple[list[str], int]:
     node = rank.node
     nproc = job.nproc_per_node or node.gpu_count or 1
     join_timeout = settings.UGRO["JOIN_TIMEOUT_S"]
-    return [
+    prefix = [
         *node.torchrun_argv,
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
@@ -307,11 +386,10 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
         f"--rdzv-conf=join_timeout={join_timeout}",
         f"--local-addr={node.address}",
         "--max-restarts=0",
-        job.script,
-        *job.script_args,
-        *checkpoints.batch_args(job),  # after the user's: argparse keeps the last value
-        *checkpoints.resume_args(job),
     ]
+    # the batch and resume arguments after the user's: argparse keeps the last value
+    extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
+    return [*prefix, script_path(node, job.script), *job.script_args, *extra], len(prefix)
 
 
 def rank_env(job: Job, rank: Rank) -> dict[str, str]:
@@ -400,9 +478,9 @@ def launch(job: Job) -> Job:
 
     def start(rank: Rank) -> float:
         left = max(1.0, window - (time.monotonic() - t0))
+        argv, script_index = rank_command_and_script_index(job, rank, len(ranks), job.rdzv_endpoint)
         result = node_request(
-            rank.node, "start", timeout=left,
-            argv=rank_command(job, rank, len(ranks), job.rdzv_endpoint),
+            rank.node, "start", timeout=left, argv=argv, script_index=script_index,
             env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
             key=rank.start_key, record=rank.start_record,
         )  # fmt: skip

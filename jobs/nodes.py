@@ -34,3 +34,15 @@ def on_each[T](items: Iterable[T], fn: Callable[[T], Any]) -> list[tuple[T, Any,
 
 def node_request(target: Node, op: str, /, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
     return target.link().request(op, timeout=timeout, **fields)
+
+
+def unreachable(err: Exception | None) -> bool:
+    """Whether an error says the node could not be reached (connecting failed, the link was found dead
+    before the request was written, or the socket failed), as opposed to a node that answered with an
+    error or a request it took but answered late. Only the first counts as silence towards calling a
+    rank lost: a controller too busy to read answers in time must not fail jobs whose nodes are fine
+    (bench/reliability.py R10 at 10 jobs). A node that really fell off is unreachable on the very next
+    request: the late answer drops the link, and connecting again fails."""
+    if isinstance(err, LinkError):
+        return not err.delivered
+    return isinstance(err, OSError)

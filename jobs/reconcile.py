@@ -33,7 +33,7 @@ from . import lifecycle, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Attempt, Job, Rank
-from .nodes import node_request, on_each
+from .nodes import node_request, on_each, unreachable
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def check_ranks(job: Job) -> list[str]:
             reason = None
             if err is not None:
                 since = rank.last_contact or rank.started_at or now
-                if (now - since).total_seconds() > lost_after:
+                if unreachable(err) and (now - since).total_seconds() > lost_after:
                     reason = f"node {rank.node.name} stopped answering: {err}"
             else:
                 reason = _gone_reason(rank, result["ranks"][i])

@@ -72,6 +72,12 @@ def parse_retry(text: str | list[str]) -> list[str]:
     return kinds
 
 
+def retry_names(kinds: list[str]) -> list[str]:
+    """["NODE_LOST"] -> ["node-lost"]: what --retry takes."""
+    names = {kind.value: name for name, kind in RETRY_KINDS.items()}
+    return [names[k] for k in kinds if k in names]
+
+
 def check_batch_template(template: str, batch: int | None, accum: int | None) -> dict:
     """The job's batch values for a batch template; RecoveryError for a template without {batch}."""
     if not template:

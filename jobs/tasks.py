@@ -42,7 +42,10 @@ def reconcile_jobs() -> None:
 @shared_task(ignore_result=True, acks_late=True)
 def follow_jobs() -> None:
     """Follow jobs for up to a minute, then hand over to a fresh task (never a long-held one)."""
-    follow(settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True)
+    follow(
+        settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True, max_jobs=settings.UGRO["FOLLOW_JOBS_PER_TASK"],
+        more_wanted=lambda: send_task("jobs.tasks.follow_jobs"),
+    )  # fmt: skip
     if Job.objects.filter(lifecycle.followable(), follower="").exists():
         # Redis away: no successor now; beat queues a follow task every few seconds anyway.
         send_task("jobs.tasks.follow_jobs")

@@ -20,7 +20,18 @@ from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from . import checkpoints as job_checkpoints
 from . import lifecycle, recovery, report
-from .launch import LaunchError, LaunchRequest, create_job, dry_run
+from .launch import (
+    EPOCHS_MAX,
+    LR_MAX,
+    NODES_MAX,
+    NPROC_MAX,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    LaunchError,
+    LaunchRequest,
+    create_job,
+    dry_run,
+)
 from .logs import job_lines
 from .models import Job, Rank
 from .scheduler import request_schedule
@@ -236,6 +247,15 @@ def relaunch_request(job: Job) -> LaunchRequest:
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",
         metrics_files=list(metric_settings.files) if metric_settings else [],
+        retry=",".join(recovery.retry_names(job.retry_on or [])),
+        max_attempts=job.max_attempts,
+        min_nodes=job.min_nodes,
+        resume_template=job.resume_template,
+        checkpoint_glob=job.checkpoint_glob,
+        batch_template=job.batch_template,
+        batch=(job.batch or {}).get("batch"),
+        grad_accum=(job.batch or {}).get("accum"),
+        hang_after_s=job.hang_after_s,
     )
 
 
@@ -281,14 +301,25 @@ class LaunchForm(forms.Form):
     nodes = forms.MultipleChoiceField(
         required=False, widget=forms.CheckboxSelectMultiple, help_text="none ticked: use the node count"
     )
-    count = forms.IntegerField(required=False, min_value=1, label="Node count", help_text="blank: all enabled nodes")
+    count = forms.IntegerField(
+        required=False, min_value=1, max_value=NODES_MAX, label="Node count", help_text="blank: all enabled nodes"
+    )
     script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
     model = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default model")
     dataset = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default dataset")
-    epochs = forms.IntegerField(required=False, help_text="blank: not passed to the script")
-    lr = forms.FloatField(required=False, label="Learning rate", help_text="blank: not passed to the script")
-    nproc_per_node = forms.IntegerField(required=False, label="Processes per node", help_text="blank: GPU count")
-    priority = forms.IntegerField(required=False, initial=0)
+    epochs = forms.IntegerField(
+        required=False, min_value=1, max_value=EPOCHS_MAX, help_text="blank: not passed to the script"
+    )
+    lr = forms.FloatField(
+        required=False, min_value=0, max_value=LR_MAX, label="Learning rate",
+        help_text="blank: not passed to the script",
+    )  # fmt: skip
+    nproc_per_node = forms.IntegerField(
+        required=False, min_value=1, max_value=NPROC_MAX, label="Processes per node", help_text="blank: GPU count"
+    )
+    priority = forms.IntegerField(
+        required=False, initial=0, min_value=PRIORITY_MIN, max_value=PRIORITY_MAX, help_text="higher starts first"
+    )
     extra_args = forms.CharField(
         required=False,
         max_length=8000,

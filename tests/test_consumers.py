@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.testing import WebsocketCommunicator
@@ -11,6 +14,8 @@ from django.test import Client
 from jobs.events import publish_job
 from jobs.models import Job
 from ugro_site.asgi import application
+
+from .conftest import free_port, redis_server, wait_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -106,3 +111,55 @@ def test_an_idle_websocket_stays_open_and_still_relays():
         await ws.disconnect()
 
     async_to_sync(run)()
+
+
+def _layer_at(settings, port: int) -> None:
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [f"redis://127.0.0.1:{port}/0"]},
+        }
+    }
+
+
+def test_a_page_is_told_to_try_again_later_while_redis_is_down(settings, caplog):
+    """Redis down at connect: a close with 1013 (the page reconnects), not an HTTP 500 and a traceback."""
+    job = Job.objects.create(name="demo", script="s.py")
+    cookie = session_cookie()
+    _layer_at(settings, free_port())  # nothing listens there
+
+    async def run():
+        communicator, connected, code = await connect(f"/ws/jobs/{job.pk}/", cookie)
+        assert not connected and code == 1013
+        await communicator.disconnect()
+
+    async_to_sync(run)()
+    assert "channel layer is unreachable" in caplog.text
+
+
+def test_a_connected_page_is_closed_with_1013_when_redis_goes_away(settings, tmp_path):
+    """Redis stopped under a connected page: the consumer closes it with 1013 (one warning line)."""
+    job = Job.objects.create(name="demo", script="s.py")
+    cookie = session_cookie()
+    port = free_port()
+    redis = subprocess.Popen(
+        [redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        wait_port(port)
+        _layer_at(settings, port)
+
+        async def run():
+            communicator, connected, _ = await connect(f"/ws/jobs/{job.pk}/", cookie)
+            assert connected
+            redis.terminate()
+            await asyncio.get_running_loop().run_in_executor(None, redis.wait)
+            out = await communicator.receive_output(timeout=15)
+            assert out == {"type": "websocket.close", "code": 1013}
+
+        async_to_sync(run)()
+    finally:
+        if redis.poll() is None:
+            redis.kill()
+            redis.wait()

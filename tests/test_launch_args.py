@@ -81,7 +81,7 @@ def test_dry_run_prints_each_ranks_exact_command_and_creates_nothing(nodes):
     assert argv == [
         "/opt/venv/bin/torchrun", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.2:29500", f"--rdzv-id={tag}", "--rdzv-conf=join_timeout=30",
-        "--local-addr=127.0.0.2", "--max-restarts=0", "train/train_production.py",
+        "--local-addr=127.0.0.2", "--max-restarts=0", "/srv/w0/train/train_production.py",
         "--max-steps", "5", "--note", "a b;c",
     ]  # fmt: skip
     assert tag.startswith("exp1-")
@@ -123,4 +123,4 @@ def test_launch_form_shows_the_commands_without_queuing(nodes):
     html = response.content.decode()
     assert response.status_code == 200 and not Job.objects.exists()
     assert "What each rank would run" in html
-    assert "--max-restarts=0 train/train_production.py --max-steps 40\n" in html
+    assert "--max-restarts=0 /srv/w0/train/train_production.py --max-steps 40\n" in html

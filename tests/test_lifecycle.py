@@ -18,8 +18,11 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from cluster.links import LinkError
 from cluster.models import Alert, Node
+from jobs import follow as follow_module
 from jobs import lifecycle
+from jobs import reconcile as reconcile_module
 from jobs.failure import Failure, FailureKind
 from jobs.follow import JobFollower, LeaseLost, claim, follow
 from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
@@ -143,6 +146,60 @@ def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings
         a.step()
     rank = job.ranks.get()
     assert rank.log_offset == 4 and rank.local_log.read_bytes() == b"one\n"
+
+
+@pytest.mark.parametrize("where", ["follower", "reconciler"])
+def test_a_late_answer_is_not_silence_but_a_node_that_cannot_be_reached_is(
+    local_node, fast_settings, monkeypatch, where
+):
+    """A controller too busy to read a node's answer in time must not call its ranks lost (R10 at 10 jobs:
+    4 jobs failed NODE_LOST on healthy nodes); a node that cannot be connected to, past the limit, is lost."""
+    job = running_job(local_node)
+    job.ranks.update(last_contact=timezone.now() - timedelta(seconds=60))  # past NODE_LOST_AFTER_S (20 s)
+    assert claim(job.pk, "f")
+    errors = {
+        "late": LinkError("box: tail was sent, then no answer in time (timeout 7.5s)", delivered=True),
+        "unreachable": LinkError("box: cannot connect: [Errno 111] Connection refused", delivered=False),
+    }
+
+    def fail_with(kind):
+        def request(node, op, /, timeout=30.0, **fields):
+            raise errors[kind]
+
+        monkeypatch.setattr(follow_module, "node_request", request)
+        monkeypatch.setattr(reconcile_module, "node_request", request)
+        if where == "follower":
+            JobFollower(job, "f").step()
+        else:
+            reconcile_module.check_ranks(job)
+
+    fail_with("late")
+    assert job.ranks.get().state == Rank.State.RUNNING
+    fail_with("unreachable")
+    rank = job.ranks.get()
+    assert rank.state == Rank.State.LOST and "Connection refused" in rank.lost_reason
+
+
+def test_a_follower_with_a_job_cap_asks_for_another_follower_for_the_rest(local_node, fast_settings, tmp_path):
+    """Jobs are spread over follow tasks (each job's pass then waits only for its own nodes and writes)."""
+    other = Node.objects.create(
+        name="box2", address="127.0.0.1", transport="local", role="worker", workdir=str(tmp_path / "n2"),
+        agent_python=sys.executable,
+    )  # fmt: skip
+    jobs = [running_job(local_node, "j1"), running_job(other, "j2")]
+    for job in jobs:
+        write_log(job, b"hello\n")
+    asked = []
+    follow(1.0, max_jobs=1, more_wanted=lambda: asked.append(1))
+    copied = [job.ranks.get().log_offset for job in jobs]
+    # then exactly one job was followed and another follower was asked for
+    assert sorted(copied) == [0, 6] and asked
+    # and when every left-over job has a follower already, nobody else is asked for
+    left = jobs[copied.index(0)]
+    Job.objects.filter(pk=left.pk).update(follower="other", follower_until=timezone.now() + timedelta(seconds=60))
+    asked.clear()
+    follow(1.0, max_jobs=1, more_wanted=lambda: asked.append(1))
+    assert not asked
 
 
 def test_a_line_without_a_newline_is_taken_in_pieces_and_following_goes_on(local_node, fast_settings):

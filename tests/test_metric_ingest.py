@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from cluster.models import Node
 from jobs.models import Job, Rank
-from metrics.ingest import RankStream, parse_lines
-from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.ingest import RankStream, parse_lines, save_points
+from metrics.models import FinalMetric, JobMetrics
 
 CORPUS = Path(__file__).parent / "data" / "frameworks"
 RECORDINGS = sorted(p.name for p in CORPUS.iterdir() if (p / "rank_0.log").exists())
@@ -43,7 +43,7 @@ def follow_in_chunks(rank: Rank, text: str, lines_per_follower: int) -> list[lis
         if end:
             chunk.append(final_line)
         points, _ = parse_lines(rank.job_id, rank.index, chunk, RankStream(), timezone.now(), end=end)
-        MetricPoint.objects.bulk_create(points)
+        save_points(points)
         got.extend([p.step, p.name, p.value] for p in points)
         data = ("\n".join(chunk) + ("" if end else "\n")).encode()
         with open(rank.local_log, "ab") as fh:  # what the follower copies, then commits as the offset

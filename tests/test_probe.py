@@ -357,6 +357,10 @@ def test_job_procs_found_by_environment(probe: types.ModuleType) -> None:
     env = {**os.environ, "UGRO_JOB": "job-probe-test", "UGRO_NODE": "n1"}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "x" * 300], env=env)
     try:
+        for _ in range(100):  # until it has exec'd: before that /proc shows the parent's environment
+            if b"x" * 300 in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+                break
+            time.sleep(0.02)
         # When the probe runs
         procs = [p for p in probe.op_probe({"gpu_reader": "fixture:/x"})["job_procs"] if p["pid"] == proc.pid]
         # Then it is listed with its job, node and (truncated) command line

@@ -70,8 +70,8 @@ def test_higher_priority_starts_first(three_nodes):
         (LaunchRequest(name="bad name"), "job name 'bad name' is not allowed"),
         (LaunchRequest(name="x", count=4), "asked for 4 nodes but the cluster has 3 enabled"),
         (LaunchRequest(name="x", nodes=["nope"]), "node 'nope' is not in the cluster"),
-        (LaunchRequest(name="x", epochs=0), "epochs must be at least 1"),
-        (LaunchRequest(name="x", lr=float("nan")), "learning rate must be a positive number"),
+        (LaunchRequest(name="x", epochs=0), "epochs must be a whole number from 1"),
+        (LaunchRequest(name="x", lr=float("nan")), "learning rate must be a number above 0"),
         (LaunchRequest(name="x", extra_args=["a\x00b"]), "NUL"),
     ],
 )

@@ -7,6 +7,9 @@ import os
 from celery import Celery, signals
 from celery.beat import PersistentScheduler
 
+from ugro_site.env import private_umask
+
+private_umask()  # worker and beat write job logs and metric files into the data directory
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
 
 app = Celery("ugro")

@@ -7,6 +7,9 @@ import sys
 
 
 def main() -> None:
+    from ugro_site.env import private_umask
+
+    private_umask()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
     from django.core.management import execute_from_command_line
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 
@@ -25,7 +26,7 @@ def env_bool(name: str, default: bool) -> bool:
     raise EnvError(f"{name}={raw!r} is not a boolean (use true/false)")
 
 
-def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -35,10 +36,12 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
         raise EnvError(f"{name}={raw!r} is not an integer") from None
     if minimum is not None and value < minimum:
         raise EnvError(f"{name}={value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise EnvError(f"{name}={value} is above the maximum {maximum}")
     return value
 
 
-def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+def env_float(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -46,8 +49,12 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
         value = float(raw)
     except ValueError:
         raise EnvError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise EnvError(f"{name}={raw!r} is not a finite number")
     if minimum is not None and value < minimum:
         raise EnvError(f"{name}={value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise EnvError(f"{name}={value} is above the maximum {maximum}")
     return value
 
 
@@ -56,3 +63,9 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or raw.strip() == "":
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def private_umask() -> None:
+    """Files and directories UGRO makes are its user's alone (0600/0700): the data directory holds
+    the database, session keys and job logs. Called first by every entry point."""
+    os.umask(0o077)

@@ -12,7 +12,7 @@ from .env import EnvError, env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("UGRO_DATA_DIR", str(BASE_DIR / "data"))).resolve()
-DATA_DIR.mkdir(parents=True, exist_ok=True)
+DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # a looser existing one is warned about (cluster/checks.py)
 JOBS_DIR = DATA_DIR / "jobs"
 
 
@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "axes",
     "cluster",
     "jobs",
     "metrics",
@@ -58,6 +59,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.middleware.csp.ContentSecurityPolicyMiddleware",
+    "axes.middleware.AxesMiddleware",  # last, as django-axes asks: turns a lockout into its 429 page
 ]
 
 ROOT_URLCONF = "ugro_site.urls"
@@ -98,8 +100,24 @@ if test_db := env_str("UGRO_TEST_DB_NAME", ""):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 10}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+# Login throttling (django-axes): N failed logins for one user name from one address lock that pair
+# out for the cool-off time; a successful login resets the count. `manage.py axes_reset` unlocks.
+AUTHENTICATION_BACKENDS = [
+    "ugro_site.auth.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("UGRO_LOGIN_FAILURE_LIMIT", 5, minimum=1, maximum=1000)
+AXES_COOLOFF_TIME = env_float("UGRO_LOGIN_LOCKOUT_HOURS", 0.25, minimum=0.01, maximum=24 * 30)
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_VERBOSE = False
+# Password reset mails a link: offered only when mail is configured (EMAIL_HOST set).
+PASSWORD_RESET_ENABLED = bool(env_str("EMAIL_HOST", ""))
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -125,6 +143,7 @@ CHANNEL_LAYERS = {
 
 # Celery: Redis is transport only; results are not needed (the DB holds every outcome).
 CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_TRANSPORT = "ugro_site.broker:Transport"  # kombu's Redis transport, Redis restarts survived
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ALWAYS_EAGER = env_bool("UGRO_TASKS_EAGER", False)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -151,17 +170,21 @@ SECURE_CSP = {
 
 # UGRO behaviour.
 UGRO = {
-    "SYNC_WINDOW_S": env_float("UGRO_SYNC_WINDOW_S", 30.0, minimum=1.0),
-    "JOIN_TIMEOUT_S": env_int("UGRO_JOIN_TIMEOUT_S", 30, minimum=1),
-    "CONNECT_TIMEOUT_S": env_float("UGRO_CONNECT_TIMEOUT_S", 5.0, minimum=0.5),
-    "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0),
-    "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0),
-    "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0),
-    "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0),
+    "SYNC_WINDOW_S": env_float("UGRO_SYNC_WINDOW_S", 30.0, minimum=1.0, maximum=3600.0),
+    "JOIN_TIMEOUT_S": env_int("UGRO_JOIN_TIMEOUT_S", 30, minimum=1, maximum=3600),
+    "CONNECT_TIMEOUT_S": env_float("UGRO_CONNECT_TIMEOUT_S", 5.0, minimum=0.5, maximum=300.0),
+    "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0, maximum=3600.0),
+    "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0, maximum=86400.0),
+    "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0, maximum=86400.0),
+    "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0, maximum=3600.0),
+    # SSH host keys (cluster/links.py): an entry here for a node is honoured as its expected key.
+    "KNOWN_HOSTS": env_str("UGRO_KNOWN_HOSTS", "~/.ssh/known_hosts"),
+    # a follow task follows at most this many jobs; more jobs, more follow tasks (worker threads)
+    "FOLLOW_JOBS_PER_TASK": env_int("UGRO_FOLLOW_JOBS_PER_TASK", 2, minimum=1, maximum=1000),
     # Per-state time limits (docs/lifecycle.md): STARTING may last the sync window plus this (connect,
     # pre-flight); CANCELLING/FAILING are torn down again by the reconciler after the kill grace plus this.
-    "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0),
-    "STOPPING_RETRY_S": env_float("UGRO_STOPPING_RETRY_S", 15.0, minimum=1.0),
+    "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0, maximum=3600.0),
+    "STOPPING_RETRY_S": env_float("UGRO_STOPPING_RETRY_S", 15.0, minimum=1.0, maximum=3600.0),
 }
 
 LOGGING = {

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.urls import include, path
+
+# django.contrib.auth.urls without the password reset views unless mail is configured (a reset link
+# that can never arrive only tells an attacker which accounts exist).
+auth_urls = [
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("password_change/", auth_views.PasswordChangeView.as_view(), name="password_change"),
+    path("password_change/done/", auth_views.PasswordChangeDoneView.as_view(), name="password_change_done"),
+]
+if settings.PASSWORD_RESET_ENABLED:
+    auth_urls += [
+        path("password_reset/", auth_views.PasswordResetView.as_view(), name="password_reset"),
+        path("password_reset/done/", auth_views.PasswordResetDoneView.as_view(), name="password_reset_done"),
+        path("reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(), name="password_reset_confirm"),
+        path("reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
+    ]
 
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("accounts/", include("django.contrib.auth.urls")),
+    path("accounts/", include(auth_urls)),
     path("", include("cluster.urls")),
     path("", include("jobs.urls")),
     path("", include("metrics.urls")),

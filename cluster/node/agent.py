@@ -202,6 +202,13 @@ def op_start(req):
     env = dict(os.environ)
     env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
     argv[0] = _resolve_executable(argv[0], env)
+    script_index = req.get("script_index")
+    if script_index is not None:
+        # the same expansion `stat` applies: the file pre-flight found is the file that runs
+        script = _expand(argv[script_index])
+        if not os.path.isfile(script):
+            raise AgentError("script %s is not a file on this node" % script)
+        argv[script_index] = script
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     boot_id = _boot_id()
     if record is not None:

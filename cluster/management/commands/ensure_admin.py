@@ -23,4 +23,5 @@ class Command(BaseCommand):
         path = settings.DATA_DIR / "admin_password.txt"
         path.write_text(f"{username} {password}\n")
         path.chmod(0o600)
+        path.chmod(0o600)
         self.stdout.write(f"created admin user {username!r} with password {password} (also in {path})")

@@ -18,6 +18,8 @@ def node_line(node: Node, width: int) -> list[str]:
         lines = [f"{head} - {node.status.upper()}: {node.status_reason or 'no reading'}"]
     for check in node.health_checks or []:
         lines.append(f"    {check['severity']}: {check['detail']}")
+    if node.host_key:
+        lines.append(f"    host key {node.host_key_fingerprint} ({node.host_key_source})")
     return lines
 
 
@@ -54,6 +56,7 @@ def _as_json(nodes: list[Node]) -> str:
                     "score": n.health_score,
                     "reason": n.status_reason,
                     "checks": n.health_checks,
+                    "host_key": n.host_key_fingerprint or None,
                     "last_seen": n.last_seen.isoformat() if n.last_seen else None,
                 }
                 for n in nodes

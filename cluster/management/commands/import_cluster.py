@@ -15,7 +15,7 @@ class Command(BaseCommand):
 
     def handle(self, path, **options):
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_bytes()  # decoded (UTF-8 only) and bounded by import_cluster
         except OSError as exc:
             raise CommandError(f"cannot read {path}: {exc.strerror}") from None
         try:

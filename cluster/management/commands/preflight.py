@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from cluster.models import ClusterSettings, Node
+from jobs.launch import LaunchError, check_script
 from jobs.preflight import check_nodes
 
 
@@ -30,7 +31,11 @@ class Command(BaseCommand):
         # Rank 0 (the rendezvous host) is a master when there is one, as at launch.
         chosen.sort(key=Node.placement_key)
         host = chosen[0].address
-        report = check_nodes(chosen, script or cs.default_script, host, cs.rendezvous_port)
+        try:
+            script = check_script(script or cs.default_script)
+        except LaunchError as exc:
+            raise CommandError(str(exc)) from None
+        report = check_nodes(chosen, script, host, cs.rendezvous_port)
         for note in report.notes:
             self.stdout.write(f"note: {note}")
         if report.problems:
