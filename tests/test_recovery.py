@@ -215,3 +215,28 @@ def test_the_policy_leaves_jobs_without_one_alone(node):
     assert plain.recovery_note == "" and not Alert.objects.filter(job_name="plain").exists()
     assert "not in the job's retry list" in ruled.recovery_note
     assert Alert.objects.get(key="recovery:ruled").severity == Alert.Severity.CRITICAL
+
+
+def test_a_cluster_default_policy_applies_to_jobs_that_name_none(node, settings):
+    settings.UGRO = {**settings.UGRO, "RETRY_ON": ["script-error"], "MAX_ATTEMPTS": 2}
+    job = failed_job(node, name="d1")
+    ckpt(job, node, 10)
+    nxt, note = recovery.decide(job)
+    assert nxt is not None and "attempt 2 of 2 from step 10" in note
+
+
+def test_without_step_times_a_node_far_busier_than_the_others_is_flagged(node, tmp_path):
+    from cluster.models import HealthSample
+
+    other = Node.objects.create(name="box2", address="127.0.0.2", transport="local", role="worker",
+                                workdir=str(tmp_path / "wd2"), agent_python=sys.executable)  # fmt: skip
+    job = Job.objects.create(name="g", script="t.py", state=Job.State.RUNNING)
+    for i, n in enumerate((node, other)):
+        Rank.objects.create(job=job, node=n, index=i, state=Rank.State.RUNNING)
+    points(job, 1, [5, 10, 15])  # a loss, but no compute_s
+    HealthSample.objects.create(node=node, time=timezone.now(), gpu_util_percent=97.0)
+    HealthSample.objects.create(node=other, time=timezone.now(), gpu_util_percent=41.0)
+    found = recovery.stragglers(job)
+    assert [s["node"].name for s in found] == ["box"] and "GPU util 97%" in found[0]["message"]
+    HealthSample.objects.create(node=other, time=timezone.now() + timedelta(seconds=1), gpu_util_percent=90.0)
+    assert recovery.stragglers(job) == []
