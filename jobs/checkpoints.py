@@ -27,7 +27,7 @@ from django.conf import settings
 from cluster.models import Node
 
 from .models import Checkpoint, Job, Rank
-from .nodes import node_request
+from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,37 @@ def batch_args(job: Job) -> list[str]:
 def target_path(checkpoint: Checkpoint, node: Node) -> str:
     rel = path_for_rank0(checkpoint)
     return rel if rel.startswith("/") else f"{node.workdir.rstrip('/')}/{rel}"
+
+
+def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
+    """Make the checkpoint present on every node of an attempt: rank 0 reads it in the reference script,
+    but frameworks such as the Hugging Face Trainer load it on every rank. A node that already holds the
+    same files (by sha256) gets nothing; the copies run at once. ValueError with a one-line reason."""
+    targets = [n for n in nodes if n.pk != checkpoint.node_id]
+    if not targets:
+        return
+    timeout = float(settings.UGRO.get("CHECKPOINT_COPY_TIMEOUT_S", 60.0))
+    try:
+        want = node_request(checkpoint.node, "files", timeout=timeout, path=checkpoint.path)["files"]
+    except Exception as exc:  # the node that holds it does not answer, or the files are gone
+        raise ValueError(f"checkpoint {checkpoint.node.name}:{checkpoint.path} cannot be read: {exc}") from None
+
+    def one(node: Node) -> str | None:
+        try:
+            have = node_request(node, "files", timeout=timeout, path=target_path(checkpoint, node))["files"]
+        except Exception:  # absent (or unreadable): copy it
+            have = None
+        if have == want:
+            return None
+        try:
+            copy_to(checkpoint, node)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    failed = [msg or f"{node.name}: {err}" for node, msg, err in on_each(targets, one) if msg or err]
+    if failed:
+        raise ValueError("; ".join(failed))
 
 
 def copy_to(checkpoint: Checkpoint, node: Node) -> str:

@@ -468,9 +468,9 @@ def launch(job: Job) -> Job:
         )
         return job
     ckpt = job.resume_checkpoint
-    if ckpt is not None and ckpt.node_id != ranks[0].node_id:
-        try:  # rank 0 reads the checkpoint (and broadcasts it): it must be on rank 0's node
-            checkpoints.copy_to(ckpt, ranks[0].node)
+    if ckpt is not None:
+        try:  # on every node of this attempt (the HF Trainer reads it on every rank)
+            checkpoints.ensure_on(ckpt, [r.node for r in ranks])
         except ValueError as exc:
             lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
             return job

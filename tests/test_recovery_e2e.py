@@ -392,3 +392,36 @@ def test_a_rank_sleeping_half_again_per_step_is_flagged_as_a_straggler(recovery_
     assert 'id="straggler-2"' in page and f"rank 2 on {node.name} is a straggler" in page
     run("cancel", "slow")
     assert job_pids(job.tag) == []
+
+
+def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_nodes(recovery_settings):
+    import shutil
+
+    frameworks = Path(__file__).parent / "data" / "frameworks"
+    for node in recovery_settings.nodes[:3]:
+        (node.workdir / "frameworks").mkdir(exist_ok=True)
+        shutil.copy(frameworks / "hf_trainer.py", node.workdir / "frameworks" / "hf_trainer.py")
+    # given an unmodified Trainer script that saves checkpoint-<N>/ every 10 steps and crashes at step 15
+    run("launch", "--name", "hfr", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
+        "--resume-template=--resume_from_checkpoint {checkpoint}", "--detach", "--",
+        "--max-steps", "30", "--logging-steps", "5", "--save-steps", "10", "--fail-at-step", "15")  # fmt: skip
+    job = Job.objects.get(name="hfr")
+    follow_until(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the crash")
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILED, job.state
+    ckpt = checkpoints.choose(job, "latest")
+    assert (ckpt.step, ckpt.kind) == (10, "dir") and ckpt.path.endswith("outputs/hfr/checkpoint-10")
+    # when it is resumed on two nodes without that directory
+    others = [n for n in ("node1", "node2", "node3") if n != ckpt.node.name]
+    run("resume", "hfr", "--nodes", ",".join(others))
+    run("logs", "hfr", "--follow")
+    job.refresh_from_db()
+    # then the Trainer went on from step 10 (its own global step) with the copied directory, and finished
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    rank0 = job.ranks.select_related("node").get(index=0).node
+    copied = Path(rank0.workdir) / "outputs" / "hfr" / "checkpoint-10"
+    assert (copied / "trainer_state.json").read_bytes() == (Path(ckpt.path) / "trainer_state.json").read_bytes()
+    steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
+    assert steps == [15, 20, 25, 30], steps
+    config = json.loads((job.job_dir / "config.json").read_text())
+    assert config["ranks"][0]["command"][-2:] == ["--resume_from_checkpoint", "outputs/hfr/checkpoint-10"]
