@@ -144,6 +144,12 @@ def test_the_policy_retries_listed_kinds_with_backoff_and_stops_on_a_crash_loop(
     nxt, note = recovery.decide(job)
     assert nxt is None and "crash loop, attempts 1 and 2 both failed at step 30" in note
     assert "ugro resume f1" in note
+    # the last attempt allowed failed: the policy gives up
+    Job.objects.filter(pk=job.pk).update(max_attempts=2)
+    job.refresh_from_db()
+    Attempt.objects.filter(job=job, number=1).update(last_step=10)  # not a crash loop
+    nxt, note = recovery.decide(job)
+    assert nxt is None and "gave up after 2 attempts (SCRIPT_ERROR on box)" in note
     # a kind not in the list is proposed, not retried
     other = failed_job(node, name="f2", kind="NCCL", retry_on=["OOM"])
     nxt, note = recovery.decide(other)

@@ -358,13 +358,10 @@ def test_a_hung_job_is_flagged_its_stacks_dumped_and_the_retry_policy_applied(re
     logs = run("logs", "hung", "--attempt", "1")
     assert logs.count("most recent call first") >= 2 and "train_production.py" in logs
     assert "SIGUSR1" in first.failure_reason or "py-spy" in first.failure_reason
-    # and the retry resumed from the step-20 checkpoint; it hangs again and the policy gives up
+    # and the retry resumed from the step-20 checkpoint (giving up after the last attempt: test_recovery.py)
     job.refresh_from_db()
     assert job.resume_step == 20
-    drive(job, lambda: Job.objects.get(pk=job.pk).recovery_note != "" and Job.objects.get(pk=job.pk).is_ended,
-          what="attempt 2 to hang and be judged")  # fmt: skip
-    job.refresh_from_db()
-    assert job.failure_kind == "HANG" and "gave up after 2 attempts" in job.recovery_note
+    run("cancel", "hung")
     assert job_pids(job.tag) == []
 
 
