@@ -63,7 +63,18 @@ def setup_django(tmp: Path, migrate: bool = True) -> dict[str, str]:
         from django.core.management import call_command
 
         call_command("migrate", verbosity=0)
+        os_operator()
     return env
+
+
+def os_operator() -> None:
+    """An operator account named like the OS user: `manage.py` commands run as it (accounts/commands.py)."""
+    import getpass
+
+    from django.contrib.auth.models import Group, User
+
+    user, _ = User.objects.get_or_create(username=getpass.getuser())
+    user.groups.add(Group.objects.get(name="operator"))
 
 
 def make_tmp(prefix: str) -> Path:

@@ -32,9 +32,11 @@ RESULTS = REPO / "bench" / "results"
 CONTROLLER_PY = REPO / ".venv" / "bin" / "python"
 DAPHNE = REPO / ".venv" / "bin" / "daphne"
 NODE_ENV = Path(os.environ.get("UGRO_NODE_ENV", REPO / ".venv-node"))
-DB_NAME = "ugro_bench3"
+# Overridable so that two benchmarks on one machine keep apart (e.g. UGRO_BENCH_DB=ugro_bench_ui).
+DB_NAME = os.environ.get("UGRO_BENCH_DB", "ugro_bench3")
 DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
-REDIS_URL = "redis://127.0.0.1:6379/12"
+REDIS_DB = os.environ.get("UGRO_BENCH_REDIS_DB", "12")
+REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 SUBNET = "127.0.3"
 SECRET = "dashboard-bench-secret-key-dashboard-bench-secret-key"
 CHROMIUM = "/usr/bin/chromium"
@@ -62,7 +64,7 @@ def drop_db() -> None:
 
 
 def flush_redis() -> None:
-    subprocess.run(["redis-cli", "-n", "12", "flushdb"], check=True, capture_output=True, timeout=30)
+    subprocess.run(["redis-cli", "-n", REDIS_DB, "flushdb"], check=True, capture_output=True, timeout=30)
 
 
 def ugro_env(tmp: Path, **extra: str) -> dict[str, str]:

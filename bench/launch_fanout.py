@@ -15,7 +15,7 @@ UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
              nodes at once (SSH + agent bootstrap + hello), then one agent `start` per node at once
   ugro_warm  the same `start` requests from this process over links opened before the clock
              starts (as the Celery worker holds them)
-  ugro_cli   the real user command, `ugro launch --detach --name X --nodes N` (a fresh process),
+  ugro_cli   the admins' command, `manage.py launch --detach --name X --nodes N` (a fresh process),
              with no worker running: it connects to the nodes, runs pre-flight and starts the
              ranks itself. The nodes are imported into the throwaway DB as a UGRO cluster whose
              `torchrun` is a fake that execs the same sleeping rank.
@@ -24,6 +24,10 @@ UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
              -c 4`, Redis db 11) is up and warm: the command hands the start to it. Between its
              own trials the worker is paused (SIGSTOP, heartbeat key deleted) so the other methods
              run with no worker, and resumed (SIGCONT, heartbeat back) before each of its trials.
+  ugro_client
+             the thin client a user runs, `ugro launch --detach --name X --nodes N` (ugro_client, a
+             fresh python process, no Django) against the REST API served by daphne, with a real
+             token; the API queues the job and the same warm worker starts the ranks.
 
 The clock runs from just before the command is issued until a separate watcher process
 (bench/_procwatch.py, polling /proc every 5 ms; by tag prefix for the ugro_cli
@@ -69,13 +73,15 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli", "ugro_cli_worker")
-CLI_METHODS = ("ugro_cli", "ugro_cli_worker")
+METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli", "ugro_cli_worker", "ugro_client")
+CLI_METHODS = ("ugro_cli", "ugro_cli_worker", "ugro_client")
+WORKER_METHODS = ("ugro_cli_worker", "ugro_client")  # the worker starts the ranks
 SLEEP_CODE = "import time; time.sleep(30)"
 RANK_ARGV = [str(NODE_PY), "-c", SLEEP_CODE]
 DETECT_TIMEOUT = 60.0
 CLI_DETECT_TIMEOUT = 40.0  # a failed `ugro launch` starts nothing: do not wait a minute for it
-UGRO_BIN = REPO / ".venv" / "bin" / "ugro"
+UGRO_ADMIN = [str(CONTROLLER_PY), str(REPO / "manage.py")]
+UGRO_CLIENT = [str(CONTROLLER_PY), "-m", "ugro_client.cli"]  # what the `ugro` console script runs
 RANK_SCRIPT = "bench_rank.py"  # training.script: an empty file in each node's workdir (pre-flight stats it)
 HEARTBEAT_KEY = "ugro:worker-alive"  # ugro_site.celery.HEARTBEAT_KEY
 
@@ -318,6 +324,9 @@ class Bench:
         self.worker: Worker | None = None
         self.prefix_watcher: Watcher | None = None
         self.rdzv_port = 29700
+        self.api_env: dict[str, str] = {}  # the ugro_client method: UGRO_URL and UGRO_TOKEN
+        self.token = ""
+        self.daphne_pid: int | None = None
 
     # -- the ways of issuing ----------------------------------------------------------------
     def issue_seq_ssh(self, tag: str, n: int) -> dict:
@@ -402,7 +411,7 @@ class Bench:
 
     def _issue_cli(self, name: str, n: int) -> dict:
         proc = subprocess.run(
-            [str(UGRO_BIN), "launch", "--detach", "--name", name, "--nodes", str(n)],
+            [*UGRO_ADMIN, "launch", "--detach", "--name", name, "--nodes", str(n)],
             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=self.cli_env, cwd=self.tmp,
         )  # fmt: skip
         if proc.returncode != 0:
@@ -414,6 +423,15 @@ class Bench:
 
     def issue_ugro_cli_worker(self, name: str, n: int) -> dict:
         return self._issue_cli(name, n)
+
+    def issue_ugro_client(self, name: str, n: int) -> dict:
+        proc = subprocess.run(
+            [*UGRO_CLIENT, "launch", "--detach", "--name", name, "--nodes", str(n)],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, env=self.api_env, cwd=REPO,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"ugro (client) launch exited {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]}")
+        return {"stdout_tail": proc.stdout.strip().splitlines()[-1:]}
 
     def finish_cli(self, name: str, t0_wall: float) -> dict:
         """After a ugro_cli trial: the job's timeline from the DB, then cancel it (as `ugro cancel`)."""
@@ -454,10 +472,11 @@ class Bench:
         cli = method in CLI_METHODS
         if cli:
             # UGRO picks the job's tag (<name>-<8 hex>): watch for the name's prefix.
-            tag = f"bf{'w' if method == 'ugro_cli_worker' else 'c'}{n}-{uuid.uuid4().hex[:8]}"
+            letter = {"ugro_cli_worker": "w", "ugro_client": "k"}.get(method, "c")
+            tag = f"bf{letter}{n}-{uuid.uuid4().hex[:8]}"
             watcher = self.prefix_watcher
             self.next_rdzv_port()
-            if method == "ugro_cli_worker":
+            if method in WORKER_METHODS:
                 self.worker.resume()
             elif heartbeat_present():
                 raise RuntimeError("a worker heartbeat is present for a no-worker trial")
@@ -471,7 +490,8 @@ class Bench:
             watcher.arm(tag + "-", n, prefix=True, timeout=CLI_DETECT_TIMEOUT)
         else:
             watcher.arm(tag, n)
-        worker_cpu0 = self.worker.cpu() if method == "ugro_cli_worker" else 0.0
+        worker_cpu0 = self.worker.cpu() if method in WORKER_METHODS else 0.0
+        api_cpu0 = pid_cpu(self.daphne_pid) if method == "ugro_client" else 0.0
         cpu0 = controller_cpu()
         t0_wall = time.time()
         t0 = time.monotonic()
@@ -484,9 +504,13 @@ class Bench:
         t_returned = time.monotonic()
         cpu = controller_cpu() - cpu0
         worker_cpu = None
-        if method == "ugro_cli_worker":
+        if method in WORKER_METHODS:
             worker_cpu = self.worker.cpu() - worker_cpu0
             cpu += worker_cpu
+        api_cpu = None
+        if method == "ugro_client":
+            api_cpu = pid_cpu(self.daphne_pid) - api_cpu0
+            cpu += api_cpu
         seen = watcher.result()
         if cli:
             try:
@@ -494,7 +518,7 @@ class Bench:
             except Exception as exc:  # noqa: BLE001 - recorded; the tagged processes are killed below
                 error = (error + "; " if error else "") + f"cleanup {type(exc).__name__}: {exc}"
             survivors = kill_tagged(tag + "-", prefix=True)
-            if method == "ugro_cli_worker":
+            if method in WORKER_METHODS:
                 self.worker.pause()
         else:
             survivors = kill_tagged(tag)
@@ -512,6 +536,8 @@ class Bench:
         }
         if worker_cpu is not None:
             row["worker_cpu_s"] = round(worker_cpu, 4)
+        if api_cpu is not None:
+            row["api_server_cpu_s"] = round(api_cpu, 4)
         if cli:
             for key in ("job_state", "job_tag", "launched_by", "cli_breakdown_s", "cancel_s", "cancel_unclean",
                         "failure_reason", "stdout_tail"):  # fmt: skip
@@ -535,7 +561,59 @@ class Bench:
         return row
 
 
-UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli", "ugro_cli_worker")
+UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli", "ugro_cli_worker", "ugro_client")
+
+
+def pid_cpu(pid: int | None) -> float:
+    """CPU seconds (user+sys, reaped children too) of one process, e.g. the API server."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def accounts(bench: Bench) -> None:
+    """An operator account named like the OS user (manage.py's default) and a token for the client."""
+    import getpass
+
+    from django.contrib.auth.models import Group, User
+
+    from accounts.tokens import create_token
+
+    for name in {getpass.getuser(), "bench"}:
+        user, _ = User.objects.get_or_create(username=name)
+        user.groups.add(Group.objects.get(name="operator"))
+    _, bench.token = create_token(User.objects.get(username="bench"), "fanout", "launch")
+
+
+def start_api(tmp: Path, bench: Bench, timeout: float = 60.0) -> tuple[subprocess.Popen, dict[str, str]]:
+    """daphne serving the API on a free port, on the benchmark's DB and Redis."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [str(CONTROLLER_PY), "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "ugro_site.asgi:application"],
+        cwd=REPO, env=bench.cli_env, stdin=subprocess.DEVNULL, stdout=open(tmp / "daphne.log", "wb"),
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/accounts/login/", timeout=2).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        raise RuntimeError(f"daphne did not serve in {timeout:.0f}s: {(tmp / 'daphne.log').read_text()[-800:]}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO")}
+    return proc, {**env, "UGRO_URL": url, "UGRO_TOKEN": bench.token}
 
 
 def summarize(rows: list[dict], sizes: list[int]) -> dict:
@@ -656,7 +734,7 @@ def main() -> int:
     rows: list[dict] = []
     t_start = time.monotonic()
     cluster = LoopbackCluster(tmp / "nodes", max(sizes), subnet=SUBNET, first_octet=2)
-    watcher = bench = None
+    watcher = bench = daphne = None
     cli = [m for m in methods if m in CLI_METHODS]
     try:
         cluster.start()
@@ -671,12 +749,17 @@ def main() -> int:
             bench.prefix_watcher = Watcher("_procwatch.py")
             meta["redis"] = BENCH_REDIS
             meta["fake_torchrun"] = (tmp / "fake-bin" / "torchrun").read_text()
-        if "ugro_cli_worker" in cli:
+            accounts(bench)  # manage.py runs as the OS user's account; the client with a token
+        if "ugro_client" in cli:
+            daphne, bench.api_env = start_api(tmp, bench)
+            bench.daphne_pid = daphne.pid
+            meta["api_url"] = bench.api_env["UGRO_URL"]
+        if any(m in cli for m in WORKER_METHODS):
             bench.worker = Worker(tmp, bench.cli_env, str(tmp / "bench.sqlite3"))
             meta["worker_start_s"] = round(bench.worker.start(), 2)
             meta["worker_pid"] = bench.worker.proc.pid
             # Warm it: one launch through it on every node (its health polls reach them all too).
-            row = bench.trial(watcher, "ugro_cli_worker", max(sizes))
+            row = bench.trial(watcher, next(m for m in WORKER_METHODS if m in cli), max(sizes))
             meta["worker_warmup_trial"] = row
             print(f"worker up in {meta['worker_start_s']}s; warm-up launch on {max(sizes)} nodes: "
                   f"{row['all_running_s']}s {row.get('error', '')}", flush=True)  # fmt: skip
@@ -708,7 +791,12 @@ def main() -> int:
         if bench is not None and bench.worker is not None:
             meta["worker_pause_retries"] = bench.worker.pause_retries
             bench.worker.stop()
+        if daphne is not None and daphne.poll() is None:
+            os.killpg(daphne.pid, signal.SIGTERM)
+            daphne.wait(timeout=10)
         pool.close_all()
+        for tag in ("bfk",):
+            kill_tagged(tag, prefix=True)
         for w in (watcher, bench.prefix_watcher if bench is not None else None):
             if w is not None:
                 w.close()
@@ -735,6 +823,7 @@ def main() -> int:
         "ugro_cold": cold_breakdown(rows, sizes),
         "ugro_cli": cold_breakdown(rows, sizes, "ugro_cli", "cli_breakdown_s"),
         "ugro_cli_worker": cold_breakdown(rows, sizes, "ugro_cli_worker", "cli_breakdown_s"),
+        "ugro_client": cold_breakdown(rows, sizes, "ugro_client", "cli_breakdown_s"),
     }
     write_json(Path(args.out), {
         "meta": meta, "summary": summary, "ugro_cold_breakdown_s": breakdown["ugro_cold"],

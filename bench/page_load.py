@@ -3,6 +3,16 @@
 
     .venv/bin/python bench/page_load.py [--ranks 2] [--steps 500000] [--repeat 5] [--tb-venv /tmp/tbvenv]
                                         [--skip-tb] [--tb-python-loader] [--label L] [--keep]
+    .venv/bin/python bench/page_load.py --panels 10 --ranks 3 --steps 100000 --tb-venv .venv [--repeat 5]
+
+With --panels N (issue 13): N metrics ("loss", "train/...", "eval/...") x ranks x steps points, the job
+page drawing a panel per metric; timed until every panel has its canvas and #panels says ready (set by
+static/js/job.js once every panel's series is drawn). TensorBoard gets the same N tags per run; its
+sample ends when every run's line of every tag is drawn (2 SVG paths per run and tag), or, when its
+lazy card loading never draws them all, is reported with how many were drawn after 60 s. Memory: the
+page's JS heap (CDP Performance.getMetrics, JSHeapUsedSize) once drawn, and the PSS of every Chromium
+process of this run with only that tab open. Results go under "panels" in page_load.json (the 1M-point
+figures stay).
 
 UGRO: a SUCCEEDED job whose MetricPoints are inserted straight into PostgreSQL (one INSERT ...
 SELECT over generate_series: ranks x steps points named "loss", value
@@ -35,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -59,7 +70,7 @@ SPIKE_EVERY, SPIKE_AT, SPIKE = 50000, 777, 1.5
 VIEWPORT = {"width": 1440, "height": 1000}
 
 UGRO_DRAWN = """() => {
-  const canvas = document.querySelector('#chart canvas');
+  const canvas = document.querySelector('#panels .panel canvas');
   const info = document.getElementById('chart-info');
   if (canvas && info && info.textContent.includes('points shown')) {
     if (!window.__drawnAt) window.__drawnAt = performance.now();
@@ -91,14 +102,55 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 logdir, rank, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+tags = sys.argv[4].split(",") if len(sys.argv) > 4 else ["loss"]
 w = EventFileWriter(logdir, max_queue_size=10000, flush_secs=5)
 t0 = time.time()
 for s in range(steps):
-    v = 2.0 * math.exp(-s / 150000.0) + 0.1 * math.sin(s * 0.37 + rank * 1.3) + (1.5 if s % 50000 == 777 else 0.0)
-    summary = Summary(value=[Summary.Value(tag="loss", simple_value=v)])
-    w.add_event(Event(wall_time=t0 + s * 0.001, step=s, summary=summary))
+    values = []
+    for k, tag in enumerate(tags):
+        v = 2.0 * math.exp(-s / 150000.0) + 0.1 * math.sin(s * 0.37 + rank * 1.3 + k)
+        v += 1.5 if s % 50000 == 777 else 0.0
+        values.append(Summary.Value(tag=tag, simple_value=v))
+    w.add_event(Event(wall_time=t0 + s * 0.001, step=s, summary=Summary(value=values)))
 w.close()
 """
+
+PANEL_NAMES = ["loss", "lr", "grad_norm", "tokens_per_sec", "train/loss_scale", "train/weight_norm",
+               "eval/loss", "eval/accuracy", "eval/perplexity", "system/throughput"]  # fmt: skip
+
+UGRO_PANELS_DRAWN = """(n) => {
+  const box = document.getElementById('panels');
+  if (box && box.dataset.ready && box.querySelectorAll('.panel canvas').length >= n) {
+    if (!window.__drawnAt) window.__drawnAt = performance.now();
+    return true;
+  }
+  return false;
+}"""
+
+TB_CARDS = """() => {
+  let n = 0;
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.shadowRoot) walk(el.shadowRoot);
+      if (el.tagName.toLowerCase() === 'tf-scalar-card') n++;
+    }
+  };
+  walk(document);
+  return n;
+}"""
+
+TB_LINES_DRAWN = """() => {
+  let long = 0;
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      if (el.shadowRoot) walk(el.shadowRoot);
+      if (el.tagName === 'path' && (el.getAttribute('class') || '').split(' ').includes('line')
+          && (el.getAttribute('d') || '').length > 500) long++;
+    }
+  };
+  walk(document);
+  return long;
+}"""
 
 
 def spikes_expected(ranks: int, steps: int) -> int:
@@ -116,7 +168,7 @@ def spikes_seen(per_rank: list[list[tuple[float, float]]], steps: int, window: i
     return seen
 
 
-def insert_points(job_id: int, ranks: int, steps: int) -> float:
+def insert_points(job_id: int, ranks: int, steps: int, names: list[str] | None = None) -> float:
     from django.db import connection
 
     from metrics.models import MetricPoint
@@ -124,14 +176,16 @@ def insert_points(job_id: int, ranks: int, steps: int) -> float:
     table = MetricPoint._meta.db_table
     t0 = time.monotonic()
     with connection.cursor() as cur:
-        cur.execute(
-            f"INSERT INTO {table} (job_id, rank, step, name, value, time) "
-            "SELECT %s, r, s, 'loss', 2.0 * exp(-s / 150000.0) + 0.1 * sin(s * 0.37 + r * 1.3) "
-            "  + CASE WHEN s %% %s = %s THEN %s ELSE 0 END, now() "
-            "FROM generate_series(0, %s) r, generate_series(0, %s) s",
-            [job_id, SPIKE_EVERY, SPIKE_AT, SPIKE, ranks - 1, steps - 1],
-        )
-        cur.execute(f"ANALYZE {table}")
+        for k, name in enumerate(names or ["loss"]):
+            cur.execute(
+                f"INSERT INTO {table} (job_id, rank, step, name, value, time) "
+                "SELECT %s, r, s, %s, 2.0 * exp(-s / 150000.0) + 0.1 * sin(s * 0.37 + r * 1.3 + %s) "
+                "  + CASE WHEN s %% %s = %s THEN %s ELSE 0 END, now() - (%s - s) * interval '1 millisecond' "
+                "FROM generate_series(0, %s) r, generate_series(0, %s) s",
+                [job_id, name, k, SPIKE_EVERY, SPIKE_AT, SPIKE, steps, ranks - 1, steps - 1],
+            )
+        # as autovacuum leaves a table some time after a bulk insert
+        cur.execute(f"VACUUM ANALYZE {table}")
     return time.monotonic() - t0
 
 
@@ -172,6 +226,225 @@ def time_page(context, url: str, predicate: str, arg, errors: list[str]) -> dict
     return out
 
 
+def chromium_pss_mb() -> float:
+    """PSS of every Chromium process this run started (descendants of this process), in MB."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total_kb, todo = 0, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            if "chromium" not in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"):
+                continue
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total_kb / 1024, 1)
+
+
+def page_memory(context, url: str, predicate: str, arg) -> dict:
+    """JS heap of the drawn page and PSS of the browser's processes with only this tab open."""
+    page = context.new_page()
+    page.goto(url)
+    if predicate:
+        page.wait_for_function(predicate, arg=arg, polling="raf", timeout=90_000)
+    page.wait_for_timeout(1000)
+    cdp = context.new_cdp_session(page)
+    cdp.send("Performance.enable")
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    out = {
+        "js_heap_used_mb": round(metrics.get("JSHeapUsedSize", 0) / 2**20, 1),
+        "js_heap_total_mb": round(metrics.get("JSHeapTotalSize", 0) / 2**20, 1),
+        "dom_nodes": int(metrics.get("Nodes", 0)),
+        "chromium_pss_mb": chromium_pss_mb(),
+    }
+    cdp.detach()
+    return page, out
+
+
+def main_panels(args) -> None:
+    """--panels N: a panel per metric (issue 13), UGRO's job page beside TensorBoard's scalars."""
+    names = PANEL_NAMES[: args.panels]
+    if len(names) < args.panels:
+        names += [f"extra/metric_{i}" for i in range(args.panels - len(names))]
+    total = len(names) * args.ranks * args.steps
+    tmp = make_tmp("ugro-bench-panels-")
+    procs: list = []
+    result: dict = {}
+    t_bench = time.monotonic()
+    try:
+        env = setup(tmp)
+        result["machine"] = info = machine_info()
+        from django.contrib.auth.models import User
+        from django.utils import timezone
+
+        from jobs.models import Job
+
+        now = timezone.now()
+        job = Job.objects.create(name="ten-panels", script="train/train_production.py", state=Job.State.SUCCEEDED,
+                                 started_at=now, running_at=now, finished_at=now)  # fmt: skip
+        insert_s = insert_points(job.pk, args.ranks, args.steps, names)
+        print(f"inserted {total:,} points ({len(names)} metrics) in {insert_s:.1f} s")
+        User.objects.create_user("bench", password="bench-pw-123")
+        daphne, base = start_daphne(env, tmp)
+        procs.append(daphne)
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            info["chromium"] = browser.version
+            context = browser.new_context(viewport=VIEWPORT)
+            errors: list[str] = []
+            login = new_page(context, errors)
+            login.goto(base + "/accounts/login/")
+            login.fill("#id_username", "bench")
+            login.fill("#id_password", "bench-pw-123")
+            login.click("button[type=submit]")
+            login.wait_for_url(base + "/")
+            login.close()
+            url = f"{base}/jobs/{job.pk}/"
+            warm = time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors)
+            samples = [time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors) for _ in range(args.repeat)]
+            page, memory = page_memory(context, url, UGRO_PANELS_DRAWN, len(names))
+            drawn = page.eval_on_selector_all("#panels .panel canvas", "cs => cs.length")
+            info_text = page.text_content("#chart-info")
+            page.screenshot(path=str(tmp / "ugro-panels.png"), full_page=True)
+            page.close()
+            context.close()
+            result["ugro"] = {
+                "points": total,
+                "metrics": names,
+                "insert_s": round(insert_s, 2),
+                "warmup": warm,
+                "samples": samples,
+                "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in samples),
+                "panels_drawn": drawn,
+                "chart_info": info_text,
+                "memory": memory,
+                "errors": errors[:20],
+            }
+            print("UGRO:", json.dumps({k: v for k, v in result["ugro"].items() if k not in ("samples", "warmup")}))
+            if not args.skip_tb:
+                result["tensorboard"] = tensorboard_panels(args, tmp, browser, procs, names)
+                print("TB:", json.dumps({k: v for k, v in result["tensorboard"].items() if k != "samples"}))
+            browser.close()
+        for name in ("ugro-panels.png", "tensorboard-panels.png"):
+            if (tmp / name).exists():
+                (tmp / name).replace(Path("/tmp") / f"bench-{name}")
+    finally:
+        cleanup(None, procs, tmp, args.keep)
+
+    path = RESULTS / "page_load.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    result["method"] = __doc__.split("\n\n", 3)[2].strip()
+    result["params"] = {"panels": len(names), "ranks": args.ranks, "steps": args.steps, "repeat": args.repeat,
+                        "viewport": VIEWPORT}  # fmt: skip
+    result["bench_wall_s"] = round(time.monotonic() - t_bench, 1)
+    old.setdefault("panels_runs", {})[args.label] = result
+    write_json(path, old)
+    print("wrote", path, "under panels_runs." + args.label)
+
+
+def tensorboard_panels(args, tmp: Path, browser, procs: list, tags: list[str]) -> dict:
+    py = Path(args.tb_venv) / "bin" / "python"
+    logdir = tmp / "tb"
+    t0 = time.monotonic()
+    writers = [
+        subprocess.Popen([str(py), "-c", TB_WRITER, str(logdir / f"rank_{r}"), str(r), str(args.steps), ",".join(tags)])
+        for r in range(args.ranks)
+    ]
+    for w in writers:
+        if w.wait(timeout=1800) != 0:
+            raise RuntimeError("the TensorBoard event writer failed")
+    write_s = time.monotonic() - t0
+    version = subprocess.run([str(py), "-c", "import tensorboard; print(tensorboard.__version__)"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    t_launch = time.monotonic()
+    tb_log = tmp / "tensorboard-panels.log"
+    tb = start([str(Path(args.tb_venv) / "bin" / "tensorboard"), "--logdir", str(logdir), "--host", "127.0.0.1",
+                "--port", str(port)], {"PATH": "/usr/bin:/bin", "HOME": str(tmp)}, tb_log)  # fmt: skip
+    procs.append(tb)
+    runs = [f"rank_{r}" for r in range(args.ranks)]
+
+    def get(path: str):
+        try:
+            with urllib.request.urlopen(base + path, timeout=30) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def fully_loaded() -> bool:
+        for run in runs:
+            for tag in (tags[0], tags[-1]):
+                data = get(f"/data/plugin/scalars/scalars?run={run}&tag={urllib.parse.quote(tag)}") or []
+                if not data or data[-1][1] != args.steps - 1:
+                    return False
+        return True
+
+    wait_for(lambda: get("/data/environment") is not None, 120, "tensorboard to answer", 0.1)
+    wait_for(fully_loaded, 600, "tensorboard to load every step", 0.5)
+    t_full = time.monotonic()
+    want = 2 * len(runs) * len(tags)
+
+    def sample(context) -> dict:
+        """Until every line is drawn; or, as TensorBoard keeps some groups folded, until the count of drawn
+        lines has not grown for 3 s: the time is then when it reached that count."""
+        page = context.new_page()
+        t = time.monotonic()
+        page.goto(base + "/#scalars", wait_until="commit")
+        deadline = time.monotonic() + 60
+        drawn, reached = 0, None
+        while time.monotonic() < deadline:
+            now = page.evaluate(TB_LINES_DRAWN)
+            if now > drawn:
+                drawn, reached = now, time.monotonic()
+            if drawn >= want or (drawn >= 2 * len(runs) and time.monotonic() - reached > 3):
+                break
+            page.wait_for_timeout(20)
+        cards = page.evaluate(TB_CARDS)
+        out = {"lines_drawn": drawn, "lines_wanted": want, "all_drawn": drawn >= want, "charts_drawn": drawn // 2,
+               "tags_with_a_card_open": cards,
+               "drawn_ms": round((reached - t) * 1000, 1) if reached else None}  # fmt: skip
+        page.close()
+        return out
+
+    context = browser.new_context(viewport=VIEWPORT)
+    warm = sample(context)
+    samples = [sample(context) for _ in range(args.repeat)]
+    page, memory = page_memory(context, base + "/#scalars", None, None)
+    page.wait_for_timeout(3000)
+    memory_after_3s = {"chromium_pss_mb": chromium_pss_mb()}
+    page.screenshot(path=str(tmp / "tensorboard-panels.png"), full_page=True)
+    page.close()
+    context.close()
+    stop(tb)
+    done = [s["drawn_ms"] for s in samples if s["drawn_ms"] is not None]
+    return {
+        "version": version,
+        "loader": "rust data server" if "fast data loading" in tb_log.read_text() else "python",
+        "event_files_write_s": round(write_s, 1),
+        "launch_to_all_steps_loaded_s": round(t_full - t_launch, 2),
+        "warmup": warm,
+        "samples": samples,
+        "median_drawn_ms": statistics.median(done) if done else None,
+        "all_lines_drawn_in_every_sample": all(s["all_drawn"] for s in samples),
+        "memory": {**memory, **{"after_3s_" + k: v for k, v in memory_after_3s.items()}},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--ranks", type=int, default=2)
@@ -187,7 +460,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--label", default="current", help="key of this run's UGRO figures under ugro_runs (kept)")
     ap.add_argument("--note", default="")
+    ap.add_argument("--panels", type=int, default=1, help="metrics on the page (issue 13: 10); >1 runs main_panels")
     args = ap.parse_args()
+    if args.panels > 1:
+        main_panels(args)
+        return
     total = args.ranks * args.steps
 
     tmp = make_tmp("ugro-bench3-page-")
@@ -245,7 +522,7 @@ def main() -> None:
             shot.goto(url)
             shot.wait_for_function(UGRO_DRAWN, polling="raf", timeout=60_000)
             buckets = shot.evaluate(
-                "Math.max(200, Math.min(2000, Math.floor(document.getElementById('chart').clientWidth)))"
+                "Math.max(200, Math.min(2000, Math.floor(document.getElementById('panels').clientWidth / 2) || 600))"
             )
             chart_info = shot.text_content("#chart-info")
             shot.screenshot(path=str(tmp / "ugro-1m.png"), full_page=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.utils import timezone
 
+from accounts import audit
+
 from .models import Alert, AlertSettings, ClusterSettings, HealthSample, Node
 
 
@@ -28,6 +30,16 @@ class NodeAdmin(admin.ModelAdmin):
         ("Training environment", {"fields": ("torchrun_command", "workdir", "env")}),
         ("Health", {"fields": health_fields}),
     )
+
+    def save_model(self, request, obj, form, change):
+        super().save_model(request, obj, form, change)
+        audit.record(request.user, "node_change" if change else "node_add", obj.name,
+                     source=audit.web_source(request), fields=sorted(form.changed_data))  # fmt: skip
+
+    def delete_model(self, request, obj):
+        name = obj.name
+        super().delete_model(request, obj)
+        audit.record(request.user, "node_delete", name, source=audit.web_source(request))
 
 
 @admin.register(ClusterSettings)

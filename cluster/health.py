@@ -311,6 +311,19 @@ class Breaker:
         self.open_until = now + self.backoff(rng)
         return tripped
 
+    def trip(self, now: float, rng: Callable[[], float] = random.random) -> bool:
+        """Open at once (a node never reached has no good record to protect); True if it was closed."""
+        self.failures = max(self.failures, BREAKER_TRIP_AFTER)
+        tripped = self.state != "open"
+        self.state = "open"
+        self.open_until = now + self.backoff(rng)
+        return tripped
+
+    @property
+    def suspect(self) -> bool:
+        """Closed but with failed probes: probed again on the next tick, whatever its interval."""
+        return self.state == "closed" and self.failures > 0
+
     def should_try(self, now: float) -> bool:
         """Whether a probe may be sent now (always when closed; after the backoff when open)."""
         if self.state != "open":

@@ -17,6 +17,7 @@ import logging
 import os
 import select
 import shlex
+import socket
 import subprocess
 import threading
 import time
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
 AGENT_FILES = ("probe.py", "agent.py")
+EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -164,6 +166,39 @@ def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None)
 
 
+def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection to the node's sshd on which its banner has begun to arrive, within `timeout`.
+
+    Paramiko would wait for the banner itself, but a silent sshd (a hung or frozen machine whose
+    kernel still accepts connections) then surfaces as "No existing session" plus a logged
+    traceback; here each way of not answering becomes one plain line, and fails within the timeout.
+    """
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise LinkError(
+            f"node {ep.name}: SSH did not answer within {timeout:g} s (no connection to {host}:{port})"
+        ) from None
+    except OSError as exc:
+        raise LinkError(f"cannot reach {ep.describe()}: {exc.strerror or exc}") from None
+    try:
+        ready, _, _ = select.select([sock], [], [], timeout)
+        first = sock.recv(1, socket.MSG_PEEK) if ready else None  # peeked: paramiko still reads the banner
+    except OSError as exc:
+        sock.close()
+        raise LinkError(f"cannot reach {ep.describe()}: {exc.strerror or exc}") from None
+    if not first:
+        sock.close()
+        if first is None:
+            raise LinkError(
+                f"node {ep.name}: SSH did not answer within {timeout:g} s "
+                f"({host}:{port} accepted the connection but sent no SSH banner)"
+            )
+        raise LinkError(f"cannot reach {ep.describe()}: the connection was closed before SSH answered")
+    sock.settimeout(None)
+    return sock
+
+
 def _expected_keys(ep: Endpoint, pinned: str) -> tuple[list, str]:
     """The keys the node must offer and where they come from: the pinned key, else known_hosts."""
     from paramiko.hostkeys import HostKeyEntry, HostKeys
@@ -220,19 +255,43 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     conn.client.set_missing_host_key_policy(_FirstUse())
     for key in expected:
         conn.client.get_host_keys().add(ep.host_key_name, key.get_name(), key)
+    if conn.gateway is None:
+        # Direct connections only (a ProxyJump/ProxyCommand from ~/.ssh/config is Fabric's to open);
+        # conn.host and conn.port are after ~/.ssh/config's HostName and Port.
+        conn.connect_kwargs["sock"] = ssh_socket(ep, conn.host, int(conn.port), timeout)
+    stalled = threading.Event()
     try:
         conn.open()
         transport = conn.client.get_transport()
         transport.set_keepalive(15)
         chan = transport.open_session(timeout=timeout)
         offered = key_line(transport.get_remote_server_key())
-        chan.exec_command(f"exec {shlex.quote(ep.python)} -u -c {shlex.quote(BOOTSTRAP)}")
+
+        # paramiko waits for exec's reply with no time limit, under this link's lock: a node that froze
+        # right here would hold every later request. Closing the transport ends that wait. The bound is
+        # generous (the session's fork and login run on a node that may be busy); it only has to exist.
+        def give_up() -> None:
+            stalled.set()
+            transport.close()
+
+        timer = threading.Timer(EXEC_TIMEOUT_FACTOR * timeout, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            chan.exec_command(f"exec {shlex.quote(ep.python)} -u -c {shlex.quote(BOOTSTRAP)}")
+        finally:
+            timer.cancel()
+        if stalled.is_set():
+            raise EOFError
     except BadHostKeyException as exc:
         conn.close()
         message = _changed_key_message(ep, key_line(exc.key), [key_line(k) for k in expected], source)
         raise HostKeyError(message) from None
     except (OSError, SSHException, EOFError) as exc:
         conn.close()
+        if stalled.is_set():
+            waited = EXEC_TIMEOUT_FACTOR * timeout
+            raise LinkError(f"node {ep.name}: SSH did not answer within {waited:g} s (starting the agent)") from None
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
 
     def send(data: bytes) -> None:

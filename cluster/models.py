@@ -188,6 +188,14 @@ class Node(models.Model):
 
         return pool.get(self.endpoint(), settings.UGRO["CONNECT_TIMEOUT_S"])
 
+    def reach(self) -> dict:
+        """A hello over the warm link (connecting if needed) within the connect timeout.
+
+        The health poll and pre-flight start with it, so a node gone silent on a warm link fails as
+        fast as one that refuses connections, not after a longer request's own timeout.
+        """
+        return self.link().request("hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"])
+
 
 class HealthSample(models.Model):
     """One probe of one node (raw, kept 24 h) or a 1-minute aggregate of them (kept 30 days)."""

@@ -8,7 +8,12 @@ breaker lets it; `force=True` probes every enabled node now (`manage.py health`)
 One poll makes up to two attempts per node: a failed probe is retried once at once (a fresh
 connection), and each failed attempt counts towards the breaker's 3-failure rule. So a node that
 drops off the network is DOWN on the second poll after it went (2 failures, then the 3rd), while
-a single dropped packet or a stale warm link does not flap it.
+a single dropped packet or a stale warm link does not flap it. A node with failures is probed
+again on the next beat tick (not after its adaptive interval), and a warm link is first checked
+with a `hello` bounded by the connect timeout, so a silent node fails each attempt within
+CONNECT_TIMEOUT_S rather than PROBE_TIMEOUT_S: DOWN about 15-25 s after it went silent when it
+runs a job (measured: bench/node_down.py). A node that has never answered is DOWN on its first
+failed poll: there is no good record to protect from flapping.
 """
 
 from __future__ import annotations
@@ -87,9 +92,10 @@ def _job_context(nodes: list[Node]) -> dict[int, tuple[str | None, datetime | No
 
 def is_due(node: Node, now: float, job_tag: str | None, last_activity: datetime | None) -> bool:
     """Whether the node's adaptive interval has passed and its breaker allows a probe."""
-    if not Breaker.from_dict(node.breaker).should_try(now):
+    breaker = Breaker.from_dict(node.breaker)
+    if not breaker.should_try(now):
         return False
-    if node.last_poll_at is None:
+    if node.last_poll_at is None or breaker.suspect:
         return True
     age = None if last_activity is None else now - last_activity.timestamp()
     interval = poll_interval(bool(job_tag), age)
@@ -98,10 +104,11 @@ def is_due(node: Node, now: float, job_tag: str | None, last_activity: datetime 
 
 
 def _probe(node: Node) -> tuple[dict[str, Any], float]:
+    # Connect first, so the round trip measures the network, not an SSH handshake; on a warm link the
+    # same hello shows within the connect timeout that the node still answers (a silent node would
+    # otherwise hold the probe for its whole timeout, which is sized for a slow nvidia-smi).
+    node.reach()
     link = node.link()
-    if not link.connected:
-        # Connect first, so the round trip measures the network, not an SSH handshake.
-        link.request("hello", timeout=settings.UGRO["PROBE_TIMEOUT_S"])
     t0 = time.monotonic()
     sample = link.request(
         "probe", timeout=settings.UGRO["PROBE_TIMEOUT_S"], gpu_reader=node.gpu_reader or "auto", workdir=node.workdir
@@ -227,6 +234,8 @@ def _claim(due: list[Node], force: bool) -> list[Node]:
 def _judge(node, breaker, probed, job_tag, now, at, t, open_alerts) -> tuple[PollOutcome, HealthSample]:
     """Apply one node's probe result to its row (unsaved), its alerts, and a sample (unsaved)."""
     sample, rtt, error, went_down = probed
+    if sample is None and node.last_seen is None and breaker.state != "open":
+        went_down = breaker.trip(now)  # never answered: nothing to protect from flapping
     node.last_poll_at = at
     node.poll_lease_until = None
     node.breaker = breaker.to_dict()

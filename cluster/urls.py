@@ -8,4 +8,6 @@ from . import metrics_view, views
 urlpatterns: list = [
     path("", views.overview, name="cluster-overview"),
     path("metrics", metrics_view.prometheus, name="prometheus-metrics"),
+    path("nodes/<str:name>/", views.node_detail, name="node-detail"),
+    path("api/nodes/<str:name>/history", views.api_node_history, name="api-node-history"),
 ]

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from jobs.models import Job, Rank
 
+from .history import MAX_BUCKETS, history
 from .models import Alert, ClusterSettings, HealthSample, Node
 
 # Per-GPU reading names, as the node probe reports them (and HealthSample's gpu_* fields repeat them).
 GPU_FIELDS = ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c")
 ALERTS_SHOWN = 20
+HISTORY_HOURS = 24
+MAX_HISTORY_HOURS = 24 * 30
+RECENT_JOBS = 10
 
 
 def latest_sample(node: Node) -> HealthSample | None:
@@ -81,3 +87,39 @@ def overview(request: HttpRequest) -> HttpResponse:
             "nav": "cluster",
         },
     )
+
+
+@require_GET
+def node_detail(request: HttpRequest, name: str) -> HttpResponse:
+    """One node: its card, 24 h of GPU/CPU/RAM history, and the jobs it ran lately."""
+    node = get_object_or_404(Node, name=name)
+    recent = Rank.objects.filter(node=node).select_related("job").order_by("-job__created_at")[:RECENT_JOBS]
+    return render(
+        request,
+        "cluster/node.html",
+        {
+            "card": node_cards([node])[0],
+            "node": node,
+            "recent": recent,
+            "alerts": node.alerts.filter(resolved_at__isnull=True)[:ALERTS_SHOWN],
+            "hours": HISTORY_HOURS,
+            "nav": "cluster",
+        },
+    )
+
+
+@require_GET
+def api_node_history(request: HttpRequest, name: str) -> JsonResponse:
+    """`/api/nodes/<name>/history?hours=24&buckets=N`: the node's system metrics, downsampled."""
+    node = get_object_or_404(Node, name=name)
+    try:
+        hours = float(request.GET.get("hours", HISTORY_HOURS))
+        buckets = int(request.GET.get("buckets", 400))
+        if not 0 < hours <= MAX_HISTORY_HOURS or not 1 <= buckets <= MAX_BUCKETS:
+            raise ValueError
+    except ValueError:
+        return JsonResponse(
+            {"error": f"hours must be in (0, {MAX_HISTORY_HOURS}] and buckets in [1, {MAX_BUCKETS}]"}, status=400
+        )
+    until = timezone.now()
+    return JsonResponse({"node": node.name, **history([node], until - timedelta(hours=hours), until, buckets=buckets)})

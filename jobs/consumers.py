@@ -5,25 +5,31 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from redis.exceptions import RedisError
+
+from accounts import policy
 
 from .events import job_group
 
 log = logging.getLogger(__name__)
 
-# The close code a page gets while the channel layer (Redis) is down: "try again later" (RFC 6455).
-TRY_AGAIN_LATER = 1013
+# The close code a page gets while the channel layer (Redis) is down. RFC 6455's "try again later" is
+# 1013, but daphne's websocket library sends only 1000 and 3000-4999 (it raises on anything else, and
+# the page would never hear of the close): 4013 is ours, in the range for applications.
+TRY_AGAIN_LATER = 4013
 
 
 class RelayConsumer(AsyncJsonWebsocketConsumer):
-    """Relays one channel-layer group to a logged-in browser; anonymous connections are closed."""
+    """Relays one channel-layer group to a browser whose user may view (accounts.policy); others are closed:
+    4401 anonymous, 4403 refused."""
 
     group = ""
 
     async def __call__(self, scope, receive, send) -> None:
-        """Redis down (at connect or mid-stream): one warning line and a close with 1013, which the page
-        answers by reconnecting, instead of an HTTP 500 or a 1011 with a traceback per viewer."""
+        """Redis down (at connect or mid-stream): one warning line and a close with 4013 (try again later),
+        which the page answers by reconnecting, instead of an HTTP 500 or a 1011 with a traceback per viewer."""
         try:
             await super().__call__(scope, receive, send)
         except (RedisError, OSError) as exc:
@@ -40,6 +46,9 @@ class RelayConsumer(AsyncJsonWebsocketConsumer):
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
+            return
+        if not await database_sync_to_async(policy.allowed)(user, "view"):
+            await self.close(code=4403)
             return
         self.joined = self.group_name()
         await self.channel_layer.group_add(self.joined, self.channel_name)

@@ -52,7 +52,15 @@ NPROC_MAX = 64
 
 
 class LaunchError(ValueError):
-    """The launch request is invalid; nothing was created or started."""
+    """The launch request is invalid; nothing was created or started.
+
+    ``problems`` holds every problem found, each as (launch form field or "" for the whole request, message);
+    the text is all their messages on one line.
+    """
+
+    def __init__(self, message: str = "", problems: list[tuple[str, str]] | None = None) -> None:
+        self.problems = problems if problems is not None else [("", message)]
+        super().__init__("; ".join(text for _, text in self.problems))
 
 
 @dataclass
@@ -100,23 +108,40 @@ def _int_in(value: Any, low: int, high: int, what: str) -> None:
         raise LaunchError(f"{what} must be a whole number from {low} to {high}, not {shown}")
 
 
-def _check_numbers(req: LaunchRequest) -> None:
-    """Every number of a request within its bounds (a huge one would overflow a column: a 500)."""
-    _int_in(req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
+def _number_problems(req: LaunchRequest) -> list[tuple[str, str]]:
+    """Every number of a request within its bounds (a huge one would overflow a column: a 500): the
+    problems found, each as (launch form field, message)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field_name: str, value: Any, low: int, high: int, what: str) -> None:
+        try:
+            _int_in(value, low, high, what)
+        except LaunchError as exc:
+            problems.append((field_name, str(exc)))
+
+    check("priority", req.priority, PRIORITY_MIN, PRIORITY_MAX, "priority")
     if req.count is not None:
-        _int_in(req.count, 1, NODES_MAX, "the node count")
+        check("count", req.count, 1, NODES_MAX, "the node count")
     if req.epochs is not None:
-        _int_in(req.epochs, 1, EPOCHS_MAX, "epochs")
+        check("epochs", req.epochs, 1, EPOCHS_MAX, "epochs")
     if req.nproc_per_node is not None:
-        _int_in(req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
+        check("nproc_per_node", req.nproc_per_node, 1, NPROC_MAX, "nproc-per-node")
     if req.lr is not None:
         lr = req.lr
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or not 0 < lr <= LR_MAX:
-            raise LaunchError(f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}")
+            message = f"learning rate must be a number above 0 and at most {LR_MAX:g}, not {str(lr)[:20]}"
+            problems.append(("lr", message))
     if len(req.nodes) > NODES_MAX:
-        raise LaunchError(f"at most {NODES_MAX} nodes may be named")
+        problems.append(("nodes", f"at most {NODES_MAX} nodes may be named"))
     if len(req.extra_args) > 1000:
-        raise LaunchError("at most 1000 extra arguments")
+        problems.append(("extra_args", "at most 1000 extra arguments"))
+    return problems
+
+
+def _check_numbers(req: LaunchRequest) -> None:
+    problems = _number_problems(req)
+    if problems:
+        raise LaunchError(problems=problems)
 
 
 def check_script(script: str) -> str:
@@ -204,13 +229,24 @@ def _never_ran(name: str):
 
 
 def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
-    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError."""
+    """The unsaved job a request makes, with its metrics pattern and files; raises LaunchError naming every
+    problem of the request at once (a form shows each beside its field)."""
+    problems: list[tuple[str, str]] = []
+
+    def check(field_name: str, fn, *args):
+        try:
+            return fn(*args)
+        except ValueError as exc:  # LaunchError is one too
+            problems.append((field_name, str(exc)))
+            return None
+
     try:
         check_name(req.name, "job name")
     except ValueError as exc:
-        raise LaunchError(str(exc)) from None
-    if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
-        raise LaunchError(f"a job named {req.name!r} already exists; choose another name")
+        problems.append(("name", str(exc)))
+    else:
+        if Job.objects.filter(name=req.name).exists() and not _never_ran(req.name).exists():
+            problems.append(("name", f"a job named {req.name!r} already exists; choose another name"))
     cs = ClusterSettings.load()
     training = cs.training or {}
     # only what the user gave, else what the cluster configured; nothing else reaches the script
@@ -218,17 +254,14 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     dataset = req.dataset or str(training.get("default_dataset") or "") or None
     for value, what in ((model, "model"), (dataset, "dataset")):
         if value is not None:
-            _check_arg(value, what)
-    _check_numbers(req)
-    script = check_script(_check_arg(req.script or cs.default_script, "script"))
-    extra = [_check_arg(a, "extra argument") for a in req.extra_args]
-    try:
-        pattern = req.metrics_pattern.strip()
-        if pattern:
-            compile_pattern(pattern)
-        files = check_paths(req.metrics_files)
-    except ValueError as exc:
-        raise LaunchError(str(exc)) from None
+            check(what, _check_arg, value, what)
+    problems.extend(_number_problems(req))
+    script = check("script", lambda given: check_script(_check_arg(given, "script")), req.script or cs.default_script)
+    extra = [check("extra_args", _check_arg, a, "extra argument") for a in req.extra_args]
+    pattern = req.metrics_pattern.strip()
+    if pattern:
+        check("metrics_pattern", compile_pattern, pattern)
+    files = check("metrics_files", check_paths, req.metrics_files)
 
     enabled = list(Node.objects.filter(enabled=True))
     enabled_names = {n.name for n in enabled}
@@ -236,18 +269,22 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         for name in req.nodes:
             if name not in enabled_names:
                 known = Node.objects.filter(name=name).exists()
-                raise LaunchError(f"node {name!r} is {'disabled' if known else 'not in the cluster'}")
+                problems.append(("nodes", f"node {name!r} is {'disabled' if known else 'not in the cluster'}"))
         if len(set(req.nodes)) != len(req.nodes):
-            raise LaunchError("a node is named twice")
+            problems.append(("nodes", "a node is named twice"))
     count = req.count
     if not req.nodes and count is None:
         count = len(enabled)
-    if count is not None and count > len(enabled):
-        raise LaunchError(f"asked for {count} nodes but the cluster has {len(enabled)} enabled")
     if not enabled:
-        raise LaunchError("the cluster has no enabled nodes; import cluster.yaml or add nodes in admin")
-    # Any of these may run it: the script must be under an allowed root on each of them.
-    _check_script_roots(script, [n for n in enabled if n.name in req.nodes] if req.nodes else enabled, cs)
+        problems.append(("", "the cluster has no enabled nodes; import cluster.yaml or add nodes in admin"))
+    elif count is not None and count > len(enabled):
+        problems.append(("count", f"asked for {count} nodes but the cluster has {len(enabled)} enabled"))
+    if enabled and script is not None:
+        # Any of these may run it: the script must be under an allowed root on each of them.
+        runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
+        check("script", _check_script_roots, script, runners, cs)
+    if problems:
+        raise LaunchError(problems=problems)
 
     recovery = _recovery_fields(req, count or len(req.nodes))
     values = {

@@ -92,6 +92,7 @@ def _node_checks(node: Node, script: str) -> tuple[list[str], list[str], dict | 
     """(problems, notes, versions) for one node; link errors propagate to on_each."""
     problems: list[str] = []
     notes: list[str] = []
+    node.reach()  # a silent node fails here within the connect timeout, as in the health poll
     path = script_path(node, script)
     found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
     if not found.get(node.workdir):
@@ -142,7 +143,11 @@ def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
     master = nodes[0]
     free = node_request(master, "port_free", timeout=10, address=master.address, port=port)
     if not free["free"]:
-        return [f"{master.name}: rendezvous port {port} is in use on {master.address} ({free['error']})"]
+        return [
+            f"{master.name}: rendezvous port {port} is in use on {master.address} ({free['error']}); "
+            f"choose another with cluster.master_port in cluster.yaml (then `ugro import_cluster`) "
+            f"or Rendezvous port in admin > Cluster settings"
+        ]
     workers = nodes[1:]
     if not workers:
         return []
@@ -176,7 +181,8 @@ def check_nodes(nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int) 
     reachable = []
     for node, result, err in on_each(nodes, lambda n: _node_checks(n, script)):
         if err is not None:
-            report.problems.append(f"{node.name}: {err}")
+            why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
+            report.problems.append(f"{node.name}: {why}")
             continue
         reachable.append(node)
         problems, notes, versions = result

@@ -9,6 +9,8 @@ from django.core.management.base import CommandError
 from django.db.models import F
 from django.utils import timezone
 
+from metrics.final import final_loss
+
 from .models import Checkpoint, Job
 
 
@@ -29,16 +31,104 @@ def human_duration(seconds: float | None, *, empty: str = "-", sep: str = "") ->
     return f"{h}h{sep}{m:02d}m{sep}{s:02d}s" if h else f"{m}m{sep}{s:02d}s"
 
 
-def jobs_table(jobs: list[Job]) -> list[str]:
-    rows = [f"{'JOB':24} {'STATE':10} {'NODES':28} {'STARTED':20} {'DURATION':>9}"]
+def human_age(seconds: float) -> str:
+    """How long ago, kubectl style: 45s, 12m, 3h, 2d."""
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def node_names(job: Job) -> list[str]:
+    """The nodes a job runs on, or (while queued) the ones it asked for."""
+    return [r.node.name for r in job.ranks.all()] or list(job.requested_nodes)
+
+
+def _nodes_text(job: Job) -> str:
+    return ",".join(node_names(job)) or f"{job.requested_count or '?'} nodes"
+
+
+def jobs_table(jobs: list[Job], progress: dict[int, dict | None] | None = None) -> list[str]:
+    """Recent jobs, one row each: name, state, progress, nodes, age (since created) and owner.
+
+    `progress` maps job id to jobs.views.progress()'s answer (the one definition the pages use too).
+    """
+    progress = progress or {}
+    now = timezone.now()
+    rows = [f"{'JOB':24} {'STATE':10} {'PROGRESS':>8}  {'NODES':24} {'AGE':>5}  OWNER"]
     for job in jobs:
-        nodes = ",".join(r.node.name for r in job.ranks.all()) or (
-            ",".join(job.requested_nodes) or f"{job.requested_count or '?'} nodes"
-        )
-        started = timezone.localtime(job.started_at).strftime("%Y-%m-%d %H:%M:%S") if job.started_at else "-"
-        took = human_duration(job.duration())
-        rows.append(f"{job.name[:24]:24} {job.state:10} {nodes[:28]:28} {started:20} {took:>9}")
+        prog = progress.get(job.pk)
+        percent = f"{prog['percent']:.1f}%" if prog else "-"
+        age = human_age((now - job.created_at).total_seconds())
+        owner = job.owner.get_username() if job.owner_id else "-"
+        rows.append(f"{job.name[:24]:24} {job.state:10} {percent:>8}  {_nodes_text(job)[:24]:24} {age:>5}  {owner}")
     return rows
+
+
+def _when(value) -> str | None:
+    return value.isoformat() if value else None
+
+
+def job_summary(job: Job, prog: dict | None = None) -> dict:
+    """A job as JSON for `status --json`, `queue --json` and the detail views."""
+    now = timezone.now()
+    return {
+        "name": job.name,
+        "id": job.pk,
+        "state": job.state,
+        "attempt": job.attempt,
+        "priority": job.priority,
+        "progress": round(prog["fraction"], 4) if prog else None,
+        "step": prog["step"] if prog else None,
+        "max_steps": prog["max_steps"] if prog else None,
+        "nodes": node_names(job),
+        "requested_count": job.requested_count,
+        "owner": job.owner.get_username() if job.owner_id else None,
+        "created_at": _when(job.created_at),
+        "started_at": _when(job.started_at),
+        "finished_at": _when(job.finished_at),
+        "age_s": round((now - job.created_at).total_seconds(), 1),
+        "duration_s": round(job.duration(), 1) if job.duration() is not None else None,
+        "failure": None
+        if not job.failure_reason
+        else {
+            "kind": job.failure_kind or None,
+            "rank": job.failure_rank,
+            "node": job.failure_node or None,
+            "exit_code": job.failure_exit_code,
+            "signal": job.failure_signal,
+            "line": job.failure_line or None,
+            "reason": job.failure_reason,
+        },
+    }
+
+
+def job_record(job: Job, prog: dict | None = None) -> dict:
+    """`job_summary` plus what `status NAME` shows: script, rendezvous, start spread and every rank."""
+    ranks = job.ranks.select_related("node").order_by("index")
+    return {
+        **job_summary(job, prog),
+        "script": job.script,
+        "script_args": job.script_args,
+        "params": job.params,
+        "tag": job.tag or None,
+        "rendezvous": job.rdzv_endpoint or None,
+        "start_spread_s": job.launch_spread_s,
+        "sync_window_s": job.sync_window_s,
+        "ranks": [
+            {
+                "rank": r.index,
+                "node": r.node.name,
+                "state": r.state,
+                "exit_code": r.exit_code,
+                "log_lines": r.log_lines,
+                "log_bytes": r.log_offset,
+                "lost_reason": r.lost_reason or None,
+            }
+            for r in ranks
+        ],
+    }
 
 
 def job_detail(job: Job) -> list[str]:
@@ -80,11 +170,9 @@ def results(job: Job) -> list[str]:
     metrics = job.job_dir / "metrics.jsonl"
     if metrics.exists():
         out.append(f"  metrics: {metrics}")
-    final = {}
-    for p in job.metric_points.filter(name="loss", superseded=False).order_by("-step")[:32]:
-        final.setdefault(p.rank, p)
-    for rank, p in sorted(final.items()):
-        out.append(f"  final loss rank {rank}: {p.value:.4f} at step {p.step}")
+    loss = final_loss(job.pk)
+    if loss is not None:
+        out.append(f"  final loss: {loss.text} at step {loss.step} (last loss logged by rank {loss.rank})")
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)
@@ -105,3 +193,38 @@ def results(job: Job) -> list[str]:
     if job.attempt > 1 or job.recovery_note:
         out.append(f"  attempt {job.attempt}: {job.state}" + (f"; {job.recovery_note}" if job.recovery_note else ""))
     return out
+
+
+def results_record(job: Job) -> dict:
+    """What `results` shows, as JSON."""
+    cfg = job.job_dir / "config.json"
+    metrics = job.job_dir / "metrics.jsonl"
+    loss = final_loss(job.pk)
+    return {
+        **job_record(job),
+        "config": str(cfg) if cfg.exists() else None,
+        "logs": {str(r.index): str(r.local_log) for r in job.ranks.order_by("index")},
+        "metrics_file": str(metrics) if metrics.exists() else None,
+        # one definition everywhere: the last loss rank 0 logged
+        "final_loss": None if loss is None else {"rank": loss.rank, "value": loss.value, "step": loss.step},
+        "final_metrics": [
+            {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
+            for m in job.final_metrics.order_by("rank", "name")
+        ],
+        "checkpoints": [
+            {"node": c.node.name, "path": c.path, "bytes": c.size, "step": c.step, "complete": c.ready}
+            for c in checkpoints(job)
+        ],
+        "attempts": [
+            {
+                "attempt": a.number,
+                "state": a.state,
+                "failure_kind": a.failure_kind or None,
+                "from_step": a.from_step,
+                "last_step": a.last_step,
+                "nodes": a.nodes,
+                "then": a.next_reason,
+            }
+            for a in job.attempts.order_by("number")
+        ],
+    }

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
-from dataclasses import replace
+from datetime import timedelta
 
 from django import forms
 from django.contrib import messages
@@ -15,10 +16,15 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from accounts import actions, policy
+from accounts.audit import web_source
+from accounts.policy import Refused
+from cluster.history import history
 from cluster.models import Node
+from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.series import metric_names
 
-from . import checkpoints as job_checkpoints
 from . import lifecycle, recovery, report
 from .launch import (
     EPOCHS_MAX,
@@ -29,8 +35,7 @@ from .launch import (
     PRIORITY_MIN,
     LaunchError,
     LaunchRequest,
-    create_job,
-    dry_run,
+    build_job,
 )
 from .logs import job_lines
 from .models import Job, Rank
@@ -82,19 +87,6 @@ def board(request: HttpRequest) -> HttpResponse:
     )
 
 
-def metric_names(job: Job) -> list[str]:
-    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
-    names: list[str] = []
-    points = MetricPoint.objects.filter(job=job)
-    while len(names) < 50:
-        qs = points.filter(name__gt=names[-1]) if names else points
-        name = qs.order_by("name").values_list("name", flat=True).first()
-        if name is None:
-            break
-        names.append(name)
-    return names
-
-
 def _max_steps(job: Job) -> int | None:
     """The script's --max-steps, if it was given one (the reference script's option)."""
     args = [str(a) for a in job.script_args or []]
@@ -112,12 +104,12 @@ def _max_steps(job: Job) -> int | None:
 
 
 def progress(job: Job, names: list[str]) -> dict | None:
-    """Best-effort progress and ETA: from the training bar's N/M, else from --max-steps and the last step
-    seen, else from the epoch metric."""
+    """Best-effort progress and ETA: from the step and total steps the script shows (a bar's N/M, a logged
+    max_steps), else from --max-steps and the last step seen, else from the epoch metric; 100 % at success."""
     if not job.running_at:
         return None
     bar = JobMetrics.objects.filter(job=job, total_steps__gt=0, step__isnull=False).first()
-    if not names and bar is None:
+    if not names and bar is None and job.state != Job.State.SUCCEEDED:
         return None
     fraction = None
     last = None
@@ -131,11 +123,16 @@ def progress(job: Job, names: list[str]) -> dict | None:
         max_steps = _max_steps(job)
     if fraction is None and max_steps and last is not None:
         fraction = min(1.0, last / max_steps)
-    elif "epoch" in names and (job.params or {}).get("epochs"):
+    if fraction is None and "epoch" in names and (job.params or {}).get("epochs"):
         epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
         epoch = epoch.first()
         if epoch is not None:
             fraction = min(1.0, max(0.0, epoch / float(job.params["epochs"])))
+    if job.state == Job.State.SUCCEEDED:
+        # A run that ended well is done, whatever its last counter said (0-based epochs, a bar not redrawn).
+        fraction = 1.0
+        if max_steps:
+            last = max_steps
     if fraction is None:
         return None
     end = job.finished_at or timezone.now()
@@ -157,7 +154,7 @@ def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     for row in rows:
         last = row.pop("last")
         row["step"] = max(p.step for p in last.values())
-        row["values"] = [f"{last[r].value:.6g}" if r in last else "—" for r in order]
+        row["values"] = [format_value(last[r].value) if r in last else "—" for r in order]
     return order, rows
 
 
@@ -168,7 +165,7 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
         by_name.setdefault(m.name, {})[m.rank] = m.value
     order = sorted({rank for values in by_name.values() for rank in values})
     rows = [
-        {"name": name, "values": [f"{values[r]:.6g}" if r in values else "—" for r in order]}
+        {"name": name, "values": [format_value(values[r]) if r in values else "—" for r in order]}
         for name, values in by_name.items()
     ]
     return order, rows
@@ -177,19 +174,21 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
 @require_GET
 def detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
-    names = metric_names(job)
+    names = metric_names(job.pk)
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
-        "metric_names": chart_names or ["loss"],
+        "metric_names": chart_names,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
         "nav": "jobs",
     }
+    marks = [{"attempt": a.number, "step": a.from_step or 0} for a in job.attempts.filter(number__gt=1)]
+    marks += [{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else []
     ckpts = report.checkpoints(job)
     for c in ckpts:
         c.size_text = f"{c.size / 1e9:.2f} GB" if c.size >= 1e9 else f"{c.size / 1e6:.1f} MB"
@@ -197,14 +196,17 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     context.update(
         checkpoints=ckpts,
         ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None],
-        resumable=job.state in lifecycle.RESUMABLE_STATES,
+        resumable=job.state in lifecycle.RESUMABLE_STATES and policy.allowed(request.user, "resume", job),
         attempts=list(job.attempts.order_by("number")),
+        attempt_marks=marks,
+        attempt_marks_json=json.dumps(marks),
         stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
         context["summary_ranks"], context["summary"] = summary_metrics(job)
         context["config_path"] = job.job_dir / "config.json"
+        context["final_loss"] = final_loss(job.pk)
     return render(request, "jobs/detail.html", context)
 
 
@@ -212,7 +214,8 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     try:
-        job = lifecycle.cancel(job)  # returns at once: a worker (or the reconciler) stops the processes
+        # returns at once: a worker (or the reconciler) stops the processes
+        job = actions.cancel(request.user, job, web_source(request))
     except ValueError as exc:
         messages.error(request, str(exc))
     else:
@@ -265,8 +268,8 @@ def resume(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
     wanted = request.POST.get("from", "latest")[:40] or "latest"
     try:
-        job = recovery.resume(job, wanted, who=request.user.get_username())
-    except recovery.RecoveryError as exc:
+        job = actions.resume(request.user, job, wanted, None, web_source(request))
+    except (recovery.RecoveryError, Refused) as exc:
         messages.error(request, f"resume of {job.name} refused: {exc}")
     else:
         request_schedule()
@@ -279,12 +282,12 @@ def relaunch(request: HttpRequest, pk: int) -> HttpResponse:
     """A new job with the same parameters under a new name."""
     job = get_object_or_404(Job, pk=pk)
     try:
-        new = create_job(replace(relaunch_request(job), owner=request.user))
-    except LaunchError as exc:
+        new = actions.launch(request.user, relaunch_request(job), web_source(request))
+    except (LaunchError, Refused) as exc:
         messages.error(request, f"relaunch of {job.name} refused: {exc}")
         return redirect(_next_url(request, reverse("job-detail", args=[job.pk])))
     request_schedule()
-    messages.success(request, f"job {new.name} queued (relaunch of {job.name})")
+    messages.success(request, f"job {new.name} queued (relaunch of {job.name})", extra_tags="queued")
     return redirect("job-detail", new.pk)
 
 
@@ -353,22 +356,33 @@ class LaunchForm(forms.Form):
             raise forms.ValidationError(f"cannot split the arguments: {exc}") from None
 
     def launch_request(self) -> LaunchRequest:
+        """The request the form describes; with field errors, the request its valid fields describe."""
         d = self.cleaned_data
+        nodes = list(d.get("nodes") or [])
         return LaunchRequest(
-            name=d["name"].strip(),
-            nodes=list(d["nodes"]),
-            count=None if d["nodes"] else d["count"],
-            script=d["script"].strip(),
-            model=d["model"].strip(),
-            dataset=d["dataset"].strip(),
-            epochs=d["epochs"],
-            lr=d["lr"],
-            nproc_per_node=d["nproc_per_node"],
-            extra_args=d["extra_args"],
-            priority=d["priority"] or 0,
-            metrics_pattern=d["metrics_pattern"] or "",
-            metrics_files=[line.strip() for line in (d["metrics_files"] or "").splitlines() if line.strip()],
+            name=(d.get("name") or "").strip(),
+            nodes=nodes,
+            count=None if nodes else d.get("count"),
+            script=(d.get("script") or "").strip(),
+            model=(d.get("model") or "").strip(),
+            dataset=(d.get("dataset") or "").strip(),
+            epochs=d.get("epochs"),
+            lr=d.get("lr"),
+            nproc_per_node=d.get("nproc_per_node"),
+            extra_args=d.get("extra_args") or [],
+            priority=d.get("priority") or 0,
+            metrics_pattern=d.get("metrics_pattern") or "",
+            metrics_files=[line.strip() for line in (d.get("metrics_files") or "").splitlines() if line.strip()],
         )
+
+    def add_launch_problems(self, exc: LaunchError) -> None:
+        """Each problem beside its field (a field that already has an error keeps just that one)."""
+        for field_name, message in exc.problems:
+            if field_name in self.fields:
+                if field_name not in self.errors:
+                    self.add_error(field_name, message)
+            else:
+                self.add_error(None, message)
 
 
 def launch(request: HttpRequest) -> HttpResponse:
@@ -378,14 +392,22 @@ def launch(request: HttpRequest) -> HttpResponse:
     if request.method == "POST" and form.is_valid():
         try:
             if "dry_run" in request.POST:
-                commands = dry_run(form.launch_request())
+                commands = actions.preview(request.user, form.launch_request())
             else:
-                job = create_job(replace(form.launch_request(), owner=request.user))
+                job = actions.launch(request.user, form.launch_request(), web_source(request))
                 request_schedule()
-                messages.success(request, f"job {job.name} queued")
+                messages.success(request, f"job {job.name} queued", extra_tags="queued")
                 return redirect("job-detail", job.pk)
         except LaunchError as exc:
+            form.add_launch_problems(exc)
+        except Refused as exc:
             form.add_error(None, str(exc))
+    elif request.method == "POST":
+        # The form's own errors and the launch checks of the fields that passed, all at once.
+        try:
+            build_job(form.launch_request())
+        except LaunchError as exc:
+            form.add_launch_problems(exc)
     return render(request, "jobs/launch.html", {"form": form, "commands": commands, "nav": "launch"})
 
 
@@ -411,9 +433,23 @@ def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
                 }
                 for c in found
             ],  # fmt: skip
-            "offered": [c.step for c in job_checkpoints.offered(job)],
+            "offered": sorted({c.step for c in found if c.ready and c.step is not None}, reverse=True),
         }
     )
+
+
+@require_GET
+def api_system(request: HttpRequest, pk: int) -> JsonResponse:
+    """GPU, CPU and RAM of the job's nodes over its run (its GPUs only when it ran a set number per node)."""
+    job = get_object_or_404(Job, pk=pk)
+    start = job.running_at or job.started_at
+    ranks = list(job.ranks.select_related("node"))
+    if start is None or not ranks:
+        return JsonResponse({"job": job.pk, "metrics": []})
+    until = max(job.finished_at or timezone.now(), start + timedelta(minutes=1))
+    gpus = {r.node_id: set(range(job.nproc_per_node)) for r in ranks} if job.nproc_per_node else None
+    data = history([r.node for r in ranks], start, until, buckets=400, gpus=gpus)
+    return JsonResponse({"job": job.pk, **data})
 
 
 @require_GET

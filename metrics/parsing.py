@@ -56,7 +56,9 @@ PATTERN_MAX_CHARS = 4096
 MAX_PATTERN_CHARS = 500
 
 STEP_KEYS = ("step", "global_step")
-NOT_METRICS = frozenset({"step", "global_step", "rank", "v_num"})
+# A run's planned total of steps, when a script logs it beside the step (HF's state.max_steps).
+TOTAL_KEYS = ("max_steps", "total_steps")
+NOT_METRICS = frozenset({"step", "global_step", "rank", "v_num", *TOTAL_KEYS})
 # A Trainer dict with one of these is the end-of-training summary: the run's final metrics.
 FINAL_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"})
 # Series of their own whose 'epoch' would only repeat the training one.
@@ -331,10 +333,20 @@ class LineParser:
             step = self._fallback_step()
         if not final:
             self.last_step = step
+            self._take_total(obj, step)
         if not values and rejected:
             raise _Malformed  # e.g. {"step": 1, "loss": NaN}: numbers were there but none usable
         rank = _rank(obj.get("rank"))
         return [Point(step=step, name=name, value=value, rank=rank, final=final) for name, value in values]
+
+    def _take_total(self, obj: dict[Any, Any], step: int) -> None:
+        """A logged ``max_steps``/``total_steps`` beside the step is progress, like a bar's N/M."""
+        for key in TOTAL_KEYS:
+            total = obj.get(key)
+            if isinstance(total, int) and not isinstance(total, bool) and 0 < total <= _BIGINT_MAX:
+                self.total_steps = total
+                self.counter = step
+                return
 
     # -- the job's own pattern --------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ Shape of the result (JSON-ready; rank keys are strings because JSON keys are)::
      "ranks": {"0": {"x": [steps...], "y": [values...]}, "1": {...}},
      "mean": {"x": [steps...], "y": [values...]},
      "total_points": 200000}
+
+With ``with_time`` it also holds ``"times": {"0": [unix seconds...]}``, aligned with each rank's ``x``
+(for the wall-time and relative-time x axes).
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ from metrics.models import MetricPoint
 RAW_FACTOR = 4
 
 
+def metric_names(job_id: int, limit: int = 50) -> list[str]:
+    """Names of the job's metrics, by index seeks (a skip scan: cheap with millions of points)."""
+    names: list[str] = []
+    points = MetricPoint.objects.filter(job_id=job_id)
+    while len(names) < limit:
+        qs = points.filter(name__gt=names[-1]) if names else points
+        name = qs.order_by("name").values_list("name", flat=True).first()
+        if name is None:
+            break
+        names.append(name)
+    return names
+
+
 def series(
     job_id: int,
     name: str,
@@ -35,6 +51,7 @@ def series(
     buckets: int = 1000,
     step_min: int | None = None,
     step_max: int | None = None,
+    with_time: bool = False,
 ) -> dict[str, Any]:
     """The metric ``name`` of job ``job_id``, per rank and averaged across ranks.
 
@@ -68,23 +85,33 @@ def series(
     # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
     raw_limit = RAW_FACTOR * buckets
     probe = points.order_by()[: raw_limit + 1].count()
+    times: dict[int, list[float]] = {}
     if probe <= raw_limit:
-        ranks, mean = _raw(points)
+        ranks, mean = _raw(points, times if with_time else None)
         total = probe
     else:
         stats = points.aggregate(lo=Min("step"), hi=Max("step"))
-        ranks, mean, total = _bucketed(points, stats["lo"], stats["hi"], buckets)
-    return {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
+        ranks, mean, total = _bucketed(points, stats["lo"], stats["hi"], buckets, times if with_time else None)
+    result = {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
+    if with_time:
+        result["times"] = _by_rank_key(times)
+    return result
 
 
-def _raw(points: QuerySet[MetricPoint]) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
-    """Every point, per rank in step order, and the per-step mean across ranks."""
+def _raw(
+    points: QuerySet[MetricPoint], times: dict[int, list[float]] | None = None
+) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
+    """Every point, per rank in step order, and the per-step mean across ranks (and each point's time)."""
     per_rank: dict[int, dict[str, list]] = {}
     sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
-    for point_rank, step, value in points.order_by("step", "rank", "id").values_list("rank", "step", "value"):
+    fields = ("rank", "step", "value", "time") if times is not None else ("rank", "step", "value")
+    for row in points.order_by("step", "rank", "id").values_list(*fields):
+        point_rank, step, value = row[:3]
         xy = per_rank.setdefault(point_rank, {"x": [], "y": []})
         xy["x"].append(step)
         xy["y"].append(value)
+        if times is not None:
+            times.setdefault(point_rank, []).append(round(row[3].timestamp(), 3))
         acc = sums[step]
         acc[0] += value
         acc[1] += 1
@@ -94,7 +121,7 @@ def _raw(points: QuerySet[MetricPoint]) -> tuple[dict[str, dict[str, list]], dic
 
 
 def _bucketed(
-    points: QuerySet[MetricPoint], lo: int, hi: int, buckets: int
+    points: QuerySet[MetricPoint], lo: int, hi: int, buckets: int, times: dict[int, list[float]] | None = None
 ) -> tuple[dict[str, dict[str, list]], dict[str, list], int]:
     """Per rank and equal-width step bucket, min/max (and mean) computed by the database; and the
     number of points they hold."""
@@ -102,12 +129,10 @@ def _bucketed(
     # step and lo are integers, so '/' is integer division on SQLite and PostgreSQL alike;
     # step - lo >= 0, so truncation equals floor.
     bucket = ExpressionWrapper((F("step") - Value(lo)) / Value(width), output_field=BigIntegerField())
-    rows = (
-        points.annotate(bucket=bucket)
-        .values("rank", "bucket")
-        .annotate(v_min=Min("value"), v_max=Max("value"), v_avg=Avg("value"), n=Count("id"))
-        .order_by("rank", "bucket")
-    )
+    stats = {"v_min": Min("value"), "v_max": Max("value"), "v_avg": Avg("value"), "n": Count("id")}
+    if times is not None:
+        stats.update(t_min=Min("time"), t_max=Max("time"))
+    rows = points.annotate(bucket=bucket).values("rank", "bucket").annotate(**stats).order_by("rank", "bucket")
     per_rank: dict[int, dict[str, list]] = {}
     total = 0
     bucket_means: dict[int, list[float]] = defaultdict(list)
@@ -118,9 +143,16 @@ def _bucketed(
         xy = per_rank.setdefault(row["rank"], {"x": [], "y": []})
         xy["x"].append(start)
         xy["y"].append(row["v_min"])
-        if half or row["v_max"] != row["v_min"]:
+        two = bool(half or row["v_max"] != row["v_min"])
+        if two:
             xy["x"].append(start + half)
             xy["y"].append(row["v_max"])
+        if times is not None:
+            # the bucket's first and last times: monotone, like the steps they stand beside
+            t = times.setdefault(row["rank"], [])
+            t.append(round(row["t_min"].timestamp(), 3))
+            if two:
+                t.append(round(row["t_max"].timestamp(), 3))
         bucket_means[row["bucket"]].append(row["v_avg"])
     order = sorted(bucket_means)
     mean = {

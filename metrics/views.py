@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from django.db.models import Max, Min
+import shlex
+
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -10,8 +11,8 @@ from django.views.decorators.http import require_GET
 from jobs.models import Job
 from jobs.report import human_duration
 
-from .models import MetricPoint
-from .series import series
+from .final import final_value, format_value
+from .series import metric_names, series
 
 MAX_BUCKETS = 4000
 COMPARE_MAX = 8
@@ -20,7 +21,8 @@ COMPARE_CHOICES = 100
 
 @require_GET
 def api_series(request: HttpRequest, pk: int) -> JsonResponse:
-    """`/api/jobs/<id>/series?name=loss&buckets=N[&rank=R]`: one metric per rank and the mean."""
+    """`/api/jobs/<id>/series?name=loss&buckets=N[&rank=R][&time=1]`: one metric per rank and the mean (and
+    each point's time)."""
     job = get_object_or_404(Job, pk=pk)
     name = request.GET.get("name", "loss")[:100]
     try:
@@ -28,7 +30,7 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
         rank = int(request.GET["rank"]) if request.GET.get("rank", "") != "" else None
     except ValueError:
         return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
-    data = series(job.pk, name, rank=rank, buckets=buckets)
+    data = series(job.pk, name, rank=rank, buckets=buckets, with_time=request.GET.get("time") == "1")
     data["job"] = job.pk
     # where each later attempt joined the curve: the chart marks them
     data["attempts"] = [
@@ -40,20 +42,35 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
     return JsonResponse(data)
 
 
-def final_loss(job: Job) -> dict:
-    """Steps run, last mean loss across ranks at the last step, and the lowest loss seen."""
-    points = MetricPoint.objects.filter(job=job, name="loss", superseded=False)
-    agg = points.aggregate(last_step=Max("step"), best=Min("value"))
-    last = None
-    if agg["last_step"] is not None:
-        values = list(points.filter(step=agg["last_step"]).values_list("value", flat=True))
-        last = sum(values) / len(values)
-    return {"last_step": agg["last_step"], "last": last, "best": agg["best"]}
+def metric_facts(job: Job, name: str) -> dict:
+    """Final value (rank 0's last logged), its step, and the best value seen, as the pages print them."""
+    final = final_value(job.pk, name, extremes=True)
+    if final is None:
+        return {"last_step": None, "last": None, "best": None, "rank": None}
+    return {"last_step": final.step, "last": final.text, "best": format_value(final.best), "rank": final.rank}
+
+
+def config_rows(jobs: list[Job]) -> list[dict]:
+    """What each job ran with, one row per setting, marked where the jobs differ."""
+    ranks = {job.pk: list(job.ranks.select_related("node").order_by("index")) for job in jobs}
+    columns: dict[str, list[str]] = {
+        "script": [job.script for job in jobs],
+        "args": [shlex.join(str(a) for a in job.script_args or []) for job in jobs],
+    }
+    keys = sorted({k for job in jobs for k in (job.params or {}) if k != "extra"})
+    for key in keys:
+        columns[key] = ["" if (job.params or {}).get(key) is None else str(job.params[key]) for job in jobs]
+    columns["nodes"] = [", ".join(r.node.name for r in ranks[job.pk]) for job in jobs]
+    columns["GPUs"] = [", ".join(r.node.gpu_label for r in ranks[job.pk]) for job in jobs]
+    columns["procs / node"] = [str(job.nproc_per_node or "GPU count") for job in jobs]
+    columns["duration"] = [human_duration(job.duration(), empty="", sep=" ") for job in jobs]
+    return [{"name": k, "values": v, "differs": len(set(v)) > 1} for k, v in columns.items()]
 
 
 @require_GET
 def compare(request: HttpRequest) -> HttpResponse:
-    """Overlay the loss curves of the chosen jobs (`?job=<id>&job=<id>`), with their final metrics."""
+    """Any metric of the chosen jobs (`?job=<id>&job=<id>&metric=loss`) on one chart, their configs side by
+    side with what differs marked, and each job's final and best value of the metric."""
     chosen_ids = []
     for value in request.GET.getlist("job"):
         if value.isdigit() and int(value) not in chosen_ids:
@@ -61,16 +78,30 @@ def compare(request: HttpRequest) -> HttpResponse:
     chosen_ids = chosen_ids[:COMPARE_MAX]
     by_id = {j.pk: j for j in Job.objects.filter(pk__in=chosen_ids)}
     chosen = [by_id[i] for i in chosen_ids if i in by_id]
+    names = sorted({n for job in chosen for n in metric_names(job.pk)}, key=chart_order)
+    metric = request.GET.get("metric", "")[:100]
+    if metric not in names:
+        metric = names[0] if names else "loss"
     rows = [
-        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **final_loss(job)} for job in chosen
+        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **metric_facts(job, metric)}
+        for job in chosen
     ]
     return render(
         request,
         "metrics/compare.html",
         {
             "rows": rows,
+            "metric": metric,
+            "metric_names": names,
+            "config": config_rows(chosen),
             "chosen_ids": [j.pk for j in chosen],
             "choices": Job.objects.exclude(state=Job.State.QUEUED)[:COMPARE_CHOICES],
             "nav": "compare",
         },
     )
+
+
+def chart_order(name: str) -> tuple[int, str]:
+    """Loss first, then other losses, then by name (as the job page orders its panels)."""
+    leaf = name.rsplit("/", 1)[-1]
+    return (0 if leaf == "loss" else 1 if "loss" in name else 2, name)

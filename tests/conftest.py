@@ -36,6 +36,26 @@ def loopback(tmp_path_factory):
     pool.close_all()
 
 
+@pytest.fixture(autouse=True)
+def os_account(request):
+    """Tests with a database get an operator account named like the OS user, as management commands run
+    as that account when no --as is given (accounts/commands.py)."""
+    if not (
+        request.node.get_closest_marker("django_db")
+        or {"db", "transactional_db", "live_server"} & set(request.fixturenames)
+    ):
+        return None
+    request.getfixturevalue("_django_db_helper")
+    import getpass
+
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    user, _ = get_user_model().objects.get_or_create(username=getpass.getuser())
+    user.groups.add(Group.objects.get(name="operator"))
+    return user
+
+
 def cluster_yaml(loopback, count: int) -> str:
     """cluster.yaml in the user's format for the first `count` loopback nodes."""
     lines = [

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.db import connections
 
 from jobs.models import Job
@@ -126,7 +126,7 @@ def new_page(chromium, errors: list[str]):
 
 
 def log_in(page, base: str) -> None:
-    User.objects.create_user("alice", password="pw-alice-123")
+    User.objects.create_user("alice", password="pw-alice-123").groups.add(Group.objects.get(name="launcher"))
     page.goto(base + "/")
     assert "/accounts/login/" in page.url
     page.fill("#id_username", "alice")
@@ -174,7 +174,7 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     wait_for(lambda: points_shown(page) >= 10, timeout=150, what="the first loss points in the chart")
     first = points_shown(page)
     wait_for(lambda: points_shown(page) > first + 10, timeout=60, what="more loss points")
-    assert page.locator("#chart canvas").count() >= 1
+    assert page.locator('#panels .panel[data-name="loss"] canvas').count() >= 1
     for rank in range(3):
         page.wait_for_selector(f'#log .line[data-rank="{rank}"]', state="attached", timeout=30_000)
     page.wait_for_selector("#job-state.badge-running", timeout=30_000)
@@ -217,7 +217,7 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     assert page.locator(".lane-done .job-card", has_text="web-run").count() == 1
     page.screenshot(path=ARTIFACTS / "jobs-board.png", full_page=True)
     page.goto(f"{server}/compare/?job={job.pk}")
-    page.wait_for_selector("#compare-chart canvas", timeout=10_000)
+    page.wait_for_selector("#compare-chart[data-ready] canvas", timeout=10_000)
     page.screenshot(path=ARTIFACTS / "compare.png", full_page=True)
     assert not errors, errors
 
@@ -249,7 +249,7 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     page.reload()
     line.wait_for(state="visible", timeout=20_000)
     assert page.locator("#log img, #log script, select img").count() == 0
-    assert page.locator("#metric-select option", has_text="<img src=x onerror=alert(3)>").count() == 1
+    assert page.locator("#panels .panel-toggle", has_text="<img src=x onerror=alert(3)>").count() == 1
     assert page.evaluate("window.__pwned") is None
     # checkpoints are what the follower recorded (the script saved none)
     page.locator("#checkpoints", has_text="No checkpoints recorded.").wait_for(timeout=30_000)

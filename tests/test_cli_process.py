@@ -1,4 +1,5 @@
-"""The `ugro` command as a real process: live progress, and Ctrl-C leaves the job running."""
+"""`manage.py launch` (the admins' command on the controller) as a real process: live progress, and Ctrl-C
+leaves the job running. The thin `ugro` client has its own tests (tests/test_client.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from jobs.models import Job
 from .conftest import REPO, SLOW_TRAIN, job_pids, wait_for
 
 pytestmark = pytest.mark.e2e
-UGRO = str(REPO / ".venv" / "bin" / "ugro")
+UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]
 
 
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, controller_env, tmp_path):
     out_path = tmp_path / "launch.out"
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen([UGRO, "launch", "--name", "ctrlc", "--", *SLOW_TRAIN], cwd=tmp_path,
+        proc = subprocess.Popen([*UGRO, "launch", "--name", "ctrlc", "--", *SLOW_TRAIN], cwd=tmp_path,
                                 env=controller_env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         # given the launch shows live progress: the running state and rank-prefixed lines
@@ -36,13 +37,13 @@ def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, con
     job = Job.objects.get(name="ctrlc")
     assert job.state == Job.State.RUNNING and job_pids(job.tag)
     # and the job can be cancelled from another command
-    done = subprocess.run([UGRO, "cancel", "ctrlc"], env=controller_env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([*UGRO, "cancel", "ctrlc"], env=controller_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert job_pids(job.tag) == []
 
 
 def test_a_refused_launch_exits_non_zero_with_one_line(lab, controller_env):
-    done = subprocess.run([UGRO, "launch", "--name", "$(touch /tmp/ugro_cli_pwned)"], env=controller_env,
+    done = subprocess.run([*UGRO, "launch", "--name", "$(touch /tmp/ugro_cli_pwned)"], env=controller_env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode != 0
     assert done.stderr.strip().count("\n") == 0 and "job name" in done.stderr

@@ -338,6 +338,33 @@ def test_breaker_recovery() -> None:
     assert b.record_success(212.0) is False and b.failures == 0
 
 
+def test_breaker_trip_opens_at_once_and_reports_down_once() -> None:
+    # Given a node that has never answered: one failed poll may take it down
+    b = Breaker(failures=1)
+    assert b.trip(100.0, rng=lambda: NO_JITTER) is True
+    assert b.state == "open" and b.failures == 3 and b.open_until == 105.0
+    assert b.trip(106.0, rng=lambda: NO_JITTER) is False
+
+
+def test_a_node_with_failed_probes_is_due_on_the_next_tick() -> None:
+    from datetime import UTC, datetime
+
+    from cluster.models import Node
+    from cluster.monitor import is_due
+
+    now = 1_000_000.0
+    just_polled = datetime.fromtimestamp(now - 1, tz=UTC)
+    # Given an idle node polled a second ago: not due for 40 s
+    quiet = Node(last_poll_at=just_polled, breaker={})
+    assert not is_due(quiet, now, None, None)
+    # When that poll failed (closed breaker, failures counted): it is due at once, to confirm
+    suspect = Node(last_poll_at=just_polled, breaker={"failures": 2, "state": "closed"})
+    assert is_due(suspect, now, None, None)
+    # And once DOWN, the breaker's backoff decides again
+    down = Node(last_poll_at=just_polled, breaker={"failures": 3, "state": "open", "open_until": now + 5})
+    assert not is_due(down, now, None, None)
+
+
 def test_breaker_round_trips_through_json() -> None:
     b = Breaker()
     for t in (1.0, 2.0, 3.0):

@@ -7,7 +7,7 @@ import io
 import shlex
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
@@ -34,6 +34,12 @@ def nodes(db):
     cs.training, cs.script_args_template = {}, []
     cs.save()
     return made
+
+
+def launcher(name: str) -> User:
+    user = User.objects.create_user(name, password="pw-alice-123")
+    user.groups.add(Group.objects.get(name="launcher"))
+    return user
 
 
 def dry(*args: str) -> str:
@@ -105,7 +111,7 @@ def test_metrics_pattern_and_files_are_kept_with_the_job_and_relaunched(nodes):
     assert (settings.pattern, settings.files) == (r"^epoch \d+", ["lightning_logs", "runs/{job}"])
     # when it is relaunched from its page, the copy reads its metrics the same way
     client = Client()
-    client.force_login(User.objects.create_user("alice", password="pw-alice-123"))
+    client.force_login(launcher("alice"))
     client.post(f"/jobs/{job.pk}/relaunch/")
     copy = JobMetrics.objects.get(job__name="m1-r1")
     assert (copy.pattern, copy.files) == (settings.pattern, settings.files)
@@ -115,7 +121,7 @@ def test_metrics_pattern_and_files_are_kept_with_the_job_and_relaunched(nodes):
 
 def test_launch_form_shows_the_commands_without_queuing(nodes):
     client = Client()
-    client.force_login(User.objects.create_user("alice", password="pw-alice-123"))
+    client.force_login(launcher("alice"))
     response = client.post(
         "/jobs/launch/",
         {"name": "web-dry", "nodes": ["gpu0"], "extra_args": "--max-steps 40", "dry_run": "1", "priority": "0"},

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.models import Group
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
@@ -284,7 +285,9 @@ def test_cancel_from_the_page_returns_at_once_with_the_job_cancelling(local_node
     job = running_job(local_node)
     torn = []
     monkeypatch.setattr("jobs.lifecycle.dispatch_teardown", lambda j: torn.append(j.pk))
-    client.force_login(django_user_model.objects.create_user("alice", password="x" * 12))
+    alice = django_user_model.objects.create_user("alice", password="x" * 12)
+    alice.groups.add(Group.objects.get(name="operator"))  # the job is not hers: an operator's cancel
+    client.force_login(alice)
     client.post(f"/jobs/{job.pk}/cancel/")
     job.refresh_from_db()
     assert job.state == Job.State.CANCELLING and torn == [job.pk]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.test import Client
 from django.utils import timezone
 
@@ -18,7 +18,9 @@ HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)>"
 
 @pytest.fixture
 def alice(db):
-    return User.objects.create_user("alice", password="pw-alice-123")
+    user = User.objects.create_user("alice", password="pw-alice-123")
+    user.groups.add(Group.objects.get(name="launcher"))  # launches and cancels her own jobs
+    return user
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def job(db, node, settings, tmp_path):
 
 
 def page_urls(job: Job) -> list[str]:
-    return ["/", "/jobs/", "/jobs/launch/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}"]
+    return ["/", "/jobs/", "/jobs/launch/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}", "/nodes/gpu-master/"]
 
 
 def api_urls(job: Job) -> list[str]:
@@ -66,6 +68,8 @@ def api_urls(job: Job) -> list[str]:
         f"/api/jobs/{job.pk}/series?name=loss",
         f"/api/jobs/{job.pk}/logs?tail=10",
         f"/api/jobs/{job.pk}/checkpoints",
+        f"/api/jobs/{job.pk}/system",
+        "/api/nodes/gpu-master/history",
     ]
 
 
@@ -130,8 +134,8 @@ def test_cancel_requires_csrf_token(alice, job):
     assert job.state == Job.State.RUNNING
 
 
-def test_cancel_a_queued_job_from_the_board(browser, db):
-    job = Job.objects.create(name="waiting", script="s.py")
+def test_cancel_a_queued_job_from_the_board(browser, alice):
+    job = Job.objects.create(name="waiting", script="s.py", owner=alice)
     response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "/jobs/"})
     assert response.status_code == 302 and response["Location"] == "/jobs/"
     job.refresh_from_db()
@@ -139,8 +143,8 @@ def test_cancel_a_queued_job_from_the_board(browser, db):
     assert "job waiting cancelled" in browser.get("/jobs/").content.decode()
 
 
-def test_cancel_never_redirects_off_site(browser, db):
-    job = Job.objects.create(name="waiting", script="s.py")
+def test_cancel_never_redirects_off_site(browser, alice):
+    job = Job.objects.create(name="waiting", script="s.py", owner=alice)
     response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "//evil.example/"})
     assert response["Location"] == f"/jobs/{job.pk}/"
 

@@ -95,6 +95,9 @@ def test_busy_rendezvous_port_on_rank0_fails_the_launch(lab, rdzv_port):
         squatter.listen()
         job = launch_fails("portbusy", "--nodes", "3")
     assert f"node1: rendezvous port {rdzv_port} is in use on 127.0.0.2" in job.failure_reason
+    # and it says where to choose another port
+    assert "cluster.master_port in cluster.yaml" in job.failure_reason
+    assert "Rendezvous port in admin > Cluster settings" in job.failure_reason
 
 
 def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, settings):

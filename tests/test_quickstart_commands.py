@@ -1,4 +1,5 @@
 """The quickstart's helpers: a local demo node and a first admin."""
+
 from __future__ import annotations
 
 import io
@@ -30,4 +31,44 @@ def test_first_admin_is_created_with_a_printed_password(settings, tmp_path):
     password = (tmp_path / "admin_password.txt").read_text().split()[1]
     assert user.is_superuser and user.check_password(password) and password in out.getvalue()
     call_command("ensure_admin", stdout=out)
-    assert get_user_model().objects.count() == 1
+    assert get_user_model().objects.filter(is_superuser=True).count() == 1
+
+
+def _fake_torchrun(directory) -> str:
+    directory.mkdir(parents=True)
+    exe = directory / "torchrun"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_demo_node_is_repointed_when_its_venv_moved(settings, tmp_path):
+    # given the demo node was made with a training env that has since moved away
+    old_env = tmp_path / "old-venv" / "bin"
+    call_command("demo_node", "--torchrun", _fake_torchrun(old_env), stdout=io.StringIO())
+    (old_env / "torchrun").rename(tmp_path / "moved-torchrun")
+    # when bin/start runs demo_node again
+    out = io.StringIO()
+    call_command("demo_node", stdout=out)
+    # then the node points at the torchrun found now (the repo's node env), and says so
+    node = Node.objects.get()
+    expected = settings.BASE_DIR / ".venv-node" / "bin" / "torchrun"
+    assert expected.exists(), "the test needs the node env (bin/setup --node-env)"
+    assert node.torchrun_command == str(expected)
+    assert f"torchrun_command {old_env / 'torchrun'} -> {expected}" in out.getvalue()
+    assert Node.objects.count() == 1
+
+
+def test_demo_node_keeps_a_torchrun_that_still_runs_and_fixes_a_moved_workdir(settings, tmp_path):
+    # given a demo node whose torchrun the user chose (and which still exists), in a repo dir now gone
+    mine = _fake_torchrun(tmp_path / "mine" / "bin")
+    call_command("demo_node", "--torchrun", mine, stdout=io.StringIO())
+    Node.objects.update(workdir=str(tmp_path / "old-checkout"))
+    # when demo_node runs again
+    out = io.StringIO()
+    call_command("demo_node", stdout=out)
+    # then the torchrun is kept and the working dir is the repo again
+    node = Node.objects.get()
+    assert node.torchrun_command == mine
+    assert node.workdir == str(settings.BASE_DIR)
+    assert "torchrun_command" not in out.getvalue() and "workdir" in out.getvalue()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
@@ -73,6 +73,7 @@ def test_the_cli_refuses_the_injection_before_anything_reaches_a_node(nodes):
 
 def test_the_launch_form_refuses_the_injection_with_one_line(nodes):
     user = User.objects.create_user("alice", password="pw-alice-123456")
+    user.groups.add(Group.objects.get(name="launcher"))  # she may launch: the form's checks answer
     client = Client()
     client.force_login(user)
     resp = client.post("/jobs/launch/", {"name": "evil", "script": INJECTION, "count": "1"})
@@ -161,6 +162,7 @@ def test_the_cli_gives_one_line_for_an_out_of_range_number(nodes, option, value)
 )  # fmt: skip
 def test_the_launch_form_answers_a_huge_number_with_a_field_error_not_a_500(nodes, field, value):
     user = User.objects.create_user("alice", password="pw-alice-123456")
+    user.groups.add(Group.objects.get(name="launcher"))  # she may launch: the form's checks answer
     client = Client()
     client.force_login(user)
     resp = client.post("/jobs/launch/", {"name": "big", field: value})

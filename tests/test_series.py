@@ -161,3 +161,25 @@ def test_large_history_is_bucketed_in_sql() -> None:
     assert window["total_points"] == 42
     assert window["ranks"]["1"]["x"] == list(range(spike_step - 10, spike_step + 11))
     assert window["ranks"]["1"]["y"][10] == 1000.0
+
+
+def test_times_come_aligned_with_steps_raw_and_bucketed() -> None:
+    from datetime import timedelta
+
+    job = make_job()
+    start = timezone.now()
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=r, step=s, name="loss", value=1.0 / s, time=start + timedelta(seconds=s))
+        for r in (0, 1)
+        for s in range(1, 401)
+    )
+    # raw: one time per point, the point's own
+    raw = series(job.pk, "loss", buckets=1000, with_time=True)
+    assert raw["times"]["0"][:2] == [round((start + timedelta(seconds=s)).timestamp(), 3) for s in (1, 2)]
+    # bucketed: a bucket's first and last times beside its two points, never going back
+    bucketed = series(job.pk, "loss", buckets=10, with_time=True)
+    for rank, xy in bucketed["ranks"].items():
+        times = bucketed["times"][rank]
+        assert len(times) == len(xy["x"]) and times == sorted(times)
+        assert times[0] == round((start + timedelta(seconds=1)).timestamp(), 3)
+    assert "times" not in series(job.pk, "loss")

@@ -51,7 +51,7 @@ def test_a_dead_worker_is_started_again_and_ctrl_c_stops_everything(controller_e
         # when the worker dies on its own
         os.kill(first, signal.SIGKILL)
         # then bin/start starts another and says so
-        wait_for(lambda: workers(data) and workers(data)[0] != first, timeout=30, what="a new worker")
+        wait_for(lambda: (now := workers(data)) and now[0] != first, timeout=30, what="a new worker")
         assert "worker exited (rc 137); starting it again" in out.read_text()
         # and Ctrl-C stops every process it started, with exit status 0 and no "exited" complaint
         os.killpg(start.pid, signal.SIGINT)

@@ -24,9 +24,7 @@ METRIC_KEYS = {"step", "epoch", "loss", "lr", "tokens_per_sec", "grad_norm", "ra
 SMALL = ["--seq-len", "32", "--batch-size", "16"]
 TIMEOUT = 180
 
-pytestmark = pytest.mark.skipif(
-    not NODE_ENV.is_dir(), reason=f"node training env not found at {NODE_ENV}"
-)
+pytestmark = pytest.mark.skipif(not NODE_ENV.is_dir(), reason=f"node training env not found at {NODE_ENV}")
 
 
 def _env() -> dict[str, str]:
@@ -57,9 +55,7 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
         timeout=TIMEOUT,
         check=False,
     )
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
-    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}"
     return proc
 
 
@@ -121,6 +117,8 @@ def test_single_process_trains_and_checkpoints(tmp_path):
     assert (out_dir / "checkpoint_step30.pt").is_file()
     assert not [p for p in out_dir.iterdir() if ".tmp" in p.name]
     assert "training complete" in proc.stdout.splitlines()[-1]
+    # the final loss it prints is the last loss it logged, printed as UGRO's pages print it
+    assert f"final_loss={last:.6g} " in proc.stdout.splitlines()[-1]
     # the fallback notices are single plain lines
     assert "using 'tiny'" in proc.stdout
     assert "using 'gpl-3'" in proc.stdout

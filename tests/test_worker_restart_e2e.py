@@ -75,7 +75,7 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
 
         wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
         # when a launch command runs while the worker is up
-        argv = [str(REPO / ".venv" / "bin" / "ugro"), "launch", "--name", "handed", "--detach", "--", *FAST_TRAIN]
+        argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "handed", "--detach", "--", *FAST_TRAIN]
         done = subprocess.run(argv, env=controller_env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         # then the worker, with its warm links, started the ranks, and follows the job to its end

@@ -583,6 +583,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
 
     last_saved = step
     last_loss = float("nan")
+    # The run's final loss is the last loss it logged (rank 0's line): UGRO's pages and CLI show the same.
+    logged_loss = float("nan")
     tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
     sleep_at = pair(args.sleep_at_step, "--sleep-at-step")
     slow = pair(args.slow_rank, "--slow-rank")
@@ -662,14 +664,13 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
 
             if step % args.log_every == 0 or step == total_steps:
                 elapsed = max(time.time() - interval_t0, 1e-9)
+                logged_loss = round(sum(interval_losses) / len(interval_losses), 6)
                 emit(
                     json.dumps(
                         {
                             "step": step,
                             "epoch": epoch,
-                            "loss": round(
-                                sum(interval_losses) / len(interval_losses), 6
-                            ),
+                            "loss": logged_loss,
                             "lr": float(f"{lr:.6g}"),
                             "tokens_per_sec": round(
                                 interval_steps * tokens_per_step / elapsed, 2
@@ -700,7 +701,7 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
     d.barrier()
     d.log(
         f"training complete: job={args.job_id} steps={step} "
-        f"epochs={step / steps_per_epoch:.2f} final_loss={last_loss:.4f} "
+        f"epochs={step / steps_per_epoch:.2f} final_loss={logged_loss:.6g} "
         f"elapsed={time.time() - t_start:.1f}s output_dir={output_dir}"
     )
     return 0

@@ -1,4 +1,6 @@
-"""The `ugro` console script: `ugro launch ...` is `manage.py launch ...` from anywhere."""
+"""The `ugro-admin` console script: `ugro-admin X` is `manage.py X` from anywhere on the controller (admins).
+
+Users run the thin `ugro` client (ugro_client/), which talks to the REST API and needs no Django."""
 
 from __future__ import annotations
 
@@ -13,4 +15,4 @@ def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
     from django.core.management import execute_from_command_line
 
-    execute_from_command_line(["ugro", *sys.argv[1:]])
+    execute_from_command_line(["ugro-admin", *sys.argv[1:]])

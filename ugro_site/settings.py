@@ -47,6 +47,11 @@ INSTALLED_APPS = [
     "cluster",
     "jobs",
     "metrics",
+    "accounts",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "api",
 ]
 
 MIDDLEWARE = [
@@ -56,6 +61,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "accounts.middleware.PolicyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.middleware.csp.ContentSecurityPolicyMiddleware",
@@ -168,6 +174,30 @@ SECURE_CSP = {
     "frame-ancestors": [CSP.NONE],
 }
 
+# The REST API (api/): tokens or a logged-in session; the same policy as the pages (accounts/policy.py).
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "accounts.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["api.permissions.PolicyPermission"],
+    # JSON only: people browse the API at /api/docs (DRF's own HTML pages need inline scripts our CSP refuses)
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "api.views.one_line_errors",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "UGRO API",
+    "DESCRIPTION": "Launch, watch and stop training jobs on the cluster; everything the `ugro` client does.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["api.permissions.PolicyPermission"],
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
 # UGRO behaviour.
 UGRO = {
     "SYNC_WINDOW_S": env_float("UGRO_SYNC_WINDOW_S", 30.0, minimum=1.0, maximum=3600.0),
@@ -185,7 +215,13 @@ UGRO = {
     # pre-flight); CANCELLING/FAILING are torn down again by the reconciler after the kill grace plus this.
     "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0, maximum=3600.0),
     "STOPPING_RETRY_S": env_float("UGRO_STOPPING_RETRY_S", 15.0, minimum=1.0, maximum=3600.0),
+    # Roles (accounts/policy.py): a launcher's highest priority and most queued jobs; a new account's role.
+    "LAUNCHER_MAX_PRIORITY": env_int("UGRO_LAUNCHER_MAX_PRIORITY", 50, minimum=0, maximum=100),
+    "LAUNCHER_MAX_QUEUED": env_int("UGRO_LAUNCHER_MAX_QUEUED", 10, minimum=1, maximum=100000),
+    "DEFAULT_ROLE": env_str("UGRO_DEFAULT_ROLE", "viewer"),
 }
+if UGRO["DEFAULT_ROLE"] not in ("viewer", "launcher", "operator", "none"):
+    raise EnvError("UGRO_DEFAULT_ROLE must be viewer, launcher, operator or none")
 
 LOGGING = {
     "version": 1,

@@ -7,6 +7,8 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from . import views
+
 # django.contrib.auth.urls without the password reset views unless mail is configured (a reset link
 # that can never arrive only tells an attacker which accounts exist).
 auth_urls = [
@@ -24,8 +26,10 @@ if settings.PASSWORD_RESET_ENABLED:
     ]
 
 urlpatterns = [
+    path("favicon.ico", views.favicon, name="favicon"),
     path("admin/", admin.site.urls),
     path("accounts/", include(auth_urls)),
+    path("api/", include("api.urls")),
     path("", include("cluster.urls")),
     path("", include("jobs.urls")),
     path("", include("metrics.urls")),

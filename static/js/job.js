@@ -1,71 +1,126 @@
-/* Job detail: live curves and per-rank logs from /ws/jobs/<id>/, state changes re-render the summary. */
+/* Job detail: a panel per metric and per-rank logs, live from /ws/jobs/<id>/; state changes re-render
+   the summary, results and checkpoints. */
 (function () {
   "use strict";
   const UGRO = window.UGRO;
   const root = document.getElementById("job-root");
   if (!root) return;
   const MAX_LINES = 5000;
-  const RELOAD_AFTER_POINTS = 50000;
 
-  // ---- chart ----
-  const chartBox = document.getElementById("chart");
-  const select = document.getElementById("metric-select");
+  // ---- metric panels ----
+  const DEFAULTS = { smoothing: 0.6, xMode: "step" };
+  const RELOAD_AFTER_POINTS = 20000; // a panel fed this many live points is refetched (downsampled)
+  const view = UGRO.readView(DEFAULTS);
+  const panelsBox = document.getElementById("panels");
   const info = document.getElementById("chart-info");
-  const plot = new UGRO.LinePlot(chartBox, { yLabel: select.value });
-  let series = new UGRO.MetricSeries();
-  let metric = select.value;
-  let loading = null;
+  const started = Date.parse(root.dataset.started || "");
+  const t0 = Number.isFinite(started) ? started / 1000 : null;
+  const totals = new Map(); // panel name -> points stored on the server when last loaded
+  const loading = new Map(); // panel name -> promise of its load
+  const timed = new Set(); // panels loaded with each point's time
 
-  function draw() {
-    if (plot.set(series.lines())) {
-      info.textContent = series.count + " points shown";
+  function saveView() {
+    UGRO.writeView(view, DEFAULTS);
+  }
+  const board = new UGRO.PanelBoard(panelsBox, makePanel, view, saveView);
+  UGRO.jobBoard = board; // for the console and the browser tests
+
+  // where each later attempt joined the curve (server-rendered JSON, read as data)
+  const attemptMarks = JSON.parse(root.dataset.attempts || "[]").map((m) => ({
+    x: m.step,
+    label: "attempt " + m.attempt,
+  }));
+
+  function makePanel(name, parent) {
+    const panel = new UGRO.Panel(
+      parent,
+      {
+        name: name,
+        primary: (key) => key === "0",
+        syncKey: "job-" + root.dataset.job,
+        filePrefix: root.dataset.name + "_",
+        markers: attemptMarks,
+      },
+      view
+    );
+    panel.t0 = t0;
+    return panel;
+  }
+
+  function updateInfo() {
+    let shown = 0;
+    let stored = 0;
+    for (const [name, panel] of board.panels) {
+      shown += panel.count;
+      stored += Math.max(panel.count, totals.get(name) || 0);
     }
+    info.textContent = shown + " points shown" + (stored > shown ? " (downsampled from " + stored + ")" : "");
   }
-  // throttle, not debounce: points stream in faster than 200 ms apart and a debounce would never draw
-  const drawSoon = UGRO.throttle(draw, 200);
+  const updateInfoSoon = UGRO.throttle(updateInfo, 250);
 
-  async function loadSeries() {
-    const name = metric;
-    const buckets = Math.max(200, Math.min(2000, Math.floor(chartBox.clientWidth)));
-    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets;
-    const json = await UGRO.getJSON(url);
-    if (name !== metric) return;
-    const fresh = new UGRO.MetricSeries();
-    fresh.load(json);
-    // Points that arrived while loading are kept (a Map per step: no duplicates).
-    for (const [rank, steps] of series.ranks) for (const [step, value] of steps) if (!fresh.ranks.get(rank)?.has(step)) fresh.add(rank, step, value);
-    series = fresh;
-    plot.options.yLabel = name;
-    plot.options.markers = (json.attempts || []).map(function (a) {
-      return { x: a.step, label: "attempt " + a.attempt };
+  function loadPanel(name) {
+    const buckets = Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
+    // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
+    const withTime = view.xMode !== "step";
+    const url = root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
+    const promise = UGRO.getJSON(url).then(function (json) {
+      const panel = board.panel(name);
+      const live = new Map(panel.lines); // points that arrived while loading
+      const byKey = {};
+      for (const [rank, xy] of Object.entries(json.ranks || {})) {
+        byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
+      }
+      panel.load(byKey);
+      for (const [key, line] of live) {
+        const loaded = panel.lines.get(key);
+        const last = loaded && loaded.x.length ? loaded.x[loaded.x.length - 1] : -Infinity;
+        for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
+      }
+      totals.set(name, json.total_points);
+      if (withTime) timed.add(name);
+      document.getElementById("chart-empty")?.remove();
+      panel.draw();
+      updateInfo();
     });
-    const marks = document.getElementById("chart-attempts");
-    if (marks) marks.textContent = plot.options.markers.map((m) => m.label + " from step " + m.x).join(" · ");
-    plot.labels = "";
-    draw();
-    if (json.total_points > series.count) info.textContent += " (downsampled from " + json.total_points + ")";
+    loading.set(name, promise);
+    return promise.finally(function () {
+      loading.delete(name);
+    });
   }
 
-  select.addEventListener("change", function () {
-    metric = select.value;
-    series = new UGRO.MetricSeries();
-    loading = loadSeries().catch(function () {});
+  function loadPanels() {
+    const names = new Set(Array.from(document.querySelectorAll("#metric-names li"), (li) => li.dataset.name));
+    for (const name of board.panels.keys()) names.add(name);
+    return Promise.allSettled(Array.from(names, loadPanel)).then(function () {
+      board.apply();
+      panelsBox.dataset.ready = "1";
+      if (!window.__ugroPanelsDrawnAt) window.__ugroPanelsDrawnAt = performance.now();
+    });
+  }
+
+  UGRO.bindControls(view, function (what) {
+    saveView();
+    if (what === "query") board.apply();
+    else if (what === "x" && view.xMode !== "step" && Array.from(board.panels.keys()).some((n) => !timed.has(n))) {
+      loadPanels().then(function () {
+        board.drawAll();
+      });
+    } else board.drawAll();
   });
 
   function addPoints(points) {
+    const now = Date.now() / 1000;
     let added = false;
     for (const [rank, step, name, value] of points) {
-      if (name === metric && Number.isFinite(value)) {
-        series.add(rank, step, value);
-        added = true;
-      } else if (name !== metric && !Array.from(select.options).some((o) => o.value === name)) {
-        select.append(new Option(name, name)); // Option(text, value): text only, never HTML
-      }
+      if (!Number.isFinite(value) || typeof name !== "string") continue;
+      const panel = board.panel(name);
+      panel.add(String(rank), step, value, now);
+      added = true;
+      if (panel.count > RELOAD_AFTER_POINTS && !loading.has(name)) loadPanel(name).catch(function () {});
     }
     if (added) {
       document.getElementById("chart-empty")?.remove();
-      if (series.count > RELOAD_AFTER_POINTS) loading = loadSeries().catch(function () {});
-      else drawSoon();
+      updateInfoSoon();
     }
   }
 
@@ -141,6 +196,16 @@
     if (follow.checked) log.scrollTop = log.scrollHeight;
   });
 
+  // Checkpoints, attempts and the Resume button are server-rendered regions (re-rendered on state changes).
+
+  // The "job queued" banner says nothing once the job has left the queue.
+  function dropQueuedBanner() {
+    if (root.dataset.state === "queued") return;
+    document.querySelectorAll('.msg[data-tag="queued"]').forEach(function (msg) {
+      msg.remove();
+    });
+  }
+  dropQueuedBanner();
 
   // ---- elapsed ----
   function tickElapsed() {
@@ -179,6 +244,7 @@
       if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
     } else if (message.kind === "state") {
       root.dataset.state = data.state;
+      dropQueuedBanner();
       refreshSoon();
     }
   }
@@ -188,16 +254,16 @@
   function onOpen() {
     connections++;
     if (connections > 1 && ready) {
-      Promise.allSettled([loadSeries(), loadLogs()]);
+      Promise.allSettled([loadPanels(), loadLogs()]);
       rerender();
     }
   }
 
   UGRO.socket(root.dataset.ws, handle, onOpen);
-  Promise.allSettled([loadSeries(), loadLogs()]).then(function () {
+  Promise.allSettled([loadPanels(), loadLogs()]).then(function () {
     ready = true;
     pending.splice(0).forEach(handle);
-    if (!series.count) {
+    if (!board.panels.size) {
       const empty = document.getElementById("chart-empty");
       if (empty) empty.textContent = root.dataset.live === "1" ? "Waiting for the first metric points…" : "No points recorded.";
     }

@@ -1,22 +1,45 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
+import json
 
+from django.core.management.base import CommandError
+
+from accounts.commands import UserCommand
 from cluster.models import Alert
 
 
-class Command(BaseCommand):
+def alert_record(a: Alert) -> dict:
+    return {
+        "id": a.pk,
+        "severity": a.severity,
+        "key": a.key,
+        "node": a.node.name if a.node_id else None,
+        "job": a.job_name or None,
+        "message": a.message,
+        "open": a.is_open,
+        "opened_at": a.opened_at.isoformat(),
+        "resolved_at": a.resolved_at.isoformat() if a.resolved_at else None,
+    }
+
+
+class Command(UserCommand):
     help = "List open alerts (newest first); --all lists resolved ones and INFO events too."
 
     def add_arguments(self, parser):
         parser.add_argument("--all", action="store_true", dest="show_all")
         parser.add_argument("--limit", type=int, default=50)
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
-    def handle(self, show_all=False, limit=50, **options):
+    def handle(self, show_all=False, limit=50, as_json=False, **options):
+        if limit < 1:
+            raise CommandError("--limit must be at least 1")
         alerts = Alert.objects.select_related("node")
         if not show_all:
             alerts = alerts.filter(resolved_at__isnull=True)
         alerts = list(alerts[:limit])
+        if as_json:
+            self.stdout.write(json.dumps({"alerts": [alert_record(a) for a in alerts]}, indent=2))
+            return
         if not alerts:
             self.stdout.write("no open alerts" if not show_all else "no alerts")
             return

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -8,28 +10,83 @@ from django.core.management.base import BaseCommand
 
 from cluster.models import ClusterSettings, Node
 
+DEMO_NAME = "local"
+
+
+def detect_torchrun(repo: Path) -> str:
+    """The repo's node env (`bin/setup --node-env`) when it exists, else torchrun on PATH."""
+    local_env = repo / ".venv-node" / "bin" / "torchrun"
+    return str(local_env) if local_env.exists() else (shutil.which("torchrun") or "torchrun")
+
+
+def runnable(command: str) -> bool:
+    """Whether the command's program exists here: an executable path, or a name found on PATH."""
+    try:
+        argv = shlex.split(command)
+    except ValueError:
+        return False
+    if not argv:
+        return False
+    if "/" in argv[0]:
+        path = os.path.expanduser(argv[0])
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+    return shutil.which(argv[0]) is not None
+
 
 class Command(BaseCommand):
-    help = "Add a local demo node (this machine, no SSH) if the cluster has no nodes yet."
+    help = (
+        "Add a local demo node (this machine, no SSH) if the cluster has no nodes yet; on later runs, "
+        "re-point the demo node's torchrun, python and working dir when they no longer exist (moved venv or repo)."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--torchrun", default="", help="torchrun of the training env (default: detect)")
 
     def handle(self, torchrun="", **options):
+        repo = Path(settings.BASE_DIR)
         if Node.objects.exists():
+            demo = Node.objects.filter(name=DEMO_NAME, transport=Node.Transport.LOCAL).first()
+            if demo is not None:
+                self._repoint(demo, repo, torchrun)
             self.stdout.write(f"cluster has {Node.objects.count()} node(s); no demo node added")
             return
-        repo = Path(settings.BASE_DIR)
-        if not torchrun:
-            local_env = repo / ".venv-node" / "bin" / "torchrun"
-            torchrun = str(local_env) if local_env.exists() else (shutil.which("torchrun") or "torchrun")
+        torchrun = torchrun or detect_torchrun(repo)
         gpus = 1 if shutil.which("nvidia-smi") else 0
         Node.objects.create(
-            name="local", hostname="localhost", address="127.0.0.1", transport=Node.Transport.LOCAL,
+            name=DEMO_NAME, hostname="localhost", address="127.0.0.1", transport=Node.Transport.LOCAL,
             role=Node.Role.MASTER, gpu_count=gpus, torchrun_command=torchrun, workdir=str(repo),
             agent_python=shutil.which("python3") or "/usr/bin/python3",
         )  # fmt: skip
         cs = ClusterSettings.load()
         cs.default_script = "train/train_production.py"
         cs.save()
-        self.stdout.write(f"added demo node 'local' (this machine, {gpus} GPU(s), torchrun: {torchrun})")
+        self.stdout.write(f"added demo node '{DEMO_NAME}' (this machine, {gpus} GPU(s), torchrun: {torchrun})")
+
+    def _repoint(self, node: Node, repo: Path, torchrun: str) -> None:
+        """Paths fixed when the demo node was made go stale when the venv or the repo moves: find them again.
+
+        Only what no longer exists is changed; a command the user set that still runs is kept.
+        """
+        changes: dict[str, tuple[str, str]] = {}
+        if torchrun or not runnable(node.torchrun_command):
+            found = torchrun or detect_torchrun(repo)
+            if runnable(found) and found != node.torchrun_command:
+                changes["torchrun_command"] = (node.torchrun_command, found)
+            elif not runnable(found):
+                self.stderr.write(
+                    f"demo node '{node.name}': torchrun {node.torchrun_command!r} is not there and none was found "
+                    "(run bin/setup --node-env, or set the node's torchrun in admin)"
+                )
+        if not os.path.isdir(os.path.expanduser(node.workdir)):
+            changes["workdir"] = (node.workdir, str(repo))
+        if not runnable(shlex.quote(node.agent_python)):
+            python = shutil.which("python3")
+            if python:
+                changes["agent_python"] = (node.agent_python, python)
+        if not changes:
+            return
+        for field, (_, new) in changes.items():
+            setattr(node, field, new)
+        node.save(update_fields=list(changes))
+        for field, (old, new) in changes.items():
+            self.stdout.write(f"demo node '{node.name}': {field} {old} -> {new}")

@@ -2,12 +2,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand
-
+from accounts.commands import UserCommand
 from cluster.config_yaml import export_cluster
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Write the cluster (nodes and settings) as cluster.yaml, to a file or stdout."
 
     def add_arguments(self, parser):

@@ -2,49 +2,61 @@ from __future__ import annotations
 
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts.commands import UserCommand
 from cluster import monitor
+from cluster.health import BREAKER_TRIP_AFTER, Breaker
 from cluster.models import Node
 
 
-def node_line(node: Node, width: int) -> list[str]:
-    """`✓ gpu-master   RTX 5070 Ti (12GB) - Ready`, or ✗ with the status and failing checks under it."""
-    ok = node.status == Node.Status.HEALTHY
+def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
+    """`✓ gpu-master   RTX 5070 Ti (12GB) - Ready`, or ✗ with the status and failing checks under it.
+
+    `failed` is this poll's error when the node did not answer it but is not DOWN yet (the breaker
+    waits for 3 failures in a row): the line says so instead of showing the last good reading.
+    """
+    ok = node.status == Node.Status.HEALTHY and failed is None
     head = f"{'✓' if ok else '✗'} {node.name:<{width}} {node.gpu_label}"
     if ok:
         lines = [f"{head} - Ready (score {node.health_score})"]
+    elif failed is not None:
+        so_far = Breaker.from_dict(node.breaker).failures
+        lines = [f"{head} - UNREACHABLE: {failed} ({so_far} of {BREAKER_TRIP_AFTER} failed probes before DOWN)"]
     else:
         lines = [f"{head} - {node.status.upper()}: {node.status_reason or 'no reading'}"]
-    for check in node.health_checks or []:
-        lines.append(f"    {check['severity']}: {check['detail']}")
+    if failed is None:
+        for check in node.health_checks or []:
+            lines.append(f"    {check['severity']}: {check['detail']}")
     if node.host_key:
         lines.append(f"    host key {node.host_key_fingerprint} ({node.host_key_source})")
     return lines
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "Probe every enabled node now and show its health. Exit code 1 if any node is not healthy."
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
     def handle(self, as_json=False, **options):
-        monitor.poll_once(force=True)
+        outcomes = monitor.poll_once(force=True)
+        # Not answering this poll, yet not DOWN (it answered before): say so rather than show old readings.
+        failed = {o.node: o.reason for o in outcomes if not o.ok and o.status != Node.Status.DOWN}
         nodes = list(Node.objects.filter(enabled=True))
         if as_json:
-            self.stdout.write(_as_json(nodes))
+            self.stdout.write(_as_json(nodes, failed))
         else:
             width = max((len(n.name) for n in nodes), default=0) + 8
             for node in nodes:
-                for line in node_line(node, width):
+                for line in node_line(node, width, failed.get(node.name)):
                     self.stdout.write(line)
-        bad = [n.name for n in nodes if n.status != Node.Status.HEALTHY]
+        bad = [n.name for n in nodes if n.status != Node.Status.HEALTHY or n.name in failed]
         if bad:
             raise CommandError(f"not healthy: {', '.join(bad)}")
 
 
-def _as_json(nodes: list[Node]) -> str:
+def _as_json(nodes: list[Node], failed: dict[str, str]) -> str:
     return json.dumps(
         {
             "nodes": [
@@ -53,8 +65,9 @@ def _as_json(nodes: list[Node]) -> str:
                     "address": n.address,
                     "gpu": n.gpu_label,
                     "status": n.status,
+                    "reachable": n.status != Node.Status.DOWN and n.name not in failed,
                     "score": n.health_score,
-                    "reason": n.status_reason,
+                    "reason": failed.get(n.name) or n.status_reason,
                     "checks": n.health_checks,
                     "host_key": n.host_key_fingerprint or None,
                     "last_seen": n.last_seen.isoformat() if n.last_seen else None,

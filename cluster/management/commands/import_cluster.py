@@ -2,12 +2,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts import audit
+from accounts.commands import UserCommand
 from cluster.config_yaml import ConfigError, import_cluster
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "nodes"
     help = "Import cluster.yaml (the user's format): nodes and cluster settings, all or nothing."
 
     def add_arguments(self, parser):
@@ -21,5 +24,7 @@ class Command(BaseCommand):
         try:
             summary = import_cluster(text)
         except ConfigError as exc:
+            audit.record(self.user, "import_cluster", str(path), source=self.source, outcome=f"refused: {exc}")
             raise CommandError(f"{path}: {exc}; nothing was imported") from None
+        audit.record(self.user, "import_cluster", str(path), source=self.source, summary=str(summary))
         self.stdout.write(f"imported {path}: {summary}")

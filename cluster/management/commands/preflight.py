@@ -1,13 +1,16 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+import json
 
+from django.core.management.base import CommandError
+
+from accounts.commands import UserCommand
 from cluster.models import ClusterSettings, Node
 from jobs.launch import LaunchError, check_script
 from jobs.preflight import check_nodes
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = (
         "Run the launch pre-flight checks on the given (default: all enabled) nodes. "
         "Exit code 1 with one line per problem."
@@ -16,8 +19,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--nodes", nargs="+", default=[], metavar="NODE")
         parser.add_argument("--script", default="", help="Training script (default: the cluster's).")
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
-    def handle(self, nodes, script, **options):
+    def handle(self, nodes, script, as_json=False, **options):
         cs = ClusterSettings.load()
         chosen = list(Node.objects.filter(enabled=True))
         if nodes:
@@ -36,6 +40,14 @@ class Command(BaseCommand):
         except LaunchError as exc:
             raise CommandError(str(exc)) from None
         report = check_nodes(chosen, script, host, cs.rendezvous_port)
+        if as_json:
+            self.stdout.write(json.dumps({
+                "ok": report.ok, "nodes": [n.name for n in chosen], "rendezvous": f"{host}:{cs.rendezvous_port}",
+                "problems": report.problems, "notes": report.notes, "versions": report.versions,
+            }, indent=2))  # fmt: skip
+            if report.problems:
+                raise CommandError(f"pre-flight failed on {len(chosen)} node(s): {len(report.problems)} problem(s)")
+            return
         for note in report.notes:
             self.stdout.write(f"note: {note}")
         if report.problems:

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts import audit
+from accounts.commands import UserCommand
 from cluster.hostkeys import trust
 from cluster.links import LinkError
 from cluster.models import Node
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "nodes"
     help = "Pin the SSH host key a node offers now (after it was reinstalled or its key rotated)."
 
     def add_arguments(self, parser):
@@ -26,7 +29,9 @@ class Command(BaseCommand):
         try:
             old, new = trust(found, fingerprint)
         except (ValueError, LinkError) as exc:
+            audit.record(self.user, "trust", node, source=self.source, outcome=f"refused: {exc}")
             raise CommandError(str(exc)) from None
+        audit.record(self.user, "trust", node, source=self.source, old=old, new=new)
         if old == new:
             self.stdout.write(f"{node}: host key {new} was already pinned")
         elif old:

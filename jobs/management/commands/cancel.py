@@ -1,12 +1,15 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from accounts import actions, policy
+from accounts.commands import UserCommand
 from jobs import lifecycle
 from jobs.report import get_job
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "cancel"
     help = "Cancel a job: every process of every rank on every node is stopped (TERM, then KILL)."
 
     def add_arguments(self, parser):
@@ -15,8 +18,8 @@ class Command(BaseCommand):
     def handle(self, name, **options):
         job = get_job(name)
         try:
-            job = lifecycle.cancel(job)
-        except ValueError as exc:
+            job = actions.cancel(self.user, job, self.source)
+        except (ValueError, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         if job.is_stopping:
             lifecycle.teardown(job)  # here and now (a worker may be doing the same: both are safe)

@@ -4,9 +4,11 @@ import sys
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
-from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
+from accounts import actions, policy
+from accounts.commands import UserCommand
+from jobs.launch import LaunchError, LaunchRequest
 from jobs.logs import rank_lines
 from jobs.models import Job
 from jobs.scheduler import request_schedule, schedule
@@ -14,7 +16,8 @@ from jobs.watch import JobWatch
 from ugro_site.celery import worker_alive
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "launch"
     help = "Launch a training job on the cluster's nodes (all at once) and follow it."
 
     def add_arguments(self, parser):
@@ -88,15 +91,15 @@ class Command(BaseCommand):
         )  # fmt: skip
         if o["dry_run"]:
             try:
-                rows = dry_run(req)
-            except LaunchError as exc:
+                rows = actions.preview(self.user, req)
+            except (LaunchError, policy.Refused) as exc:
                 raise CommandError(str(exc)) from None
             for row in rows:
                 self.stdout.write(row)
             return
         try:
-            job = create_job(req)
-        except LaunchError as exc:
+            job = actions.launch(self.user, req, self.source)
+        except (LaunchError, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued (id {job.pk})")
         job = start(job)

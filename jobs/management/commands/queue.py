@@ -1,16 +1,24 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
+import json
 
-from jobs.report import jobs_table
+from accounts.commands import UserCommand
+from jobs.report import job_summary, jobs_table
 from jobs.scheduler import queued_jobs
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
     help = "List queued jobs in the order they will start."
 
-    def handle(self, **options):
+    def add_arguments(self, parser):
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
+
+    def handle(self, as_json=False, **options):
         jobs = queued_jobs()
+        if as_json:
+            entries = [{"position": i, **job_summary(job)} for i, job in enumerate(jobs, start=1)]
+            self.stdout.write(json.dumps({"queue": entries}, indent=2))
+            return
         if not jobs:
             self.stdout.write("queue is empty")
             return

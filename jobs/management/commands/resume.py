@@ -1,14 +1,17 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
-from jobs.recovery import RecoveryError, resume
+from accounts import actions, policy
+from accounts.commands import UserCommand
+from jobs.recovery import RecoveryError
 from jobs.report import get_job
 from jobs.scheduler import request_schedule, schedule
 from ugro_site.celery import worker_alive
 
 
-class Command(BaseCommand):
+class Command(UserCommand):
+    action = "resume"
     help = "Resume a failed or cancelled job as its next attempt, from a checkpoint (same name, same curve)."
 
     def add_arguments(self, parser):
@@ -25,8 +28,8 @@ class Command(BaseCommand):
         job = get_job(name)
         names = list(nodes or []) + [n.strip() for n in node_list.split(",") if n.strip()]
         try:
-            job = resume(job, wanted, names or None, who="ugro resume")
-        except RecoveryError as exc:
+            job = actions.resume(self.user, job, wanted, names or None, self.source)
+        except (RecoveryError, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued as attempt {job.attempt}: {job.recovery_note}")
         if detach:

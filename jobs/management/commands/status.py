@@ -1,19 +1,29 @@
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+import json
 
+from django.core.management.base import CommandError
+
+from accounts.commands import UserCommand
 from jobs.models import Job
-from jobs.report import get_job, job_detail, jobs_table
+from jobs.report import get_job, job_detail, job_record, job_summary, jobs_table
+from jobs.views import metric_names, progress
 
 # --exit-code: the job's state as the exit status, for scripts that wait on a job.
 EXIT_CODES = {Job.State.SUCCEEDED: 0, Job.State.FAILED: 1, Job.State.CANCELLED: 2}
 NOT_ENDED_EXIT = 3
 
 
-class Command(BaseCommand):
+def job_progress(job: Job) -> dict | None:
+    """The same progress the job page shows (jobs.views.progress); none before the job ran."""
+    return progress(job, metric_names(job)) if job.running_at else None
+
+
+class Command(UserCommand):
     help = (
-        "Show jobs (or one job in detail). Exits 1 if the named job FAILED. With --exit-code the exit "
-        "status is the job's state: 0 succeeded, 1 failed, 2 cancelled, 3 not ended yet."
+        "Show recent jobs as a table (name, state, progress, nodes, age, owner), or one job in detail. "
+        "Exits 1 if the named job FAILED. With --exit-code the exit status is the job's state: "
+        "0 succeeded, 1 failed, 2 cancelled, 3 not ended yet."
     )
 
     def add_arguments(self, parser):
@@ -21,18 +31,28 @@ class Command(BaseCommand):
         parser.add_argument("--limit", type=int, default=20)
         parser.add_argument("--exit-code", action="store_true", dest="exit_code",
                             help="exit 0 succeeded, 1 failed, 2 cancelled, 3 not ended")  # fmt: skip
+        parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
-    def handle(self, name=None, limit=20, exit_code=False, **options):
+    def handle(self, name=None, limit=20, exit_code=False, as_json=False, **options):
         if not name:
             if exit_code:
                 raise CommandError("--exit-code needs a job name")
-            jobs = list(Job.objects.prefetch_related("ranks__node")[:limit])
-            for row in jobs_table(jobs):
+            if limit < 1:
+                raise CommandError("--limit must be at least 1")
+            jobs = list(Job.objects.select_related("owner").prefetch_related("ranks__node")[:limit])
+            prog = {job.pk: job_progress(job) for job in jobs}
+            if as_json:
+                self.stdout.write(json.dumps({"jobs": [job_summary(j, prog[j.pk]) for j in jobs]}, indent=2))
+                return
+            for row in jobs_table(jobs, prog):
                 self.stdout.write(row)
             return
         job = get_job(name)
-        for row in job_detail(job):
-            self.stdout.write(row)
+        if as_json:
+            self.stdout.write(json.dumps(job_record(job, job_progress(job)), indent=2))
+        else:
+            for row in job_detail(job):
+                self.stdout.write(row)
         if exit_code:
             code = EXIT_CODES.get(job.state, NOT_ENDED_EXIT)
             if code:

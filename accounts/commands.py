@@ -1,0 +1,56 @@
+"""Management commands run as a named UGRO account: `--as USER`, by default the OS user's own account."""
+
+from __future__ import annotations
+
+import getpass
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+
+from . import policy
+from .audit import cli_source
+
+
+def os_username() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""
+
+
+def command_user(name: str | None):
+    """The active account named `name`, else the OS user's; CommandError (one line) if there is none."""
+    given = bool(name)
+    name = name or os_username()
+    user = get_user_model().objects.filter(username=name, is_active=True).first() if name else None
+    if user is None:
+        if given:
+            raise CommandError(f"no active UGRO account named {name!r} (--as)")
+        raise CommandError(
+            f"no active UGRO account named {name!r} (your OS user): pass --as USER, or create it "
+            f"(manage.py createsuperuser --username {name or 'NAME'}, then give it a role in admin)"
+        )
+    return user
+
+
+class UserCommand(BaseCommand):
+    """A command run as a UGRO account (`self.user`), refused in one line when the policy says no."""
+
+    action = "view"  # checked before handle(); job-level rules are checked by accounts.actions
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        parser.add_argument(
+            "--as", dest="as_user", metavar="USER", default=None,
+            help="the UGRO account to act as (default: the account named like your OS user)",
+        )  # fmt: skip
+        return parser
+
+    def execute(self, *args, **options):
+        self.user = command_user(options.get("as_user"))
+        self.source = cli_source()
+        try:
+            policy.check(self.user, self.action)
+        except policy.Refused as exc:
+            raise CommandError(str(exc)) from None
+        return super().execute(*args, **options)

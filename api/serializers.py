@@ -1,0 +1,140 @@
+"""What the API accepts (launch) and returns (jobs, nodes, logs), with bounds on every number."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from accounts.policy import PRIORITY_MAX, PRIORITY_MIN
+from cluster.names import SAFE_NAME
+from jobs.launch import LaunchRequest
+
+
+class LaunchSerializer(serializers.Serializer):
+    """The CLI's `launch` options. jobs.launch.create_job does the checks every surface shares."""
+
+    name = serializers.RegexField(SAFE_NAME, max_length=64, error_messages={"invalid": "job name: use letters, "
+                                  "digits, '.', '_' or '-', starting with a letter or digit (1-64)"})  # fmt: skip
+    nodes = serializers.ListField(child=serializers.CharField(max_length=64), required=False, default=list,
+                                  max_length=1000, help_text="node names; empty: `count` nodes")  # fmt: skip
+    count = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000,
+                                     help_text="how many nodes (default: all enabled)")  # fmt: skip
+    script = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    model = serializers.CharField(required=False, allow_blank=True, default="", max_length=200)
+    dataset = serializers.CharField(required=False, allow_blank=True, default="", max_length=200)
+    epochs = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
+    lr = serializers.FloatField(required=False, allow_null=True, min_value=1e-12, max_value=1e3)
+    nproc_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
+    priority = serializers.IntegerField(required=False, default=0, min_value=PRIORITY_MIN, max_value=PRIORITY_MAX)
+    extra_args = serializers.ListField(child=serializers.CharField(max_length=4096, allow_blank=True,
+                                       trim_whitespace=False), required=False, default=list, max_length=500,
+                                       help_text="extra arguments for the script, as argv items")  # fmt: skip
+    metrics_pattern = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    metrics_files = serializers.ListField(child=serializers.CharField(max_length=1000), required=False,
+                                          default=list, max_length=50)  # fmt: skip
+    dry_run = serializers.BooleanField(
+        required=False, default=False, help_text="return each rank's exact command; create and start nothing"
+    )
+
+    def validate(self, data):
+        if data.get("nodes") and data.get("count") is not None:
+            raise serializers.ValidationError("give nodes or count, not both")
+        return data
+
+    def launch_request(self) -> LaunchRequest:
+        d = self.validated_data
+        return LaunchRequest(
+            name=d["name"], nodes=list(d["nodes"]), count=d.get("count"), script=d["script"].strip(),
+            model=d["model"].strip(), dataset=d["dataset"].strip(), epochs=d.get("epochs"), lr=d.get("lr"),
+            nproc_per_node=d.get("nproc_per_node"), extra_args=list(d["extra_args"]), priority=d["priority"],
+            metrics_pattern=d["metrics_pattern"], metrics_files=list(d["metrics_files"]),
+        )  # fmt: skip
+
+
+class RankSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    node = serializers.CharField()
+    state = serializers.CharField()
+    exit_code = serializers.IntegerField(allow_null=True)
+    log_lines = serializers.IntegerField()
+    log_offset = serializers.IntegerField()
+
+
+class JobSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    state = serializers.CharField()
+    owner = serializers.CharField(allow_null=True)
+    priority = serializers.IntegerField()
+    attempt = serializers.IntegerField()
+    nodes = serializers.ListField(child=serializers.CharField())
+    progress = serializers.FloatField(allow_null=True, help_text="percent done, when the script's output tells")
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+    age_s = serializers.FloatField(help_text="seconds since it was created")
+    duration_s = serializers.FloatField(allow_null=True)
+    failure_kind = serializers.CharField(allow_blank=True)
+    failure_reason = serializers.CharField(allow_blank=True)
+
+
+class JobDetailSerializer(JobSerializer):
+    script = serializers.CharField()
+    script_args = serializers.ListField(child=serializers.CharField())
+    rdzv_endpoint = serializers.CharField(allow_blank=True)
+    launch_spread_s = serializers.FloatField(allow_null=True)
+    ranks = RankSerializer(many=True)
+    lines = serializers.ListField(child=serializers.CharField(), help_text="what `ugro status NAME` prints")
+
+
+class LogsSerializer(serializers.Serializer):
+    job = serializers.CharField()
+    state = serializers.CharField()
+    settled = serializers.BooleanField(help_text="the job ended and every rank's output was copied: no more lines")
+    lines = serializers.ListField(child=serializers.ListField(), help_text="[arrival time, rank, text]")
+    offsets = serializers.DictField(child=serializers.IntegerField(),
+                                    help_text="rank -> byte offset read up to; pass back as `since`")  # fmt: skip
+    more = serializers.BooleanField(help_text="more committed lines are waiting: ask again at once")
+
+
+class NodeSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    address = serializers.CharField()
+    role = serializers.CharField()
+    gpu = serializers.CharField()
+    enabled = serializers.BooleanField()
+    status = serializers.CharField()
+    score = serializers.IntegerField(allow_null=True)
+    reason = serializers.CharField(allow_blank=True)
+    checks = serializers.ListField(child=serializers.DictField())
+    last_seen = serializers.DateTimeField(allow_null=True)
+    job = serializers.CharField(allow_null=True)
+
+
+class LinesSerializer(serializers.Serializer):
+    lines = serializers.ListField(child=serializers.CharField())
+
+
+class ResultsSerializer(LinesSerializer):
+    job = serializers.CharField()
+    state = serializers.CharField()
+    exit_codes = serializers.DictField(child=serializers.IntegerField(allow_null=True))
+    final_metrics = serializers.ListField(child=serializers.DictField())
+    checkpoints = serializers.ListField(child=serializers.DictField())
+    config = serializers.CharField(allow_null=True)
+    logs = serializers.DictField(child=serializers.CharField())
+
+
+class AuditSerializer(serializers.Serializer):
+    time = serializers.DateTimeField()
+    username = serializers.CharField()
+    action = serializers.CharField()
+    target = serializers.CharField()
+    source = serializers.CharField()
+    outcome = serializers.CharField()
+    argv = serializers.ListField(child=serializers.CharField())
+
+
+class MeSerializer(serializers.Serializer):
+    username = serializers.CharField()
+    role = serializers.CharField()
+    scope = serializers.CharField(allow_null=True)

@@ -1,0 +1,50 @@
+"""/api/v1/ (the REST API), /api/schema (OpenAPI) and /api/docs (Swagger UI, for a logged-in browser)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth.decorators import login_not_required, login_required
+from django.urls import path
+from django.utils.csp import CSP
+from django.views.decorators.csp import csp_override
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
+
+from . import views
+
+app_name = "api"
+
+
+def api(view):
+    """DRF authenticates API calls itself (tokens or the session): Django's login redirect stays out of it."""
+    return login_not_required(view.as_view())
+
+
+class SchemaView(SpectacularAPIView):
+    policy_actions = {"GET": "view"}
+
+
+class DocsView(SpectacularSwaggerSplitView):
+    policy_actions = {"GET": "view"}
+
+
+# Swagger UI sets a few inline styles; scripts stay as strict as every other page's.
+DOCS_CSP = {**settings.SECURE_CSP, "style-src": [CSP.SELF, CSP.UNSAFE_INLINE]}
+
+urlpatterns = [
+    path("v1/jobs/", api(views.JobsView), name="jobs"),
+    path("v1/jobs/<str:name>/", api(views.JobView), name="job"),
+    path("v1/jobs/<str:name>/logs", api(views.JobLogsView), name="job-logs"),
+    path("v1/jobs/<str:name>/results", api(views.JobResultsView), name="job-results"),
+    path("v1/jobs/<str:name>/cancel", api(views.JobCancelView), name="job-cancel"),
+    path("v1/queue", api(views.QueueView), name="queue"),
+    path("v1/health", api(views.HealthView), name="health"),
+    path("v1/nodes/<str:name>/drain", api(views.NodeDrainView), name="node-drain"),
+    path(
+        "v1/nodes/<str:name>/undrain", login_not_required(views.NodeDrainView.as_view(enable=True)), name="node-undrain"
+    ),  # fmt: skip
+    path("v1/audit", api(views.AuditView), name="audit"),
+    path("v1/me", api(views.MeView), name="me"),
+    path("schema", api(SchemaView), name="schema"),
+    # the docs page is for people: Django's login first (the split view serves its script as a file: CSP)
+    path("docs", login_required(csp_override(DOCS_CSP)(DocsView.as_view(url_name="api:schema"))), name="docs"),
+]

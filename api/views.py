@@ -1,0 +1,370 @@
+"""The REST API (/api/v1/): everything the `ugro` client does. Handlers only read or enqueue: no request
+talks to a node (launch queues the job and asks the worker to schedule it; cancel moves the job to
+CANCELLING and the worker stops its processes)."""
+
+from __future__ import annotations
+
+import heapq
+import re
+
+from django.http import Http404
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView, exception_handler
+
+from accounts import actions, policy
+from accounts.audit import web_source
+from accounts.models import AuditEvent
+from cluster.models import Node
+from jobs import report
+from jobs.launch import LaunchError
+from jobs.logs import LogLine, job_lines, rank_lines
+from jobs.models import Job, Rank
+from jobs.scheduler import queued_jobs, request_schedule
+from jobs.views import metric_names, progress
+from metrics.models import FinalMetric
+from ugro_site.celery import send_task, worker_alive
+
+from . import serializers as s
+
+MAX_TAIL = 5000
+MAX_LINES = 5000  # lines per `since` answer; `more` says when to ask again at once
+LIST_MAX = 500
+
+
+def one_line_errors(exc, context):
+    """Every error as {"error": "one line"} (DRF's own shapes are nested per field)."""
+    if isinstance(exc, LaunchError):
+        exc = ValidationError(str(exc))
+    elif isinstance(exc, policy.Refused):
+        return Response({"error": str(exc)}, status=status.HTTP_403_FORBIDDEN)
+    elif isinstance(exc, Http404):
+        return Response({"error": str(exc) or "not found"}, status=status.HTTP_404_NOT_FOUND)
+    response = exception_handler(exc, context)
+    if response is None:
+        return None
+    response.data = {"error": _first_message(exc.detail if isinstance(exc, APIException) else response.data)}
+    return response
+
+
+def _first_message(detail, field: str = "") -> str:
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            return _first_message(value, "" if key in ("non_field_errors", "detail") else key)
+    if isinstance(detail, list) and detail:
+        return _first_message(detail[0], field)
+    text = str(detail)
+    return f"{field}: {text}" if field else text
+
+
+def _job(name: str) -> Job:
+    job = Job.objects.select_related("owner").filter(name=name).first()
+    if job is None:
+        raise Http404(f"no job named {name!r}")
+    return job
+
+
+def job_summary(job: Job, *, with_progress: bool = True) -> dict:
+    ranks = list(job.ranks.all())
+    nodes = [r.node.name for r in sorted(ranks, key=lambda r: r.index)] or list(job.requested_nodes or [])
+    pct = None
+    if job.state == Job.State.SUCCEEDED:
+        pct = 100.0
+    elif with_progress and job.running_at and job.is_live:  # ended jobs: no per-job metric queries in lists
+        prog = progress(job, metric_names(job))
+        pct = prog["percent"] if prog else None
+    return {
+        "id": job.pk,
+        "name": job.name,
+        "state": job.state,
+        "owner": job.owner.get_username() if job.owner_id else None,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "nodes": nodes,
+        "progress": pct,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "age_s": (timezone.now() - job.created_at).total_seconds(),
+        "duration_s": job.duration(),
+        "failure_kind": job.failure_kind,
+        "failure_reason": job.failure_reason,
+    }
+
+
+def _jobs_qs():
+    return Job.objects.select_related("owner").prefetch_related("ranks__node")
+
+
+class JobsView(APIView):
+    policy_actions = {"GET": "view", "POST": "launch"}
+
+    @extend_schema(
+        summary="Recent jobs (`ugro status`)",
+        parameters=[
+            OpenApiParameter("limit", int, description="at most this many, newest first (default 20)"),
+            OpenApiParameter("state", str, description="only jobs in this state"),
+        ],  # fmt: skip
+        responses=s.JobSerializer(many=True),
+    )
+    def get(self, request: Request) -> Response:
+        try:
+            limit = min(LIST_MAX, max(1, int(request.query_params.get("limit", 20))))
+        except ValueError:
+            raise ValidationError("limit must be an integer") from None
+        jobs = _jobs_qs()
+        state = request.query_params.get("state", "")
+        if state:
+            if state not in Job.State.values:
+                raise ValidationError(f"state must be one of {', '.join(Job.State.values)}")
+            jobs = jobs.filter(state=state)
+        return Response(s.JobSerializer([job_summary(j) for j in jobs[:limit]], many=True).data)
+
+    @extend_schema(
+        summary="Launch a job (`ugro launch`): queued now, started by the worker when its nodes are free",
+        request=s.LaunchSerializer,
+        responses={201: s.JobSerializer, 200: s.LinesSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        data = s.LaunchSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        req = data.launch_request()
+        if data.validated_data["dry_run"]:
+            return Response({"lines": actions.preview(request.user, req)})
+        job = actions.launch(request.user, req, web_source(request))
+        request_schedule()
+        data = {**s.JobSerializer(job_summary(job)).data, "worker_alive": worker_alive()}
+        return Response(data, status=status.HTTP_201_CREATED)
+
+
+class JobView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="One job: ranks, nodes, exit codes, the failure explained (`ugro status NAME`)",
+                   responses=s.JobDetailSerializer)  # fmt: skip
+    def get(self, request: Request, name: str) -> Response:
+        job = _job(name)
+        ranks = list(job.ranks.select_related("node").order_by("index"))
+        data = {
+            **job_summary(job),
+            "script": job.script,
+            "script_args": [str(a) for a in job.script_args or []],
+            "rdzv_endpoint": job.rdzv_endpoint,
+            "launch_spread_s": job.launch_spread_s,
+            "ranks": [
+                {
+                    "index": r.index,
+                    "node": r.node.name,
+                    "state": r.state,
+                    "exit_code": r.exit_code,
+                    "log_lines": r.log_lines,
+                    "log_offset": r.log_offset,
+                }
+                for r in ranks
+            ],  # fmt: skip
+            "lines": report.job_detail(job),
+        }
+        return Response(s.JobDetailSerializer(data).data)
+
+
+def _parse_since(text: str) -> dict[int, int]:
+    """`0:1234,1:88` -> {0: 1234, 1: 88}."""
+    offsets = {}
+    for item in filter(None, text.split(",")):
+        m = re.fullmatch(r"(\d{1,4}):(\d{1,15})", item.strip())
+        if not m:
+            raise ValidationError("since must look like 0:1234,1:88 (rank:byte offset, as `offsets` returned)")
+        offsets[int(m.group(1))] = int(m.group(2))
+    return offsets
+
+
+def lines_since(ranks: list[Rank], since: dict[int, int], limit: int) -> tuple[list[LogLine], dict[int, int], bool]:
+    """Committed lines after each rank's offset, merged by arrival, at most `limit`; new offsets; more left?"""
+    streams = []
+    for r in ranks:
+        start = min(since.get(r.index, 0), r.log_offset)
+        streams.append(((end, line) for end, line in rank_lines(r, start)))
+    offsets = {r.index: min(since.get(r.index, 0), r.log_offset) for r in ranks}
+    out: list[LogLine] = []
+    merged = heapq.merge(*streams, key=lambda item: (item[1].time, item[1].rank, item[1].seq))
+    for end, line in merged:
+        if len(out) >= limit:
+            return out, offsets, True
+        out.append(line)
+        offsets[line.rank] = end
+    return out, offsets, False
+
+
+class JobLogsView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(
+        summary="A job's log lines: the tail, or every line after `since` (`ugro logs [--follow]`)",
+        description="To follow, call again with `since` set to the `offsets` returned, until `settled`. "
+        "The server never waits: ask every half second or so (at once while `more`).",
+        parameters=[
+            OpenApiParameter("rank", int, description="one rank only"),
+            OpenApiParameter("tail", int, description="the last N lines (default 200; without `since`)"),
+            OpenApiParameter("since", str, description="rank:offset,... from a previous answer's `offsets`"),
+        ],
+        responses=s.LogsSerializer,
+    )
+    def get(self, request: Request, name: str) -> Response:
+        job = _job(name)
+        q = request.query_params
+        try:
+            rank = int(q["rank"]) if q.get("rank", "") != "" else None
+            tail = min(MAX_TAIL, max(1, int(q.get("tail", 200))))
+        except ValueError:
+            raise ValidationError("rank and tail must be integers") from None
+        ranks = list(job.ranks.order_by("index"))
+        if rank is not None:
+            if rank not in {r.index for r in ranks}:
+                raise ValidationError(f"job {job.name} has no rank {rank}")
+            ranks = [r for r in ranks if r.index == rank]
+        settled = job.is_ended and not any(r.state == Rank.State.RUNNING for r in ranks)
+        if "since" in q:
+            lines, offsets, more = lines_since(ranks, _parse_since(q["since"]), MAX_LINES)
+        else:
+            lines, more = job_lines(job, rank_index=rank, tail=tail, ranks=ranks), False
+            offsets = {r.index: r.log_offset for r in ranks}
+        data = {
+            "job": job.name,
+            "state": job.state,
+            "settled": settled and not more,
+            "lines": [[ln.time, ln.rank, ln.text] for ln in lines],
+            "offsets": {str(k): v for k, v in offsets.items()},
+            "more": more,
+        }
+        return Response(s.LogsSerializer(data).data)
+
+
+class JobResultsView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Config, exit codes, final metrics, checkpoints, log files (`ugro results`)",
+                   responses=s.ResultsSerializer)  # fmt: skip
+    def get(self, request: Request, name: str) -> Response:
+        job = _job(name)
+        ranks = list(job.ranks.order_by("index"))
+        cfg = job.job_dir / "config.json"
+        data = {
+            "job": job.name,
+            "state": job.state,
+            "exit_codes": {str(r.index): r.exit_code for r in ranks},
+            "final_metrics": [
+                {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
+                for m in FinalMetric.objects.filter(job=job).order_by("rank", "name")
+            ],
+            "checkpoints": [{"node": n, "path": p, "size": size} for n, p, size in report.checkpoints(job)],
+            "config": str(cfg) if cfg.exists() else None,
+            "logs": {str(r.index): str(r.local_log) for r in ranks},
+            "lines": report.results(job),
+        }
+        return Response(s.ResultsSerializer(data).data)
+
+
+class JobCancelView(APIView):
+    policy_actions = {"POST": "cancel"}
+
+    @extend_schema(summary="Cancel a job (`ugro cancel`): it goes CANCELLING now; the worker stops every "
+                   "process; poll the job until it is cancelled", request=None, responses=s.JobSerializer)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        job = _job(name)
+        try:
+            job = actions.cancel(request.user, job, web_source(request))
+        except policy.Refused:
+            raise
+        except ValueError as exc:
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(s.JobSerializer(job_summary(job, with_progress=False)).data)
+
+
+class QueueView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Queued jobs in the order they will start (`ugro queue`)",
+                   responses=s.JobSerializer(many=True))  # fmt: skip
+    def get(self, request: Request) -> Response:
+        jobs = queued_jobs()
+        return Response(s.JobSerializer([job_summary(j, with_progress=False) for j in jobs], many=True).data)
+
+
+def node_summary(node: Node, running: dict[int, str]) -> dict:
+    return {
+        "name": node.name,
+        "address": node.address,
+        "role": node.role,
+        "gpu": node.gpu_label,
+        "enabled": node.enabled,
+        "status": node.status,
+        "score": node.health_score,
+        "reason": node.status_reason or "",
+        "checks": list(node.health_checks or []),
+        "last_seen": node.last_seen,
+        "job": running.get(node.pk),
+    }
+
+
+def _running_by_node() -> dict[int, str]:
+    return dict(Rank.objects.filter(active=True).values_list("node_id", "job__name"))
+
+
+class HealthView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Every node's last known health (`ugro health`); asks the worker for a fresh poll",
+                   responses=s.NodeSerializer(many=True))  # fmt: skip
+    def get(self, request: Request) -> Response:
+        send_task("cluster.tasks.poll_health")  # enqueue only: readings arrive with the worker's next poll
+        running = _running_by_node()
+        nodes = [node_summary(n, running) for n in Node.objects.order_by("order", "name")]
+        return Response(s.NodeSerializer(nodes, many=True).data)
+
+
+class NodeDrainView(APIView):
+    policy_actions = {"POST": "nodes"}
+    enable = False
+
+    @extend_schema(summary="Drain a node (no new job is placed on it; a running one goes on) or undrain it",
+                   request=None, responses=s.NodeSerializer)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        node = actions.set_node_enabled(request.user, node, self.enable, web_source(request))
+        return Response(s.NodeSerializer(node_summary(node, _running_by_node())).data)
+
+
+class AuditView(APIView):
+    policy_actions = {"GET": "audit"}
+
+    @extend_schema(summary="The audit log, newest first (`ugro audit`)",
+                   parameters=[OpenApiParameter("limit", int), OpenApiParameter("action", str),
+                               OpenApiParameter("user", str)],
+                   responses=s.AuditSerializer(many=True))  # fmt: skip
+    def get(self, request: Request) -> Response:
+        try:
+            limit = min(LIST_MAX, max(1, int(request.query_params.get("limit", 50))))
+        except ValueError:
+            raise ValidationError("limit must be an integer") from None
+        events = AuditEvent.objects.all()
+        if request.query_params.get("action"):
+            events = events.filter(action=request.query_params["action"])
+        if request.query_params.get("user"):
+            events = events.filter(username=request.query_params["user"])
+        return Response(s.AuditSerializer(events[:limit], many=True).data)
+
+
+class MeView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Who the token or session is, its role and scope", responses=s.MeSerializer)
+    def get(self, request: Request) -> Response:
+        scope = getattr(request.auth, "scope", None)
+        return Response({"username": request.user.get_username(), "role": policy.role_of(request.user),
+                         "scope": scope})  # fmt: skip

@@ -1,0 +1,340 @@
+"""`ugro`: launch, watch and stop training jobs on a UGRO server from any machine (exit codes: README)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .http import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, ApiError, Client
+
+GROUPS = [
+    ("Jobs", [
+        ("launch", "queue a job on the cluster's nodes and follow it (--detach: return at once)"),
+        ("status", "recent jobs as a table, or one job: ranks, nodes, exit codes, the failure explained"),
+        ("logs", "a job's log lines, all ranks merged or one (--follow until it ends)"),
+        ("results", "config, exit codes, final metrics, checkpoints, log files"),
+        ("cancel", "stop every process of a job on every node"),
+        ("resume", "a new attempt of a failed or cancelled job, from its checkpoint"),
+        ("queue", "queued jobs in the order they will start"),
+    ]),
+    ("Cluster", [
+        ("health", "every node's health; exit 1 if one is not healthy"),
+        ("drain", "place no new job on a node (operators)"),
+        ("undrain", "place jobs on a drained node again (operators)"),
+    ]),
+    ("Account", [
+        ("whoami", "the account, role and token scope the client acts as"),
+        ("audit", "who did what, when, from where (operators)"),
+    ]),
+]  # fmt: skip
+FOLLOW_POLL_S = 0.5
+CANCEL_WAIT_S = 120.0
+EXIT_STATES = {"succeeded": 0, "failed": 1, "cancelled": 2}
+NOT_ENDED_EXIT = 3
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse errors as one line and where to look, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        name = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        where = f"ugro {name} --help" if name else "ugro help"
+        sys.stderr.write(f"{self.prog}: {message} (see `{where}`)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="ugro", add_help=False, description="UGRO's client: jobs and nodes on a UGRO server.")
+    parser.add_argument("-h", "--help", action="store_true", dest="top_help")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
+    sub.add_parser("help", help="this list")
+
+    p = sub.add_parser("launch", help="queue a job and follow it")
+    p.add_argument("--name", required=True, help="job name (letters, digits, . _ -)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--nodes", type=int, dest="count", help="how many nodes (default: all enabled)")
+    where.add_argument("--node", action="append", default=[], dest="nodes", help="a node to use (repeatable)")
+    p.add_argument("--script", default="", help="training script on the nodes (default: the cluster's)")
+    p.add_argument("--model", default="")
+    p.add_argument("--dataset", default="")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
+    p.add_argument("--priority", type=int, default=0, help="0-100 (launchers: up to the server's bound)")
+    p.add_argument("--metrics-pattern", default="", dest="metrics_pattern")
+    p.add_argument("--metrics-file", action="append", default=[], dest="metrics_files")
+    p.add_argument("--detach", action="store_true", help="return once the job is queued")
+    p.add_argument("--dry-run", action="store_true", dest="dry_run", help="print each rank's exact command only")
+    p.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
+
+    p = sub.add_parser("status", help="jobs, or one job")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--exit-code", action="store_true", dest="exit_code",
+                   help="exit 0 succeeded, 1 failed, 2 cancelled, 3 not ended")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("logs", help="a job's log lines")
+    p.add_argument("name")
+    p.add_argument("--rank", type=int)
+    p.add_argument("--tail", type=int, default=200, help="the last N lines first (default 200)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    p.add_argument("--json", action="store_true", help="one JSON object per line: time, rank, text")
+
+    for name in ("results", "cancel"):
+        p = sub.add_parser(name, help=dict(dict(GROUPS)["Jobs"])[name])
+        p.add_argument("name")
+        if name == "results":
+            p.add_argument("--json", action="store_true")
+        else:
+            p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return once it is cancelling")
+    p = sub.add_parser("resume", help="a new attempt of a job")
+    p.add_argument("name")
+    p.add_argument("--from", dest="from_step", default="latest", help="a checkpoint step, or latest")
+    p = sub.add_parser("queue", help="queued jobs")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("health", help="node health")
+    p.add_argument("--json", action="store_true")
+    for name in ("drain", "undrain"):
+        sub.add_parser(name, help=name).add_argument("node")
+    p = sub.add_parser("whoami", help="account, role, scope")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("audit", help="the audit log")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--action", dest="what")
+    p.add_argument("--user")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def usage() -> str:
+    lines = ["usage: ugro COMMAND [options]   (ugro COMMAND --help for its options)", ""]
+    for title, commands in GROUPS:
+        lines.append(f"{title}:")
+        lines += [f"  {name:9} {text}" for name, text in commands]
+        lines.append("")
+    lines.append("Server: UGRO_URL (default http://127.0.0.1:8099); token: UGRO_TOKEN or ~/.config/ugro/token.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command in (None, "help") or args.top_help:
+        print(usage())
+        return EXIT_OK
+    try:
+        return COMMANDS[args.command](Client(), args)
+    except ApiError as exc:
+        sys.stderr.write(f"ugro {args.command}: {exc}\n")
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+def emit_json(data) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def age(seconds: float) -> str:
+    seconds = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def jobs_table(jobs: list[dict]) -> list[str]:
+    rows = [f"{'NAME':24} {'STATE':10} {'PROGRESS':>8} {'NODES':24} {'AGE':>5} OWNER"]
+    for j in jobs:
+        prog = f"{j['progress']:.0f}%" if j.get("progress") is not None else "-"
+        nodes = ",".join(j["nodes"]) or "-"
+        rows.append(f"{j['name'][:24]:24} {j['state']:10} {prog:>8} {nodes[:24]:24} {age(j['age_s']):>5} "
+                    f"{j['owner'] or '-'}")  # fmt: skip
+    return rows
+
+
+def cmd_launch(client: Client, a) -> int:
+    body = {
+        "name": a.name, "nodes": a.nodes, "count": a.count, "script": a.script, "model": a.model,
+        "dataset": a.dataset, "epochs": a.epochs, "lr": a.lr, "nproc_per_node": a.nproc_per_node,
+        "priority": a.priority, "extra_args": a.extra, "metrics_pattern": a.metrics_pattern,
+        "metrics_files": a.metrics_files, "dry_run": a.dry_run,
+    }  # fmt: skip
+    answer = client.post("jobs/", body)
+    if a.dry_run:
+        print("\n".join(answer["lines"]))
+        return EXIT_OK
+    print(f"job {answer['name']} queued (id {answer['id']})")
+    if answer.get("worker_alive") is False:
+        print("no UGRO worker is running on the server: the job waits in the queue until one does (bin/start)")
+    if a.detach:
+        return EXIT_OK
+    try:
+        job = follow(client, a.name, rank=None, tail=0, announce_states=True)
+    except KeyboardInterrupt:
+        print(
+            f"\nleft job {a.name} to go on without this command. Follow it: ugro logs {a.name} --follow; "
+            f"cancel it: ugro cancel {a.name}"
+        )
+        return EXIT_OK
+    return EXIT_OK if job["state"] == "succeeded" else EXIT_FAILED
+
+
+def follow(client: Client, name: str, rank: int | None, tail: int, announce_states: bool = False,
+           as_json: bool = False) -> dict:  # fmt: skip
+    """Print lines as they are committed until the job ends and all its output is in; returns the job."""
+    first = client.get(f"jobs/{name}/logs", rank=rank, tail=max(tail, 1))
+    if tail:
+        show(first["lines"], rank, as_json)
+    offsets = first["offsets"]
+    state = None
+    while True:
+        answer = client.get(f"jobs/{name}/logs", rank=rank, since=",".join(f"{k}:{v}" for k, v in offsets.items()))
+        show(answer["lines"], rank, as_json)
+        offsets = answer["offsets"] or offsets
+        if announce_states and answer["state"] != state:
+            state = answer["state"]
+            print(f"[{time.strftime('%H:%M:%S')}] {name} {state}")
+        if answer["settled"]:
+            job = client.get(f"jobs/{name}/")
+            print(f"-- job {name} {job['state']}" + (f": {job['failure_reason']}" if job["failure_reason"] else ""))
+            return job
+        if not answer["more"]:
+            time.sleep(FOLLOW_POLL_S)
+
+
+def show(lines: list, rank: int | None, as_json: bool = False) -> None:
+    for when, r, text in lines:
+        if as_json:
+            print(json.dumps({"time": when, "rank": r, "text": text}))
+        else:
+            print(text if rank is not None else f"[rank {r}] {text}")
+    sys.stdout.flush()
+
+
+def cmd_status(client: Client, a) -> int:
+    if not a.name:
+        if a.exit_code:
+            raise ApiError("--exit-code needs a job name", EXIT_USAGE)
+        jobs = client.get("jobs/", limit=a.limit)
+        emit_json(jobs) if a.json else print("\n".join(jobs_table(jobs)))
+        return EXIT_OK
+    job = client.get(f"jobs/{a.name}/")
+    emit_json(job) if a.json else print("\n".join(job["lines"]))
+    if a.exit_code:
+        return EXIT_STATES.get(job["state"], NOT_ENDED_EXIT)
+    return EXIT_FAILED if job["state"] == "failed" else EXIT_OK
+
+
+def cmd_logs(client: Client, a) -> int:
+    if a.tail < 1:
+        raise ApiError("--tail must be at least 1", EXIT_USAGE)
+    if a.follow:
+        try:
+            follow(client, a.name, a.rank, a.tail, as_json=a.json)
+        except KeyboardInterrupt:
+            pass
+        return EXIT_OK
+    show(client.get(f"jobs/{a.name}/logs", rank=a.rank, tail=a.tail)["lines"], a.rank, a.json)
+    return EXIT_OK
+
+
+def cmd_results(client: Client, a) -> int:
+    answer = client.get(f"jobs/{a.name}/results")
+    emit_json(answer) if a.json else print("\n".join(answer["lines"]))
+    return EXIT_OK
+
+
+def cmd_cancel(client: Client, a) -> int:
+    job = client.post(f"jobs/{a.name}/cancel")
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while not a.no_wait and job["state"] == "cancelling" and time.monotonic() < deadline:
+        time.sleep(0.3)
+        job = client.get(f"jobs/{a.name}/")
+    if job["state"] == "cancelling":
+        if a.no_wait:
+            print(f"job {a.name} cancelling: its processes are being stopped")
+            return EXIT_OK
+        raise ApiError(f"job {a.name} is still cancelling after {CANCEL_WAIT_S:.0f}s: is a UGRO worker running?",
+                       EXIT_FAILED)  # fmt: skip
+    if job["state"] != "cancelled":
+        raise ApiError(f"job {a.name} {job['state']} before it could be cancelled", EXIT_FAILED)
+    if "not confirmed stopped" in job["failure_reason"]:
+        raise ApiError(f"job {a.name} cancelled, but {job['failure_reason']}", EXIT_FAILED)
+    print(f"job {a.name} cancelled; no process of it remains on its nodes")
+    return EXIT_OK
+
+
+def cmd_resume(client: Client, a) -> int:
+    try:
+        job = client.post(f"jobs/{a.name}/resume", {"from": a.from_step})
+    except ApiError as exc:
+        if exc.status == 404 and "no job named" not in str(exc):
+            raise ApiError("this UGRO server has no resume endpoint yet", EXIT_REFUSED) from None
+        raise
+    print(f"job {job['name']} queued again (attempt {job['attempt']})")
+    return EXIT_OK
+
+
+def cmd_queue(client: Client, a) -> int:
+    jobs = client.get("queue")
+    if a.json:
+        emit_json(jobs)
+    elif not jobs:
+        print("queue is empty")
+    else:
+        rows = jobs_table(jobs)
+        print("\n".join(("    " if i == 0 else f"{i:>3} ") + row for i, row in enumerate(rows)))
+    return EXIT_OK
+
+
+def cmd_health(client: Client, a) -> int:
+    nodes = [n for n in client.get("health") if n["enabled"]]
+    if a.json:
+        emit_json(nodes)
+    width = max((len(n["name"]) for n in nodes), default=0) + 2
+    for n in nodes if not a.json else []:
+        if n["status"] == "healthy":
+            print(f"✓ {n['name']:<{width}} {n['gpu']} - Ready (score {n['score']})")
+        else:
+            print(f"✗ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'no reading'}")
+        for check in n["checks"]:
+            print(f"    {check.get('severity')}: {check.get('detail')}")
+    return EXIT_FAILED if any(n["status"] != "healthy" for n in nodes) else EXIT_OK
+
+
+def cmd_drain(client: Client, a) -> int:
+    node = client.post(f"nodes/{a.node}/{a.command}")
+    print(f"node {node['name']} {'drained: no new job is placed on it' if not node['enabled'] else 'takes jobs again'}")
+    return EXIT_OK
+
+
+def cmd_whoami(client: Client, a) -> int:
+    me = client.get("me")
+    emit_json(me) if a.json else print(f"{me['username']} (role {me['role']}, token scope {me['scope'] or '-'}) "
+                                       f"at {client.url}")  # fmt: skip
+    return EXIT_OK
+
+
+def cmd_audit(client: Client, a) -> int:
+    events = client.get("audit", limit=a.limit, action=a.what, user=a.user)
+    if a.json:
+        emit_json(events)
+        return EXIT_OK
+    for e in events:
+        argv = f"  argv: {json.dumps(e['argv'])}" if e["argv"] else ""
+        print(f"{e['time'][:19]} {e['username'] or '-':12} {e['action']:14} {e['target']:24} {e['source']:28} "
+              f"{e['outcome']}{argv}")  # fmt: skip
+    return EXIT_OK
+
+
+COMMANDS = {
+    "launch": cmd_launch, "status": cmd_status, "logs": cmd_logs, "results": cmd_results, "cancel": cmd_cancel,
+    "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
+    "whoami": cmd_whoami, "audit": cmd_audit,
+}  # fmt: skip
+
+if __name__ == "__main__":
+    sys.exit(main())
