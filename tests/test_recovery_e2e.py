@@ -132,7 +132,13 @@ def test_checkpoints_are_recorded_with_step_node_and_size_and_only_complete_ones
 
     # and the page and `results` list them (step, node, size, age) without asking a node
     run("cancel", "ck")
-    client.force_login(django_user_model.objects.create_user("alice", password="x" * 12))
+    from django.contrib.auth.models import Group
+
+    viewer = django_user_model.objects.create_user("alice", password="x" * 12)
+    client.force_login(viewer)
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert "checkpoint-500" in page and 'id="resume-btn"' not in page  # she may look, not resume
+    viewer.groups.add(Group.objects.get(name="operator"))
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert 'id="checkpoints"' in page and "checkpoint-500" in page and saved.node.name in page
     assert 'id="resume-btn"' in page and '<option value="700">step 700</option>' in page
