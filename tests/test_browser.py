@@ -265,10 +265,10 @@ def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium)
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, server)
-    # given a run whose rank 1 is killed after step 25, with checkpoints every 10 steps
-    call_command("launch", "--name", "web-resume", "--nodes", "2", "--detach", "--", "--max-steps", "50",
-                 "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every", "10",
-                 "--step-sleep", "0.1")  # fmt: skip
+    # given alice's run (a launcher resumes her own jobs) whose rank 1 is killed after step 25, checkpoints every 10
+    call_command("launch", "--name", "web-resume", "--nodes", "2", "--detach", "--as", "alice", "--",
+                 "--max-steps", "50", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every",
+                 "10", "--step-sleep", "0.1")  # fmt: skip
     job = Job.objects.get(name="web-resume")
     wait_for(lambda: MetricPoint.objects.filter(job=job, name="loss", step__gte=25).exists(), timeout=150,
              what="step 25")  # fmt: skip
