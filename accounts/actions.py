@@ -11,7 +11,8 @@ from dataclasses import replace
 from cluster.models import Node
 from jobs import lifecycle, recovery
 from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
-from jobs.models import Job
+from jobs.models import Job, Sweep
+from jobs.sweeps import SweepRequest, cancel_sweep, create_sweep
 
 from . import audit, policy
 
@@ -61,6 +62,29 @@ def set_node_enabled(user, node: Node, enabled: bool, source: str) -> Node:
     node.enabled = enabled
     audit.record(user, action, node.name, source=source)
     return node
+
+
+def launch_sweep(user, req: SweepRequest, source: str) -> Sweep:
+    """Create the sweep and its trial jobs as `user` (their owner); raises policy.Refused or LaunchError."""
+    _checked(user, "launch", req.name, source, priority=req.base.priority, what="sweep")
+    try:
+        sweep = create_sweep(replace(req, base=replace(req.base, owner=user)))
+    except LaunchError as exc:
+        audit.record(user, "sweep", req.name, source=source, outcome=f"refused: {exc}")
+        raise
+    audit.record(user, "sweep", sweep.name, source=source, sweep_id=sweep.pk, trials=sweep.trials.count(),
+                 spec=sweep.spec)  # fmt: skip
+    return sweep
+
+
+def cancel_sweep_as(user, sweep: Sweep, source: str) -> list[Job]:
+    """Cancel every trial of the sweep not yet ended, as `user` (who must be allowed to cancel each one:
+    nothing is cancelled otherwise); returns the trials now stopping."""
+    for trial in sweep.trials.exclude(state__in=Job.ENDED_STATES).select_related("owner"):
+        _checked(user, "cancel", sweep.name, source, job=trial, what="cancel sweep")
+    stopping = cancel_sweep(sweep)
+    audit.record(user, "cancel sweep", sweep.name, source=source, sweep_id=sweep.pk)
+    return stopping
 
 
 def resume(user, job: Job, wanted: str | None, nodes: list[str] | None, source: str) -> Job:

@@ -28,6 +28,10 @@ RULES = {
     "job-relaunch": "launch",
     "job-cancel": "cancel",
     "job-resume": "resume",
+    "job-queue": "view",
+    "sweep-list": "view",
+    "sweep-detail": "view",
+    "sweep-cancel": "launch",  # and each trial's own cancel rule, in accounts.actions.cancel_sweep_as
 }
 EXEMPT_NAMES = {"prometheus-metrics", "login", "logout", "password_change", "password_change_done", "favicon"}
 EXEMPT_NAMESPACES = {"admin", "api", "djdt"}

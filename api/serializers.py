@@ -7,6 +7,7 @@ from rest_framework import serializers
 from accounts.policy import PRIORITY_MAX, PRIORITY_MIN
 from cluster.names import SAFE_NAME
 from jobs.launch import LaunchRequest
+from jobs.limits import parse_duration, parse_size_mb
 
 
 class LaunchSerializer(serializers.Serializer):
@@ -34,10 +35,24 @@ class LaunchSerializer(serializers.Serializer):
     dry_run = serializers.BooleanField(
         required=False, default=False, help_text="return each rank's exact command; create and start nothing"
     )
+    gpus = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=65536,
+                                    help_text="GPUs in all, on any nodes (instead of nodes/count)")  # fmt: skip
+    gpus_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
+    time_limit = serializers.CharField(required=False, allow_blank=True, default="", max_length=20,
+                                       help_text="e.g. 90m, 2h, 1d (default: the cluster's)")  # fmt: skip
+    min_vram = serializers.CharField(required=False, allow_blank=True, default="", max_length=20,
+                                     help_text="memory each GPU needs, e.g. 10G")  # fmt: skip
+    after = serializers.CharField(required=False, allow_blank=True, default="", max_length=64,
+                                  help_text="start only after this job succeeded")  # fmt: skip
 
     def validate(self, data):
         if data.get("nodes") and data.get("count") is not None:
             raise serializers.ValidationError("give nodes or count, not both")
+        try:
+            data["time_limit_s"] = parse_duration(data["time_limit"]) if data.get("time_limit") else None
+            data["min_vram_mb"] = parse_size_mb(data["min_vram"]) if data.get("min_vram") else None
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
         return data
 
     def launch_request(self) -> LaunchRequest:
@@ -46,7 +61,9 @@ class LaunchSerializer(serializers.Serializer):
             name=d["name"], nodes=list(d["nodes"]), count=d.get("count"), script=d["script"].strip(),
             model=d["model"].strip(), dataset=d["dataset"].strip(), epochs=d.get("epochs"), lr=d.get("lr"),
             nproc_per_node=d.get("nproc_per_node"), extra_args=list(d["extra_args"]), priority=d["priority"],
-            metrics_pattern=d["metrics_pattern"], metrics_files=list(d["metrics_files"]),
+            metrics_pattern=d["metrics_pattern"], metrics_files=list(d["metrics_files"]), gpus=d.get("gpus"),
+            gpus_per_node=d.get("gpus_per_node"), time_limit_s=d.get("time_limit_s"),
+            min_vram_mb=d.get("min_vram_mb"), after=d.get("after") or "",
         )  # fmt: skip
 
 
@@ -75,6 +92,15 @@ class JobSerializer(serializers.Serializer):
     duration_s = serializers.FloatField(allow_null=True)
     failure_kind = serializers.CharField(allow_blank=True)
     failure_reason = serializers.CharField(allow_blank=True)
+
+
+class QueueEntrySerializer(JobSerializer):
+    position = serializers.IntegerField()
+    starts_now = serializers.BooleanField(help_text="it fits now: the next scheduling pass starts it")
+    reason = serializers.CharField(allow_null=True, help_text="priority, resources, reservation, quota, dependency")
+    detail = serializers.CharField(allow_blank=True)
+    estimated_start = serializers.DateTimeField(allow_null=True)
+    gpus = serializers.CharField(allow_null=True, help_text="where it starts (or is estimated to): node:gpu,...")
 
 
 class JobDetailSerializer(JobSerializer):

@@ -25,7 +25,8 @@ from jobs.launch import LaunchError
 from jobs.logs import LogLine, job_lines, rank_lines
 from jobs.models import Job, Rank
 from jobs.recovery import RecoveryError
-from jobs.scheduler import queued_jobs, request_schedule
+from jobs.scheduler import request_schedule
+from jobs.snapshot import queue
 from jobs.views import metric_names, progress
 from metrics.models import FinalMetric
 from ugro_site.celery import send_task, worker_alive
@@ -311,11 +312,22 @@ class JobResumeView(APIView):
 class QueueView(APIView):
     policy_actions = {"GET": "view"}
 
-    @extend_schema(summary="Queued jobs in the order they will start (`ugro queue`)",
-                   responses=s.JobSerializer(many=True))  # fmt: skip
+    @extend_schema(summary="Waiting jobs in the order they will start, with the reason each waits and its "
+                   "estimated start (`ugro queue`)", responses=s.QueueEntrySerializer(many=True))  # fmt: skip
     def get(self, request: Request) -> Response:
-        jobs = queued_jobs()
-        return Response(s.JobSerializer([job_summary(j, with_progress=False) for j in jobs], many=True).data)
+        entries = [
+            {
+                **job_summary(e.job, with_progress=False),
+                "position": e.decision.position,
+                "starts_now": e.decision.start,
+                "reason": None if e.decision.start else e.decision.reason,
+                "detail": e.decision.detail,
+                "estimated_start": e.est_start,
+                "gpus": e.placement_text() or None,
+            }
+            for e in queue()
+        ]
+        return Response(s.QueueEntrySerializer(entries, many=True).data)
 
 
 def node_summary(node: Node, running: dict[int, str]) -> dict:

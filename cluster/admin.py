@@ -7,7 +7,20 @@ from django.utils import timezone
 
 from accounts import audit
 
-from .models import Alert, AlertSettings, ClusterSettings, HealthSample, Node
+from .models import GPU, Alert, AlertSettings, ClusterSettings, HealthSample, Node
+
+
+class GPUInline(admin.TabularInline):
+    """One row per device, following gpu_count; the health monitor fills in model and memory."""
+
+    model = GPU
+    extra = 0
+    can_delete = False
+    fields = ("index", "model", "vram_mb", "uuid")
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(Node)
@@ -22,6 +35,7 @@ class NodeAdmin(admin.ModelAdmin):
     # the pin changes only by first contact or `ugro trust NODE`, never by a form
     host_key_fields = ("host_key_fingerprint", "host_key_source", "host_key_pinned_at", "host_key")
     readonly_fields = health_fields + host_key_fields
+    inlines = [GPUInline]
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
         ("Reaching it", {"fields": ("transport", "address", "ssh_port", "user", "key_path", "agent_python")}),

@@ -47,6 +47,27 @@ class ClusterSettings(models.Model):
             "{workdir} is each node's working directory, {scripts} is paths.scripts. Empty means both of those."
         ),
     )
+    # The scheduler (jobs/placement.py): time limits, backfill, fair share and quotas.
+    default_time_limit_s = models.PositiveIntegerField(
+        default=24 * 3600, help_text="A job's time limit when it names none (seconds); past it the job is stopped."
+    )
+    max_time_limit_s = models.PositiveIntegerField(
+        default=7 * 24 * 3600, help_text="The longest time limit a job may ask for (seconds)."
+    )
+    reservations = models.PositiveSmallIntegerField(
+        default=1,
+        help_text="How many of the first waiting jobs hold a reservation that later jobs may not delay "
+        "(1: Slurm's EASY backfill; 0: no backfill guarantee).",
+    )
+    fair_share_half_life_h = models.FloatField(
+        default=24.0, help_text="Past GPU use counts half as much after this many hours (fair share)."
+    )
+    quota_max_gpus = models.PositiveIntegerField(
+        default=0, help_text="Most GPUs one user's jobs may hold at once (0: no limit)."
+    )
+    quota_max_queued = models.PositiveIntegerField(
+        default=0, help_text="Most jobs one user may have waiting in the queue (0: no limit)."
+    )
 
     class Meta:
         verbose_name = verbose_name_plural = "cluster settings"
@@ -195,6 +216,31 @@ class Node(models.Model):
         fast as one that refuses connections, not after a longer request's own timeout.
         """
         return self.link().request("hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"])
+
+
+class GPU(models.Model):
+    """One GPU of a node: the unit the scheduler allocates (jobs.Allocation holds it for a job).
+
+    Rows follow the node's gpu_count (cluster.gpus.sync_gpus); the health monitor fills in the model
+    and memory it reads. A node with no GPU has no rows and is allocated whole.
+    """
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField(help_text="The device index (what CUDA_VISIBLE_DEVICES names).")
+    model = models.CharField(max_length=100, blank=True)
+    vram_mb = models.FloatField(default=0, help_text="Total memory; 0 when not known.")
+    uuid = models.CharField(max_length=100, blank=True)
+
+    class Meta:
+        ordering = ["node", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_index_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}:{self.index}"
+
+    @property
+    def vram_gb(self) -> float:
+        return self.vram_mb / 1024
 
 
 class HealthSample(models.Model):

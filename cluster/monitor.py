@@ -30,7 +30,7 @@ from django.db.models import Avg, Case, Count, IntegerField, Max, Q, Sum, Value,
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
-from . import alerts
+from . import alerts, gpus
 from .health import (
     BREAKER_TRIP_AFTER,
     Breaker,
@@ -311,6 +311,7 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
                 # One plain UPDATE per node: bulk_update's CASE per field costs more than it saves here.
                 Node.objects.filter(pk=node.pk).update(**{f: getattr(node, f) for f in NODE_FIELDS})
         HealthSample.objects.bulk_create(rows)
+        gpus.record_readings({o.node: (o.sample or {}).get("gpus") or [] for o in outcomes if o.ok}, due)
     publish([o.event for o in outcomes])
     return outcomes
 

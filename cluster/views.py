@@ -10,10 +10,10 @@ from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from jobs.models import Job, Rank
+from jobs.models import Allocation, Job, Rank
 
 from .history import MAX_BUCKETS, history
-from .models import Alert, ClusterSettings, HealthSample, Node
+from .models import GPU, Alert, ClusterSettings, HealthSample, Node
 
 # Per-GPU reading names, as the node probe reports them (and HealthSample's gpu_* fields repeat them).
 GPU_FIELDS = ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c")
@@ -44,10 +44,16 @@ def gpu_readings(sample: HealthSample | None) -> list[dict[str, Any]]:
 
 
 def node_cards(nodes: list[Node]) -> list[dict[str, Any]]:
-    running = {
-        r.node_id: r
-        for r in Rank.objects.filter(active=True, node__in=nodes).select_related("job").order_by("job__created_at")
+    running: dict[int, list[Rank]] = {}
+    for r in Rank.objects.filter(active=True, node__in=nodes).select_related("job").order_by("job__created_at"):
+        running.setdefault(r.node_id, []).append(r)
+    held = {
+        (a.node_id, a.gpu_index): a.job
+        for a in Allocation.objects.filter(active=True, node__in=nodes).select_related("job")
     }
+    gpu_rows: dict[int, list[GPU]] = {}
+    for g in GPU.objects.filter(node__in=nodes):
+        gpu_rows.setdefault(g.node_id, []).append(g)
     cards = []
     for node in nodes:
         sample = latest_sample(node)
@@ -55,12 +61,20 @@ def node_cards(nodes: list[Node]) -> list[dict[str, Any]]:
         for gpu in gpus:
             used, total = gpu.get("mem_used_mb"), gpu.get("mem_total_mb")
             gpu["mem_percent"] = round(100 * used / total) if used is not None and total else None
-        rank = running.get(node.pk)
+            gpu["job"] = held.get((node.pk, gpu.get("index")))
+        ranks = running.get(node.pk, [])
         cards.append(
             {
                 "node": node,
-                "rank": rank,
-                "job": rank.job if rank else None,
+                "ranks": ranks,
+                "rank": ranks[0] if ranks else None,
+                "job": ranks[0].job if ranks else None,
+                # which job holds which GPU (a node without GPUs is held whole)
+                "holders": [
+                    {"index": g.index, "model": g.model, "job": held.get((node.pk, g.index))}
+                    for g in gpu_rows.get(node.pk, [])
+                ]  # fmt: skip
+                or [{"index": None, "model": "", "job": held.get((node.pk, -1))}],
                 "gpus": gpus,
                 "score": sample.score if sample else None,
                 "sampled_at": sample.time if sample else None,

@@ -1,9 +1,9 @@
-"""How a job is launched: validate the request, place it on free nodes, start every rank at once.
+"""How a job is launched: validate the request, place it on free GPUs, start every rank at once.
 
-create_job() records a QUEUED job; place() claims nodes under the database's one-job-per-node
-constraint; launch() connects to every node, starts each rank detached through the node agent,
-all concurrently, and fails the job (stopping whatever started) if they are not all up within
-the sync window.
+create_job() records a QUEUED job; the scheduler (jobs/scheduler.py) claims its GPUs under the
+database's one-active-allocation-per-GPU constraint; launch() connects to every node, starts each
+rank detached through the node agent, all concurrently, and fails the job (stopping whatever
+started) if they are not all up within the sync window.
 """
 
 from __future__ import annotations
@@ -20,19 +20,22 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from cluster.models import ClusterSettings, Node
+from cluster.models import GPU, ClusterSettings, Node
 from cluster.names import check_name
 from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
 from . import checkpoints, lifecycle
+from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
+from .limits import learned_speeds, learned_vram
 from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
 from .nodes import node_request, on_each
 from .preflight import run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
+from .snapshot import Snapshot
 from .stop import stop_processes
 
 # The train_production.py interface; a cluster can name another script and template. An item whose
@@ -81,6 +84,17 @@ class LaunchRequest:
     metrics_pattern: str = ""  # a regex: the lines it matches give their key=value / key: value pairs
     metrics_files: list[str] = field(default_factory=list)  # metric files or directories on the nodes
     owner: Any = None  # the user who launches it (None: the system)
+    gpus: int | None = None  # GPUs in all, on any nodes
+    gpus_per_node: int | None = None  # with count or nodes: GPUs on each node (None: whole nodes)
+    time_limit_s: int | None = None  # None: the cluster's default
+    min_vram_mb: int | None = None  # each GPU needs this much; None: learned from earlier runs, if any
+    sweep: Any = None
+    sweep_params: dict = field(default_factory=dict)
+    resumed_from: Any = None  # the previous attempt (for the VRAM it needed)
+    batch_per_gpu: int | None = None  # the even split's batch per GPU: {local_batch}, UGRO_LOCAL_BATCH
+    batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
+    batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
+    after: str = ""  # the name of a job this one starts after (once it succeeded)
     # recovery (docs/recovery.md)
     retry: str = ""  # failure kinds retried automatically, e.g. "node-lost,oom"
     max_attempts: int | None = None
@@ -273,8 +287,8 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         if len(set(req.nodes)) != len(req.nodes):
             problems.append(("nodes", "a node is named twice"))
     count = req.count
-    if not req.nodes and count is None:
-        count = len(enabled)
+    if not req.nodes and count is None and req.gpus is None:
+        count = 1 if req.gpus_per_node else len(enabled)
     if not enabled:
         problems.append(("", "the cluster has no enabled nodes; import cluster.yaml or add nodes in admin"))
     elif count is not None and count > len(enabled):
@@ -283,6 +297,14 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         # Any of these may run it: the script must be under an allowed root on each of them.
         runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
         check("script", _check_script_roots, script, runners, cs)
+    vram, vram_source = None, ""
+    if enabled and not any(f in ("nodes", "count") for f, _ in problems):
+        vram, vram_source = check("gpus", _check_gpus, req, enabled, count, script or cs.default_script) or (None, "")
+    limit = check("time_limit", _check_time_limit, req, cs)
+    check("", _check_queue_quota, req, cs)
+    after = check("after", _find_after, req.after) if req.after else None
+    per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
+    check("batch_weights", _check_batches, req, per_gpu)
     if problems:
         raise LaunchError(problems=problems)
 
@@ -300,13 +322,22 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         script=script,
         script_args=args,
         params={"model": req.model or None, "dataset": req.dataset or None, "epochs": req.epochs, "lr": req.lr,
-                "extra": extra},
+                "extra": extra, **_batch_params(per_gpu, "auto" if req.batch_weights_auto else req.batch_weights)},
         requested_nodes=list(req.nodes),
-        requested_count=None if req.nodes else count,
+        requested_count=None if req.nodes or req.gpus else count,
         nproc_per_node=req.nproc_per_node,
+        gpus=req.gpus,
+        gpus_per_node=req.gpus_per_node,
+        time_limit_s=limit,
+        min_vram_mb=vram,
+        vram_source=vram_source,
         priority=req.priority,
         sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
         owner=req.owner,
+        sweep=req.sweep,
+        sweep_params=req.sweep_params,
+        resumed_from=req.resumed_from,
+        after=after,
         **recovery,
     )  # fmt: skip
     return job, pattern, files
@@ -344,28 +375,161 @@ def _recovery_fields(req: LaunchRequest, nodes: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _batch_params(per_gpu: Any, weights: dict[str, float] | str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(per_gpu, int) and per_gpu >= 1:
+        out["batch_per_gpu"] = per_gpu
+    if weights:
+        out["batch_weights"] = weights if isinstance(weights, str) else dict(weights)
+    return out
+
+
+def assign_batches(job: Job, ranks: list[Rank]) -> None:
+    """Each rank's local batch (per GPU) and weight, set on the rank objects (rank_env and rank_command
+    read them): in proportion to its node's batch weight when the job has weights, else even."""
+    per_gpu = (job.params or {}).get("batch_per_gpu")
+    weights = (job.params or {}).get("batch_weights") or {}
+    if weights == "auto":  # learned when placed: the nodes are known only now
+        weights = learned_speeds(job.script, [r.node for r in ranks]) if per_gpu else {}
+        if not weights:
+            weights = {r.node.name: 1.0 for r in ranks}  # nothing learned yet: an even split, said so
+    for r in ranks:
+        r.local_batch = per_gpu
+    if not per_gpu:
+        return
+    counts = [job.nproc_per_node or len(r.gpu_indices) or 1 for r in ranks]
+    local = split_batch(per_gpu, [float(weights.get(r.node.name, 1.0)) for r in ranks], counts)
+    for r, b in zip(ranks, local, strict=True):
+        r.local_batch = b
+        r.batch_weight = b / per_gpu if weights else None
+
+
+def _check_gpus(req: LaunchRequest, enabled: list[Node], count: int | None, script: str) -> tuple[int | None, str]:
+    """Validate what the request asks of the cluster's GPUs; (min VRAM MiB, where it came from).
+
+    A request no GPU (or node) of the cluster could ever satisfy is refused here, naming what the
+    cluster has; one that only has to wait is accepted.
+    """
+    if req.gpus is not None and (req.nodes or req.count is not None or req.gpus_per_node is not None):
+        raise LaunchError("--gpus N asks for GPUs on any nodes: use it alone, or --nodes K --gpus-per-node M")
+    if req.gpus is not None and req.gpus < 1:
+        raise LaunchError("--gpus must be at least 1")
+    if req.gpus_per_node is not None and req.gpus_per_node < 1:
+        raise LaunchError("--gpus-per-node must be at least 1")
+    vram, source = req.min_vram_mb, "asked" if req.min_vram_mb else ""
+    if vram is not None and vram < 1:
+        raise LaunchError("--min-vram must be at least 1M")
+    if vram is None:
+        learned = learned_vram(script, req.resumed_from)
+        if learned:
+            vram, source = learned
+    gpus = list(GPU.objects.filter(node__in=enabled).select_related("node"))
+    wants_gpus = req.gpus is not None or req.gpus_per_node is not None
+    if (wants_gpus or req.min_vram_mb) and not gpus:
+        raise LaunchError("the cluster has no GPUs (every enabled node has gpu_count 0)")
+    if vram and gpus:
+        largest = max(gpus, key=lambda g: g.vram_mb)
+        if largest.vram_mb < vram:
+            if source == "asked":
+                raise LaunchError(
+                    f"no GPU has {vram / 1024:.1f} GB; the largest is {largest.node.name} GPU {largest.index} "
+                    f"({largest.model or 'GPU'}, {largest.vram_mb / 1024:.1f} GB)"
+                )
+            vram, source = None, ""  # a learned need no card has now (cards changed): do not block on it
+    fit = [g for g in gpus if not vram or g.vram_mb >= vram]
+    per_node: dict[str, int] = {}
+    for g in fit:
+        per_node[g.node.name] = per_node.get(g.node.name, 0) + 1
+    vram_text = f" with {vram / 1024:.1f} GB or more" if vram else ""
+    if req.gpus is not None and req.gpus > len(fit):
+        raise LaunchError(f"asked for {req.gpus} GPUs but the cluster has {len(fit)}{vram_text}")
+    if req.gpus_per_node is not None:
+        pool = req.nodes or list(per_node)
+        short = [name for name in pool if per_node.get(name, 0) < req.gpus_per_node]
+        if req.nodes and short:
+            raise LaunchError(f"node {short[0]} has {per_node.get(short[0], 0)} GPUs{vram_text}, "
+                              f"fewer than --gpus-per-node {req.gpus_per_node}")  # fmt: skip
+        if not req.nodes and sum(1 for n in per_node.values() if n >= req.gpus_per_node) < (count or 1):
+            raise LaunchError(f"asked for {count} nodes with {req.gpus_per_node} GPUs{vram_text} each; the "
+                              f"cluster has {sum(1 for n in per_node.values() if n >= req.gpus_per_node)}")  # fmt: skip
+    return vram, source
+
+
+def _find_after(name: str) -> Job:
+    after = Job.objects.filter(name=name).first()
+    if after is None:
+        raise LaunchError(f"--after {name[:64]!r}: no such job")
+    if after.state in (Job.State.FAILED, Job.State.CANCELLED):
+        raise LaunchError(f"--after {after.name}: that job {after.state}; this one would never start")
+    return after
+
+
+def _check_batches(req: LaunchRequest, per_gpu: Any) -> None:
+    if req.batch_per_gpu is not None and req.batch_per_gpu < 1:
+        raise LaunchError("--batch-per-gpu must be at least 1")
+    if req.batch_weights_auto and req.batch_weights:
+        raise LaunchError("--batch-weights is either auto or NODE=WEIGHT,...")
+    if not (req.batch_weights or req.batch_weights_auto):
+        return
+    if not isinstance(per_gpu, int) or per_gpu < 1:
+        raise LaunchError("--batch-weights needs --batch-per-gpu (or training.batch_size_per_gpu in cluster.yaml)")
+    unknown = sorted(set(req.batch_weights) - set(Node.objects.values_list("name", flat=True)))
+    if unknown:
+        raise LaunchError(f"batch weight for {unknown[0]!r}: no such node")
+    if any(not math.isfinite(w) or w <= 0 for w in req.batch_weights.values()):
+        raise LaunchError("batch weights must be positive numbers")
+
+
+def _check_time_limit(req: LaunchRequest, cs: ClusterSettings) -> int | None:
+    if req.time_limit_s is None:
+        return None
+    if req.time_limit_s < 1:
+        raise LaunchError("--time-limit must be at least 1s")
+    if req.time_limit_s > cs.max_time_limit_s:
+        raise LaunchError(f"--time-limit may be at most {cs.max_time_limit_s // 3600}h on this cluster")
+    return req.time_limit_s
+
+
+def _check_queue_quota(req: LaunchRequest, cs: ClusterSettings) -> None:
+    if not cs.quota_max_queued:
+        return
+    owner_id = getattr(req.owner, "pk", None)
+    waiting = Job.objects.filter(state=Job.State.QUEUED, owner_id=owner_id).count()
+    if waiting >= cs.quota_max_queued:
+        who = getattr(req.owner, "username", None) or "system"
+        raise LaunchError(f"{who} already has {waiting} queued jobs (quota {cs.quota_max_queued}); "
+                          "wait for some to start or cancel one")  # fmt: skip
+
+
 def dry_run(req: LaunchRequest) -> list[str]:
     """What launching the request would run, rank by rank, without creating or starting anything:
     the exact argv (shell-quoted for reading) and environment of each rank; raises LaunchError."""
     job, pattern, files = build_job(req)
-    free = _free_nodes()
-    enabled = sorted(Node.objects.filter(enabled=True), key=Node.placement_key)
-    if job.requested_nodes:
-        nodes = sorted((n for n in enabled if n.name in job.requested_nodes), key=Node.placement_key)
-        waits = any(n not in free for n in nodes)
-    else:
-        wanted = job.requested_count or 1
-        nodes = free[:wanted] if len(free) >= wanted else enabled[:wanted]
-        waits = len(free) < wanted
+    snap = Snapshot()
+    job.pk, job.created_at = -1, snap.now_dt
+    after, job.after = job.after, None  # placed as if what it waits for had succeeded
+    decision = next(d for d in snap.plan(extra=[job]) if d.job == -1)
+    if not decision.placement:
+        raise LaunchError(f"this job could not be placed: {decision.detail}")
+    chosen = sorted(
+        ((snap.node_rows[node_id], gpus) for node_id, gpus in decision.placement), key=lambda ng: ng[0].placement_key()
+    )
     job.tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
     cs = ClusterSettings.load()
-    job.rdzv_endpoint = f"{nodes[0].address}:{cs.rendezvous_port}"
-    ranks = [Rank(job=job, node=node, index=i) for i, node in enumerate(nodes)]
+    job.rdzv_endpoint = f"{chosen[0][0].address}:{rendezvous_port(cs, ranks_gpus=chosen[0][1])}"
+    ranks = [
+        Rank(job=job, node=node, index=i, gpu_indices=gpus or list(range(node.gpu_count)))
+        for i, (node, gpus) in enumerate(chosen)
+    ]
+    assign_batches(job, ranks)
     out = [f"dry run of job {job.name}: nothing was created or started"]
-    if waits:
-        out.append("  (some of these nodes are busy now: the job would wait for them)")
+    if after is not None:
+        out.append(f"  (it starts only after job {after.name} succeeds; placed here as if it had)")
+    if not decision.start:
+        out.append(f"  (it would wait: {decision.reason}, {decision.detail}; these GPUs are its estimate)")
     for rank in ranks:
-        out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}), in {rank.node.workdir}:")
+        gpus = f", GPUs {','.join(map(str, rank.gpu_indices))}" if rank.gpu_indices else ""
+        out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}{gpus}), in {rank.node.workdir}:")
         out.append("  " + shlex.join(rank_command(job, rank, len(ranks), job.rdzv_endpoint)))
         env = rank_env(job, rank)
         env["UGRO_JOB_ID"] = "<id>"  # given when the job is queued
@@ -378,25 +542,11 @@ def dry_run(req: LaunchRequest) -> list[str]:
     return out
 
 
-def _free_nodes() -> list[Node]:
-    busy = Rank.objects.filter(active=True).values("node_id")
-    nodes = Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN).exclude(pk__in=busy)
-    return sorted(nodes, key=Node.placement_key)
-
-
-def place(job: Job) -> bool:
-    """Claim nodes for a QUEUED job and mark it STARTING; False (job untouched) if they are busy."""
-    free = _free_nodes()
-    if job.requested_nodes:
-        by_name = {n.name: n for n in free}
-        if any(name not in by_name for name in job.requested_nodes):
-            return False
-        chosen = sorted((by_name[n] for n in job.requested_nodes), key=Node.placement_key)
-    else:
-        if len(free) < (job.requested_count or 1):
-            return False
-        chosen = free[: job.requested_count or 1]
-    return lifecycle.claim_nodes(job, chosen)
+def rendezvous_port(cs: ClusterSettings, ranks_gpus: list[int]) -> int:
+    """The rendezvous port of a job whose rank 0 holds these GPUs of its node: the cluster's port plus
+    the first of them. Jobs sharing a node hold different GPUs (the database sees to it), so their
+    rendezvous stores never meet on one port."""
+    return cs.rendezvous_port + (min(ranks_gpus) if ranks_gpus else 0)
 
 
 def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[str]:
@@ -411,7 +561,7 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
 
 def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> tuple[list[str], int]:
     node = rank.node
-    nproc = job.nproc_per_node or node.gpu_count or 1
+    nproc = job.nproc_per_node or len(rank.gpu_indices) or 1
     join_timeout = settings.UGRO["JOIN_TIMEOUT_S"]
     prefix = [
         *node.torchrun_argv,
@@ -424,9 +574,17 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
         f"--local-addr={node.address}",
         "--max-restarts=0",
     ]
+    args = _with_local_batch(job.script_args, getattr(rank, "local_batch", None))
     # the batch and resume arguments after the user's: argparse keeps the last value
     extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
-    return [*prefix, script_path(node, job.script), *job.script_args, *extra], len(prefix)
+    return [*prefix, script_path(node, job.script), *args, *extra], len(prefix)
+
+
+def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
+    """The script's arguments with {local_batch} filled in (left as written when the job has none)."""
+    if local_batch is None:
+        return list(args)
+    return [a.replace("{local_batch}", str(local_batch)) for a in args]
 
 
 def rank_env(job: Job, rank: Rank) -> dict[str, str]:
@@ -441,6 +599,11 @@ def rank_env(job: Job, rank: Rank) -> dict[str, str]:
         # torchrun writes the failing worker's error (exit code, traceback) here, as it documents
         "TORCHELASTIC_ERROR_FILE": rank.remote_error,
     })  # fmt: skip
+    if rank.batch_weight is not None and getattr(rank, "local_batch", None):  # an uneven split
+        env["UGRO_LOCAL_BATCH"] = str(rank.local_batch)
+        env["UGRO_BATCH_WEIGHT"] = f"{rank.batch_weight:.6g}"
+    if rank.gpu_indices:  # the GPUs it holds, and no other (a node without GPUs keeps its own setting)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in rank.gpu_indices)
     return env
 
 
@@ -481,9 +644,11 @@ def launch(job: Job) -> Job:
     start, or a start past the sync window: FAILING, and the teardown stops whatever did start.
     """
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
+    assign_batches(job, ranks)
+    Rank.objects.bulk_update(ranks, ["batch_weight"])
     window = job.sync_window_s
     cs = ClusterSettings.load()
-    job.rdzv_endpoint = f"{ranks[0].node.address}:{cs.rendezvous_port}"
+    job.rdzv_endpoint = f"{ranks[0].node.address}:{rendezvous_port(cs, ranks[0].gpu_indices)}"
     job.launcher = follower_id()
     job.save(update_fields=["rdzv_endpoint", "launcher"])
     write_job_config(job, ranks)

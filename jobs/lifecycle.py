@@ -37,7 +37,7 @@ from ugro_site.celery import send_task, worker_alive
 from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain
 from .logs import archive_logs, restore_logs, tail_lines
-from .models import Attempt, Checkpoint, Job, Rank
+from .models import Allocation, Attempt, Checkpoint, Job, Rank
 from .nodes import node_request
 from .stop import stop_processes
 
@@ -65,27 +65,35 @@ def _move(job: Job, sources: Iterable[str], target: str, **fields) -> bool:
 
 def _release(job: Job) -> None:
     job.ranks.filter(active=True).update(active=False)
+    job.allocations.filter(active=True).update(active=False)
 
 
 # -- QUEUED -> STARTING ---------------------------------------------------------------------------
 
 
-def claim_nodes(job: Job, nodes: list[Node]) -> bool:
+def claim_nodes(job: Job, nodes: list[Node], gpus: list[list[int]] | None = None) -> bool:
     """QUEUED -> STARTING on these nodes (in rank order); False, job untouched, if it lost a race.
 
-    The database's one-active-rank-per-node constraint refuses a node another scheduler took first.
+    gpus[i]: the GPU indices taken on nodes[i]; None, or [] for a node, takes the node whole (all its
+    GPUs; a node without GPUs as such). The database's one-active-allocation-per-GPU constraint
+    refuses a GPU another scheduler took first.
     """
     tag = f"{job.name}-{uuid.uuid4().hex[:8]}"
+    taken = [list(gpus[i]) if gpus and gpus[i] else list(range(node.gpu_count)) for i, node in enumerate(nodes)]
+    held = sum(len(t) or 1 for t in taken)
     try:
         with transaction.atomic():
-            if not _move(job, [Job.State.QUEUED], Job.State.STARTING, started_at=_now(), tag=tag):
+            if not _move(job, [Job.State.QUEUED], Job.State.STARTING, started_at=_now(), tag=tag, held_gpus=held):
                 return False
-            for index, node in enumerate(nodes):
+            allocations = []
+            for index, (node, indices) in enumerate(zip(nodes, taken, strict=True)):
                 base = f"{node.workdir.rstrip('/') or '/'}/.ugro/jobs/{tag}/rank_{index}"
                 Rank.objects.create(
                     job=job, node=node, index=index, remote_log=f"{base}.log", remote_exit=f"{base}.exit",
-                    remote_error=f"{base}.error.json", start_record=f"{base}.start",
+                    remote_error=f"{base}.error.json", start_record=f"{base}.start", gpu_indices=indices,
                 )  # fmt: skip
+                allocations += [Allocation(job=job, node=node, gpu_index=g) for g in indices or [Allocation.WHOLE_NODE]]
+            Allocation.objects.bulk_create(allocations)
     except IntegrityError:
         job.refresh_from_db()
         return False
@@ -166,7 +174,7 @@ def fail(job: Job, failure: Failure) -> bool:
     return done
 
 
-def cancel(job: Job) -> Job:
+def cancel(job: Job, reason: str = "cancelled by user") -> Job:
     """Cancel a job: QUEUED -> CANCELLED, or live -> CANCELLING (its processes are then stopped).
 
     Raises ValueError for a job that already ended. Cancelling a job that is already stopping is a
@@ -177,14 +185,14 @@ def cancel(job: Job) -> Job:
     with transaction.atomic():
         if _move(
             job, [Job.State.QUEUED], Job.State.CANCELLED, finished_at=_now(),
-            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+            failure_kind=FailureKind.CANCELLED.value, failure_reason=reason[:4000],
         ):  # fmt: skip
             _release(job)
             transaction.on_commit(lambda: _announce_end(job))
             return job
         if _move(
             job, Job.LIVE_STATES, Job.State.CANCELLING,
-            failure_kind=FailureKind.CANCELLED.value, failure_reason="cancelled by user",
+            failure_kind=FailureKind.CANCELLED.value, failure_reason=reason[:4000],
         ):  # fmt: skip
             _after_commit_stopping(job)
             return job

@@ -46,7 +46,25 @@ class Job(models.Model):
     params = models.JSONField(default=dict, help_text="What the user asked for: model, dataset, epochs, lr, extra.")
     requested_nodes = models.JSONField(default=list, blank=True, help_text="Node names asked for, if any.")
     requested_count = models.PositiveIntegerField(null=True, blank=True)
-    nproc_per_node = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: each node's GPU count.")
+    nproc_per_node = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Blank: the GPUs the job holds on each node (1 on a node without GPUs)."
+    )
+    gpus = models.PositiveIntegerField(null=True, blank=True, help_text="GPUs in all, on any nodes (--gpus N).")
+    gpus_per_node = models.PositiveIntegerField(
+        null=True, blank=True, help_text="GPUs on each of its nodes; blank with a node count: whole nodes."
+    )
+    time_limit_s = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Stopped (TIMEOUT) this long after it started; blank: the cluster default."
+    )
+    min_vram_mb = models.PositiveIntegerField(null=True, blank=True, help_text="Each of its GPUs needs this much.")
+    vram_source = models.CharField(max_length=200, blank=True, help_text="Where min_vram_mb came from.")
+    held_gpus = models.PositiveIntegerField(default=0, help_text="GPUs (or whole GPU-less nodes) it was given.")
+    sweep = models.ForeignKey("Sweep", null=True, blank=True, on_delete=models.CASCADE, related_name="trials")
+    sweep_params = models.JSONField(default=dict, blank=True, help_text="This trial's values of the sweep's params.")
+    after = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="Starts only after this job succeeded (--after).",
+    )  # fmt: skip
     tag = models.CharField(max_length=100, blank=True, help_text="Unique per attempt; marks every process.")
     rdzv_endpoint = models.CharField(max_length=300, blank=True)
     sync_window_s = models.FloatField(default=30.0)
@@ -149,7 +167,11 @@ class Rank(models.Model):
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ranks")
     index = models.PositiveIntegerField(help_text="Node rank within the job (0 hosts the rendezvous).")
     state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
-    active = models.BooleanField(default=True, help_text="Holds the node; cleared when the job ends.")
+    active = models.BooleanField(default=True, help_text="Part of a job that holds its GPUs; cleared when it ends.")
+    gpu_indices = models.JSONField(
+        default=list, blank=True, help_text="The node's GPUs this rank uses (CUDA_VISIBLE_DEVICES); empty: none."
+    )
+    batch_weight = models.FloatField(null=True, blank=True, help_text="Share of the global batch per local GPU.")
     pid = models.IntegerField(null=True, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -170,8 +192,6 @@ class Rank(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["job", "index"], name="rank_index_unique"),
             models.UniqueConstraint(fields=["job", "node"], name="rank_node_unique"),
-            # One node, one job: the database refuses a second active rank on a node.
-            models.UniqueConstraint(fields=["node"], condition=models.Q(active=True), name="one_active_job_per_node"),
         ]
 
     def __str__(self) -> str:
@@ -192,6 +212,63 @@ class Rank(models.Model):
         if self.exit_code < 0:
             return f"killed by signal {-self.exit_code}"
         return str(self.exit_code)
+
+
+class Allocation(models.Model):
+    """A job's hold on one GPU of a node (gpu_index -1: the whole of a node without GPUs).
+
+    One GPU, one job: the database refuses a second active allocation of the same GPU (and of the
+    same GPU-less node), whoever writes it. Only jobs/lifecycle.py creates and releases them.
+    """
+
+    WHOLE_NODE = -1
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="allocations")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
+    gpu_index = models.IntegerField(help_text="The GPU's device index on the node; -1: the whole GPU-less node.")
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["node", "gpu_index"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["node", "gpu_index"], condition=models.Q(active=True), name="one_active_allocation_per_gpu"
+            ),
+            models.CheckConstraint(condition=models.Q(gpu_index__gte=-1), name="allocation_gpu_index_valid"),
+        ]
+
+    def __str__(self) -> str:
+        where = "whole node" if self.gpu_index == self.WHOLE_NODE else f"GPU {self.gpu_index}"
+        return f"{self.job.name} on {self.node.name} {where}"
+
+
+class Sweep(models.Model):
+    """A hyperparameter search: one queued child job per trial, at most max_concurrent running."""
+
+    name = models.CharField(max_length=48, unique=True, validators=[validate_safe_name])
+    script = models.CharField(max_length=500)
+    spec = models.JSONField(default=dict, help_text="grid / random parameter definitions, trials, seed.")
+    base = models.JSONField(default=dict, help_text="The launch request each trial starts from.")
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: no limit.")
+    metric = models.CharField(max_length=100, default="loss")
+    mode = models.CharField(max_length=3, choices=[("min", "min"), ("max", "max")], default="min")
+    median_stop = models.BooleanField(
+        default=False, help_text="Stop a running trial whose best metric is worse than the median of the others' "
+        "at the same step (median stopping rule)."
+    )  # fmt: skip
+    median_min_steps = models.PositiveIntegerField(default=10, help_text="No trial is stopped before this step.")
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="sweeps"
+    )
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Checkpoint(models.Model):

@@ -88,8 +88,11 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _node_checks(node: Node, script: str) -> tuple[list[str], list[str], dict | None]:
-    """(problems, notes, versions) for one node; link errors propagate to on_each."""
+def _node_checks(node: Node, script: str, held: list[int] | None = None) -> tuple[list[str], list[str], dict | None]:
+    """(problems, notes, versions) for one node; link errors propagate to on_each.
+
+    held: the GPUs the job will use there (only those must have free memory: another job may be using
+    the node's other GPUs); None: all of them."""
     problems: list[str] = []
     notes: list[str] = []
     node.reach()  # a silent node fails here within the connect timeout, as in the health poll
@@ -106,7 +109,9 @@ def _node_checks(node: Node, script: str) -> tuple[list[str], list[str], dict | 
         why = sample.get("gpu_error") or f"reader: {sample.get('gpu_source')}"
         problems.append(f"{node.name}: {len(gpus)} of {node.gpu_count} declared GPUs visible ({why})")
     need_mb = settings.UGRO["PREFLIGHT_GPU_FREE_MB"]
-    for gpu in gpus[: node.gpu_count or 0]:
+    for pos, gpu in enumerate(gpus[: node.gpu_count or 0]):
+        if held is not None and gpu.get("index", pos) not in held:
+            continue
         used, total = gpu.get("mem_used_mb"), gpu.get("mem_total_mb")
         if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total - used < need_mb:
             problems.append(
@@ -175,11 +180,15 @@ def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
     return []
 
 
-def check_nodes(nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int) -> PreflightReport:
-    """Every pre-flight check for a job on `nodes` (rank 0 first) with this script and rendezvous."""
+def check_nodes(
+    nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int, held: dict[int, list[int]] | None = None
+) -> PreflightReport:
+    """Every pre-flight check for a job on `nodes` (rank 0 first) with this script and rendezvous; held:
+    node id -> the GPUs the job holds there (None: every GPU of each node)."""
     report = PreflightReport()
     reachable = []
-    for node, result, err in on_each(nodes, lambda n: _node_checks(n, script)):
+    held = held or {}
+    for node, result, err in on_each(nodes, lambda n: _node_checks(n, script, held.get(n.pk))):
         if err is not None:
             why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
             report.problems.append(f"{node.name}: {why}")
@@ -220,7 +229,8 @@ def check_nodes(nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int) 
 def run_preflight(job: Job, ranks: list[Rank]) -> list[str]:
     """Return the problems found (empty when the job may start); notes go to the log."""
     host, _, port = job.rdzv_endpoint.rpartition(":")
-    report = check_nodes([r.node for r in ranks], job.script, host, int(port))
+    held = {r.node_id: list(r.gpu_indices) for r in ranks if r.gpu_indices}
+    report = check_nodes([r.node for r in ranks], job.script, host, int(port), held)
     for note in report.notes:
         log.warning("job %s pre-flight: %s", job.name, note)
     return report.problems

@@ -4,6 +4,9 @@ The pattern of SkyPilot's job-status reconciler and dstack's per-state timeouts.
 `reconcile()` every few seconds; a command with no worker behind it runs it for its own job. Each
 rule is idempotent and bounded in time, so running it twice, or after a crash anywhere, is safe:
 
+- A live job past its time limit (the job's own, else the cluster default): FAILING with kind TIMEOUT;
+  the teardown sends SIGTERM, then SIGKILL after the kill grace (time for a last checkpoint).
+- A trial of a sweep with --median-stop doing worse than the median of the others: cancelled.
 - STARTING past its window (sync window + STARTING_GRACE_S): the launcher died or hung -> FAILING
   (TIMEOUT), the teardown stops whatever it started.
 - CANCELLING or FAILING past the kill grace + STOPPING_RETRY_S: the teardown was lost -> run it here.
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
+from django.db.models import Q
 from django.utils import timezone
 
 from cluster.alerts import record_event
@@ -34,7 +38,9 @@ from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Attempt, Job, Rank
 from .nodes import node_request, on_each, unreachable
+from .scheduler import stop_overdue
 from .stop import stop_processes
+from .sweeps import median_stop
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,7 @@ class Report:
     """What one reconcile pass did (for logs, tests and the CLI)."""
 
     timed_out: list[str] = field(default_factory=list)
+    stopped_early: list[str] = field(default_factory=list)
     torn_down: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     judged: list[str] = field(default_factory=list)
@@ -77,6 +84,10 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
             if lifecycle.fail(job, failure):
                 report.timed_out.append(job.name)
 
+    report.timed_out += stop_overdue(job_ids)
+    if job_ids is None:
+        report.stopped_early += median_stop()
+
     retry_after = ugro["KILL_GRACE_S"] + ugro["STOPPING_RETRY_S"]
     for job in jobs.filter(state__in=Job.STOPPING_STATES):
         since = job.state_changed_at or now
@@ -93,8 +104,10 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
         else:
             report.stragglers += [f"{job.name}: {m}" for m in recovery.check_stragglers(job)]
 
-    for job in jobs.filter(state__in=Job.ENDED_STATES, ranks__active=True).distinct():
+    holding = Q(ranks__active=True) | Q(allocations__active=True)
+    for job in jobs.filter(holding, state__in=Job.ENDED_STATES).distinct():
         job.ranks.filter(active=True).update(active=False)
+        job.allocations.filter(active=True).update(active=False)
         report.released.append(job.name)
 
     cutoff = now - timedelta(days=LOST_OUTPUT_DAYS)

@@ -141,9 +141,14 @@ def job_detail(job: Job) -> list[str]:
         out.append(f"  rendezvous {job.rdzv_endpoint}, id {job.tag}")
     if job.launch_spread_s is not None:
         out.append(f"  rank start spread {job.launch_spread_s * 1000:.0f} ms (sync window {job.sync_window_s:g}s)")
+    asks = asks_text(job)
+    if job.time_limit_s:
+        asks += f", time limit {human_duration(job.time_limit_s)}"
+    out.append(f"  asks {asks}" + (f" (VRAM {job.vram_source})" if job.vram_source.startswith("learned") else ""))
     for r in job.ranks.select_related("node").order_by("index"):
+        gpus = f"GPUs {','.join(map(str, r.gpu_indices))}" if r.gpu_indices else "whole node"
         out.append(
-            f"  rank {r.index} on {r.node.name:14} {r.state:8} exit {r.exit_text():>6}  "
+            f"  rank {r.index} on {r.node.name:14} {gpus:12} {r.state:8} exit {r.exit_text():>6}  "
             f"{r.log_lines} lines ({r.log_offset} bytes)"
         )
     if job.failure_reason:
@@ -228,3 +233,53 @@ def results_record(job: Job) -> dict:
             for a in job.attempts.order_by("number")
         ],
     }
+
+
+def asks_text(job: Job) -> str:
+    """What a job asks for, in a few words: 2 GPUs, 2x4 GPUs, 3 nodes, node1+node2; VRAM and time limit."""
+    if job.gpus:
+        what = f"{job.gpus} GPU{'s' if job.gpus > 1 else ''}"
+    elif job.requested_nodes:
+        what = "+".join(job.requested_nodes) + (f" x{job.gpus_per_node} GPUs" if job.gpus_per_node else "")
+    elif job.gpus_per_node:
+        what = f"{job.requested_count or 1}x{job.gpus_per_node} GPUs"
+    else:
+        what = f"{job.requested_count or 1} node{'s' if (job.requested_count or 1) > 1 else ''}"
+    if job.min_vram_mb:
+        what += f" >={job.min_vram_mb / 1024:.0f}G"
+    return what
+
+
+def queue_table(entries: list, holders: dict[str, list[str]]) -> list[str]:
+    """The `queue` command's lines: waiting jobs (position, reason, estimated start), then what holds GPUs.
+
+    entries: jobs.snapshot.Entry in queue order; holders: job name -> ["node:gpu", ...] of running jobs.
+    """
+    now = timezone.now()
+    rows = [f"{'POS':>3} {'JOB':24} {'PRIO':>4} {'OWNER':10} {'ASKS':18} {'REASON':11} {'EST. START':16} DETAIL"]
+    for e in entries:
+        d, job = e.decision, e.job
+        owner = job.owner.username if job.owner_id else "system"
+        if d.start:
+            reason, est, detail = "-", "now", f"starts at the next pass on {e.placement_text()}"
+        else:
+            reason, detail = d.reason, d.detail
+            est = "unknown" if e.est_start is None else _eta_text(e.est_start, now)
+        rows.append(f"{d.position:>3} {job.name[:24]:24} {job.priority:>4} {owner[:10]:10} {asks_text(job)[:18]:18} "
+                    f"{reason:11} {est:16} {detail}")  # fmt: skip
+    if holders:
+        rows.append("")
+        rows.append("holding GPUs:")
+        for name, gpus in holders.items():
+            rows.append(f"    {name[:24]:24} {' '.join(gpus)}")
+    return rows
+
+
+def _eta_text(at, now) -> str:
+    local = timezone.localtime(at)
+    if (at - now).total_seconds() < 60:
+        return "now"
+    fmt = "%H:%M" if local.date() == timezone.localtime(now).date() else "%m-%d %H:%M"
+    minutes = int((at - now).total_seconds() // 60)
+    left = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+    return f"in {left} ({local.strftime(fmt)})"

@@ -1,48 +1,96 @@
-"""The queue: QUEUED jobs start in priority order, first in first out, when their nodes are free."""
+"""The queue: QUEUED jobs start on free GPUs in priority order, with backfill (jobs/placement.py).
+
+One pass reads the cluster in a fixed number of queries (nodes, GPUs, allocations, queued jobs,
+usage, sweeps), asks jobs/placement.py what starts, and claims the GPUs of each starting job under
+the database's one-active-allocation-per-GPU constraint; a pass that loses a race to another
+scheduler simply leaves that job for the next pass.
+"""
 
 from __future__ import annotations
 
 import logging
 
 from django.db import transaction
+from django.utils import timezone
 
+from cluster.models import ClusterSettings
 from ugro_site.celery import send_task
 
 from . import lifecycle
 from .failure import Failure, FailureKind
-from .launch import launch, place
+from .launch import launch
 from .models import Job
+from .report import human_duration
+from .snapshot import Snapshot, queue, time_limit_s
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)
 
 
 def queued_jobs() -> list[Job]:
-    return list(Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk"))
+    """Waiting jobs in the order the scheduler considers them (priority, fair share, age)."""
+    return [entry.job for entry in queue()]
 
 
 def place_queued(only: list[int] | None = None) -> list[Job]:
-    """Claim nodes for queued jobs in order; stop at the first that must wait (no overtaking).
+    """Claim GPUs for the queued jobs that can start now (backfill included); returns them, STARTING.
 
-    only: place just these jobs (a command starting its own job), still in queue order.
+    only: start just these jobs (a command starting its own job); the others still keep their place
+    and their reservations.
     """
+    snap = Snapshot()
+    starting = [d for d in snap.plan() if d.start and (only is None or d.job in only)]
+    jobs = snap.jobs([d.job for d in starting])
     placed = []
-    for job in queued_jobs():
-        if only is not None and job.pk not in only:
+    for decision in starting:
+        job = jobs.get(decision.job)
+        if job is None or job.state != Job.State.QUEUED:
             continue
-        if not place(job):
-            break
-        placed.append(job)
+        nodes = [snap.node_rows[node_id] for node_id, _ in decision.placement]
+        gpus = [indices for _, indices in decision.placement]
+        order = sorted(range(len(nodes)), key=lambda i: nodes[i].placement_key())  # the master hosts rank 0
+        if lifecycle.claim_nodes(job, [nodes[i] for i in order], [gpus[i] for i in order]):
+            placed.append(job)
+        else:
+            log.info("job %s lost its GPUs to another scheduler; the next pass places it", job.name)
     return placed
 
 
+def place(job: Job) -> bool:
+    """Start one queued job now if the queue lets it (it fits and delays no reservation)."""
+    placed = bool(place_queued(only=[job.pk]))
+    job.refresh_from_db()
+    return placed
+
+
+def stop_overdue(job_ids: list[int] | None = None) -> list[str]:
+    """Stop live jobs past their time limit: FAILING with kind TIMEOUT; the teardown sends SIGTERM and,
+    after the kill grace (time for a last checkpoint), SIGKILL."""
+    cs = ClusterSettings.load()
+    now = timezone.now()
+    jobs = Job.objects.filter(state__in=Job.LIVE_STATES, started_at__isnull=False)
+    if job_ids is not None:
+        jobs = jobs.filter(pk__in=job_ids)
+    stopped = []
+    for job in jobs:
+        limit = time_limit_s(job, cs)
+        if (now - job.started_at).total_seconds() <= limit:
+            continue
+        line = f"past its time limit of {human_duration(limit)}: stopped (SIGTERM, then SIGKILL after the grace)"
+        failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
+        if lifecycle.fail(job, failure):
+            stopped.append(job.name)
+    return stopped
+
+
 def schedule(only: list[int] | None = None) -> list[Job]:
-    """Place and launch whatever can start now; returns the jobs launched here."""
+    """Place and launch whatever can start now; returns the jobs launched here (the reconciler stops
+    jobs past their time limit: stop_overdue)."""
     launched = []
     for job in place_queued(only):
         try:
             launched.append(launch(job))
-        except Exception as exc:  # a launch bug must not leave the job STARTING with its nodes held
+        except Exception as exc:  # a launch bug must not leave the job STARTING with its GPUs held
             log.exception("launch of %s crashed", job.name)
             stop_processes(job)
             lifecycle.fail(job, Failure(kind=FailureKind.UNKNOWN, rank=None, node=None, exit_code=None,

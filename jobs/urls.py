@@ -9,6 +9,10 @@ from . import views
 urlpatterns = [
     path("jobs/", views.board, name="job-board"),
     path("jobs/launch/", views.launch, name="job-launch"),
+    path("jobs/queue/", views.queue_page, name="job-queue"),
+    path("sweeps/", views.sweeps, name="sweep-list"),
+    path("sweeps/<int:pk>/", views.sweep_detail, name="sweep-detail"),
+    path("sweeps/<int:pk>/cancel/", views.sweep_cancel, name="sweep-cancel"),
     path("jobs/<int:pk>/", views.detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", views.cancel, name="job-cancel"),
     path("jobs/<int:pk>/relaunch/", views.relaunch, name="job-relaunch"),

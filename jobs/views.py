@@ -9,7 +9,7 @@ from datetime import timedelta
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Max, Prefetch
+from django.db.models import Count, Max, Prefetch
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -20,7 +20,7 @@ from accounts import actions, policy
 from accounts.audit import web_source
 from accounts.policy import Refused
 from cluster.history import history
-from cluster.models import Node
+from cluster.models import GPU, Node
 from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
@@ -37,9 +37,12 @@ from .launch import (
     LaunchRequest,
     build_job,
 )
+from .limits import parse_duration, parse_size_mb
 from .logs import job_lines
-from .models import Job, Rank
+from .models import Job, Rank, Sweep
 from .scheduler import request_schedule
+from .snapshot import Snapshot, queue
+from .sweeps import trial_rows
 
 LANES = (
     ("queued", "Queued", (Job.State.QUEUED,)),
@@ -49,6 +52,7 @@ LANES = (
 DONE_LIMIT = 50
 CHART_METRICS = ("loss", "lr", "tokens_per_sec", "grad_norm")
 MAX_TAIL = 5000
+SWEEP_CHART_MAX = 50
 
 
 def human_duration(seconds: float | None) -> str:
@@ -85,6 +89,24 @@ def board(request: HttpRequest) -> HttpResponse:
         "jobs/board.html",
         {"lanes": lanes, "state": state, "q": query, "states": Job.State.choices, "nav": "jobs"},
     )
+
+
+@require_GET
+def queue_page(request: HttpRequest) -> HttpResponse:
+    """Waiting jobs in start order (position, reason, estimated start) and which job holds which GPU."""
+    snap = Snapshot()
+    entries = queue(snap)
+    gpus = []
+    running = {j.pk: j for j in Job.objects.filter(pk__in={h[0] for h in snap.holders.values()})}
+    models = {(g.node_id, g.index): g for g in GPU.objects.all()}
+    for n in snap.nodes:
+        for slot in n.slots:
+            holder = snap.holders.get((n.id, slot.index))
+            gpus.append({"node": n.name, "index": slot.index, "gpu": models.get((n.id, slot.index)),
+                         "job": running.get(holder[0]) if holder else None, "usable": n.usable})  # fmt: skip
+    for e in entries:
+        e.asks = report.asks_text(e.job)
+    return render(request, "jobs/queue.html", {"entries": entries, "gpus": gpus, "nav": "queue"})
 
 
 def _max_steps(job: Job) -> int | None:
@@ -210,6 +232,53 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     return render(request, "jobs/detail.html", context)
 
 
+@require_GET
+def sweeps(request: HttpRequest) -> HttpResponse:
+    """Every sweep with its trial counts by state."""
+    rows = []
+    for sweep in Sweep.objects.annotate(n=Count("trials")).order_by("-created_at")[:200]:
+        rows.append({"sweep": sweep, "n": sweep.n})
+    return render(request, "jobs/sweeps.html", {"rows": rows, "nav": "jobs"})
+
+
+@require_GET
+def sweep_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A sweep's trials as a sortable table (params, state, final and best metric) and their curves."""
+    sweep = get_object_or_404(Sweep, pk=pk)
+    rows = trial_rows(sweep)
+    names = sorted({k for r in rows for k in r.params})
+    for r in rows:
+        r.cells = [r.params.get(k, "") for k in names]
+        r.final_text = format_value(r.final) if r.final is not None else "—"
+        r.best_text = format_value(r.best) if r.best is not None else "—"
+    return render(
+        request,
+        "jobs/sweep.html",
+        {
+            "sweep": sweep,
+            "rows": rows,
+            "param_names": names,
+            "best": next((r for r in rows if r.is_best), None),
+            "live": any(not r.job.is_ended for r in rows),
+            "chart_rows": rows[:SWEEP_CHART_MAX],
+            "nav": "jobs",
+        },
+    )
+
+
+@require_POST
+def sweep_cancel(request: HttpRequest, pk: int) -> HttpResponse:
+    """Cancel every trial of the sweep not yet ended (returns at once; a worker stops running ones)."""
+    sweep = get_object_or_404(Sweep, pk=pk)
+    try:
+        stopping = actions.cancel_sweep_as(request.user, sweep, web_source(request))
+    except Refused as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"sweep {sweep.name} cancelled ({len(stopping)} running trials being stopped)")
+    return redirect("sweep-detail", sweep.pk)
+
+
 @require_POST
 def cancel(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(Job, pk=pk)
@@ -246,6 +315,13 @@ def relaunch_request(job: Job) -> LaunchRequest:
         epochs=params.get("epochs"),
         lr=params.get("lr"),
         nproc_per_node=job.nproc_per_node,
+        gpus=job.gpus,
+        gpus_per_node=job.gpus_per_node,
+        time_limit_s=job.time_limit_s,
+        min_vram_mb=job.min_vram_mb if job.vram_source == "asked" else None,
+        batch_per_gpu=params.get("batch_per_gpu"),
+        batch_weights=params["batch_weights"] if isinstance(params.get("batch_weights"), dict) else {},
+        batch_weights_auto=params.get("batch_weights") == "auto",
         extra_args=[str(a) for a in params.get("extra") or []],
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",
@@ -307,6 +383,16 @@ class LaunchForm(forms.Form):
     count = forms.IntegerField(
         required=False, min_value=1, max_value=NODES_MAX, label="Node count", help_text="blank: all enabled nodes"
     )
+    gpus = forms.IntegerField(
+        required=False, min_value=1, max_value=NODES_MAX * 64, label="GPUs",
+        help_text="GPUs in all, on any nodes (instead of nodes); blank: whole nodes",
+    )  # fmt: skip
+    time_limit = forms.CharField(
+        required=False, max_length=20, label="Time limit", help_text="e.g. 90m, 2h, 1d; blank: the cluster's default"
+    )
+    min_vram = forms.CharField(
+        required=False, max_length=20, label="Min VRAM per GPU", help_text="e.g. 10G; blank: learned from earlier runs"
+    )
     script = forms.CharField(required=False, max_length=500, help_text="blank: the cluster's default script")
     model = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default model")
     dataset = forms.CharField(required=False, max_length=200, help_text="blank: the cluster's default dataset")
@@ -349,6 +435,20 @@ class LaunchForm(forms.Form):
             (n.name, f"{n.name} ({n.role}, {n.gpu_label})") for n in Node.objects.filter(enabled=True)
         ]
 
+    def clean_time_limit(self) -> int | None:
+        text = (self.cleaned_data["time_limit"] or "").strip()
+        try:
+            return parse_duration(text) if text else None
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean_min_vram(self) -> int | None:
+        text = (self.cleaned_data["min_vram"] or "").strip()
+        try:
+            return parse_size_mb(text) if text else None
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
     def clean_extra_args(self) -> list[str]:
         try:
             return shlex.split(self.cleaned_data["extra_args"] or "")
@@ -362,7 +462,10 @@ class LaunchForm(forms.Form):
         return LaunchRequest(
             name=(d.get("name") or "").strip(),
             nodes=nodes,
-            count=None if nodes else d.get("count"),
+            count=None if nodes or d.get("gpus") else d.get("count"),
+            gpus=d.get("gpus"),
+            time_limit_s=d.get("time_limit"),
+            min_vram_mb=d.get("min_vram"),
             script=(d.get("script") or "").strip(),
             model=(d.get("model") or "").strip(),
             dataset=(d.get("dataset") or "").strip(),

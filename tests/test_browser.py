@@ -381,3 +381,66 @@ def test_launch_form_shows_each_ranks_command_before_launching(web, chromium):
     assert not Job.objects.exists()
     page.screenshot(path=ARTIFACTS / "launch-dry-run.png", full_page=True)
     assert not errors, errors
+
+
+def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromium):
+    from jobs.launch import LaunchRequest, create_job
+    from jobs.scheduler import place_queued
+
+    # given one node held by a job (no worker: nothing launches it) and a 3-node job waiting behind it
+    create_job(LaunchRequest(name="holder", count=1, time_limit_s=3600))
+    place_queued()
+    create_job(LaunchRequest(name="everything", count=3, priority=20))
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    # when the queue page is opened from the navigation
+    page.click("nav >> text=Queue")
+    page.wait_for_selector("#queue-table")
+    # then the waiting job's reason, estimate and the node holder are shown
+    row = page.locator('#queue-table tr[data-job="everything"]')
+    assert row.get_attribute("data-reason") == "resources"
+    assert "next to start" in row.text_content() and "in 59" in row.text_content()
+    held = page.locator('#gpu-table tr[data-node="node1"]').text_content()
+    assert "whole node (no GPU)" in held and "holder" in held
+    assert "free" in page.locator('#gpu-table tr[data-node="node2"]').text_content()
+    page.screenshot(path=ARTIFACTS / "queue.png", full_page=True)
+    assert not errors, errors
+
+
+def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium):
+    from django.core.management import call_command
+    from django.utils import timezone
+
+    from jobs.models import Sweep
+    from metrics.models import MetricPoint
+
+    # given a 3-trial sweep whose trials logged a loss (trial 2 ends lowest)
+    call_command("sweep", "sw", "--grid", "lr=0.1,0.2,0.3", "--nodes", "1", stdout=open(os.devnull, "w"))
+    sweep = Sweep.objects.get(name="sw")
+    now = timezone.now()
+    ends = {"sw-001": 1.5, "sw-002": 0.5, "sw-003": 1.0}
+    for job in sweep.trials.all():
+        MetricPoint.objects.bulk_create(
+            MetricPoint(job=job, rank=0, step=s, name="loss", value=ends[job.name] + 2.0 / s, time=now)
+            for s in range(1, 21)
+        )
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    page.goto(f"{web}/sweeps/{sweep.pk}/")
+    # then the three curves are drawn on one chart with the best trial starred
+    page.locator("#chart-info", has_text="3 of 3 jobs logged loss").wait_for(timeout=10_000)
+    page.wait_for_selector("#compare-chart[data-ready] .u-legend", timeout=10_000)
+    assert "\u2605 sw-002" in page.text_content("#compare-chart")
+    assert page.get_attribute('#trials tr[data-job="sw-002"]', "class") == "best"
+    # and clicking "Final loss" sorts the trials by it, again reverses
+    header = page.locator("#trials th", has_text="Final loss")
+    header.click()
+    order = page.eval_on_selector_all("#trials tbody tr", "rows => rows.map(r => r.dataset.job)")
+    assert order == ["sw-002", "sw-003", "sw-001"]
+    header.click()
+    order = page.eval_on_selector_all("#trials tbody tr", "rows => rows.map(r => r.dataset.job)")
+    assert order == ["sw-001", "sw-003", "sw-002"]
+    page.screenshot(path=ARTIFACTS / "sweep.png", full_page=True)
+    assert not errors, errors

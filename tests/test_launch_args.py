@@ -81,7 +81,7 @@ def test_dry_run_prints_each_ranks_exact_command_and_creates_nothing(nodes):
     assert not Job.objects.exists()
     lines = out.splitlines()
     assert lines[0] == "dry run of job exp1: nothing was created or started"
-    assert lines[1] == "rank 0 on gpu0 (127.0.0.2), in /srv/w0:"
+    assert lines[1] == "rank 0 on gpu0 (127.0.0.2, GPUs 0), in /srv/w0:"
     argv = shlex.split(lines[2])
     tag = argv[argv.index("--rdzv-backend=c10d") + 2].removeprefix("--rdzv-id=")
     assert argv == [
@@ -92,7 +92,8 @@ def test_dry_run_prints_each_ranks_exact_command_and_creates_nothing(nodes):
     ]  # fmt: skip
     assert tag.startswith("exp1-")
     assert "UGRO_NODE_RANK=0" in lines[3] and f"UGRO_JOB={tag}" in lines[3]
-    assert lines[4] == "rank 1 on gpu1 (127.0.0.3), in /srv/w1:"
+    assert "CUDA_VISIBLE_DEVICES=0" in lines[3].split()
+    assert lines[4] == "rank 1 on gpu1 (127.0.0.3, GPUs 0), in /srv/w1:"
     assert "--local-addr=127.0.0.3" in shlex.split(lines[5])
 
 

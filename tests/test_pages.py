@@ -60,7 +60,8 @@ def job(db, node, settings, tmp_path):
 
 
 def page_urls(job: Job) -> list[str]:
-    return ["/", "/jobs/", "/jobs/launch/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}", "/nodes/gpu-master/"]
+    return ["/", "/jobs/", "/jobs/launch/", "/jobs/queue/", f"/jobs/{job.pk}/", f"/compare/?job={job.pk}",
+            "/nodes/gpu-master/"]  # fmt: skip
 
 
 def api_urls(job: Job) -> list[str]:
@@ -257,3 +258,51 @@ def test_detail_progress_from_epochs_when_no_max_steps(browser, db):
         ]
     )
     assert "25.0%" in browser.get(f"/jobs/{job.pk}/").content.decode()
+
+
+def test_queue_page_shows_each_waiting_jobs_reason_and_which_job_holds_which_gpu(browser, db):
+    from jobs.launch import LaunchRequest, create_job
+    from jobs.scheduler import place_queued
+
+    # given a 2-GPU node, one GPU held by a running job, and two jobs waiting
+    Node.objects.create(name="gpu0", address="10.1.1.1", role=Node.Role.MASTER, gpu_count=2, gpu_vram_gb=12)
+    create_job(LaunchRequest(name="holder", gpus=1, time_limit_s=3600))
+    place_queued()
+    create_job(LaunchRequest(name="wide", gpus=2, priority=50))
+    create_job(LaunchRequest(name="narrow", gpus=1, time_limit_s=7200))
+    html = browser.get("/jobs/queue/").content.decode()
+    # then the waiting job shows its position, reason and estimated start
+    row = re.search(r'<tr data-job="wide" data-reason="resources">(.*?)</tr>', html, re.S).group(1)
+    assert "<td>1</td>" in row and "next to start: GPUs reserved for it in 59m" in row and "2 GPUs" in row
+    assert re.search(r'<tr data-job="narrow" data-reason="reservation">', html)
+    # and the GPU table says which job holds which GPU
+    gpu0 = re.search(r'<tr data-node="gpu0" data-gpu="0">(.*?)</tr>', html, re.S).group(1)
+    gpu1 = re.search(r'<tr data-node="gpu0" data-gpu="1">(.*?)</tr>', html, re.S).group(1)
+    assert "holder" in gpu0 and "12.0 GB" in gpu0 and "free" in gpu1
+    # and the node card on the overview too
+    overview = browser.get("/").content.decode()
+    assert re.search(r'<li data-gpu="0">GPU 0: <a href="/jobs/\d+/">holder</a></li>', overview)
+    assert '<li data-gpu="1">GPU 1: <span class="muted">free</span></li>' in overview
+
+
+def test_queue_page_queries_do_not_grow_with_the_queue(browser, db, django_assert_max_num_queries):
+    Node.objects.create(name="gpu0", address="10.1.1.1", role=Node.Role.MASTER, gpu_count=1)
+    Job.objects.bulk_create(Job(name=f"w{i}", script="s.py", gpus=1) for i in range(100))
+    with django_assert_max_num_queries(16):
+        assert browser.get("/jobs/queue/").status_code == 200
+
+
+def test_launch_form_asks_for_gpus_time_limit_and_vram(browser, db):
+    Node.objects.create(name="gpu0", address="10.1.1.1", role=Node.Role.MASTER, gpu_count=2, gpu_vram_gb=12)
+    response = browser.post(
+        "/jobs/launch/", {"name": "formgpu", "gpus": "1", "time_limit": "90m", "min_vram": "10G", "priority": "0"}
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    job = Job.objects.get(name="formgpu")
+    assert (job.gpus, job.time_limit_s, job.min_vram_mb, job.requested_count) == (1, 5400, 10240, None)
+    # a bad value is shown at its field, and nothing is queued
+    html = browser.post("/jobs/launch/", {"name": "bad", "time_limit": "soon", "priority": "0"}).content.decode()
+    assert "time limit &#x27;soon&#x27; is not a duration" in html
+    html = browser.post("/jobs/launch/", {"name": "big", "gpus": "1", "min_vram": "16G", "priority": "0"}).content
+    assert b"no GPU has 16.0 GB; the largest is gpu0 GPU 0" in html
+    assert not Job.objects.filter(name__in=["bad", "big"]).exists()

@@ -1,4 +1,4 @@
-"""One node, one job (enforced by the database); queued jobs start in order when nodes free up."""
+"""One GPU (or GPU-less node), one job, enforced by the database; queued jobs start in order as GPUs free up."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from django.db import IntegrityError, transaction
 
 from cluster.models import Node
-from jobs.launch import LaunchError, LaunchRequest, create_job, place
-from jobs.models import Job, Rank
-from jobs.scheduler import place_queued
+from jobs.launch import LaunchError, LaunchRequest, create_job
+from jobs.models import Allocation, Job
+from jobs.scheduler import place, place_queued
 
 pytestmark = pytest.mark.django_db
 
@@ -19,15 +19,15 @@ def three_nodes():
                                 order=i) for i in range(3)]  # fmt: skip
 
 
-def test_the_database_refuses_a_second_active_job_on_a_node(three_nodes):
+def test_the_database_refuses_a_second_active_job_on_a_node_without_gpus(three_nodes):
     a = Job.objects.create(name="a", script="s.py")
     b = Job.objects.create(name="b", script="s.py")
-    Rank.objects.create(job=a, node=three_nodes[0], index=0)
+    Allocation.objects.create(job=a, node=three_nodes[0], gpu_index=Allocation.WHOLE_NODE)
     with pytest.raises(IntegrityError), transaction.atomic():
-        Rank.objects.create(job=b, node=three_nodes[0], index=0)
-    # an inactive (finished) rank does not hold the node
-    Rank.objects.filter(job=a).update(active=False)
-    Rank.objects.create(job=b, node=three_nodes[0], index=0)
+        Allocation.objects.create(job=b, node=three_nodes[0], gpu_index=Allocation.WHOLE_NODE)
+    # an inactive (finished) allocation does not hold the node
+    Allocation.objects.filter(job=a).update(active=False)
+    Allocation.objects.create(job=b, node=three_nodes[0], gpu_index=Allocation.WHOLE_NODE)
 
 
 def test_placement_puts_the_master_first_and_marks_the_job_starting(three_nodes):
@@ -40,21 +40,22 @@ def test_placement_puts_the_master_first_and_marks_the_job_starting(three_nodes)
 
 
 def test_a_job_whose_nodes_are_busy_waits_and_later_jobs_do_not_overtake_it(three_nodes):
-    first = create_job(LaunchRequest(name="first", count=2))
-    second = create_job(LaunchRequest(name="second", count=3))
-    third = create_job(LaunchRequest(name="third", nodes=["n2"]))
+    # (the third job's time limit runs past the second's reservation: it may not backfill)
+    first = create_job(LaunchRequest(name="first", count=2, time_limit_s=3600))
+    second = create_job(LaunchRequest(name="second", count=3, time_limit_s=3600))
+    third = create_job(LaunchRequest(name="third", nodes=["n2"], time_limit_s=7200))
     assert [j.name for j in place_queued()] == ["first"]
     for j in (second, third):
         j.refresh_from_db()
         assert j.state == Job.State.QUEUED and not j.ranks.exists()
     # when the first job ends and frees its nodes, the queue moves in order
     Job.objects.filter(pk=first.pk).update(state=Job.State.SUCCEEDED)
-    first.ranks.update(active=False)
+    first.allocations.update(active=False)
     assert [j.name for j in place_queued()] == ["second"]
     assert place_queued() == []
     second.refresh_from_db()
     Job.objects.filter(pk=second.pk).update(state=Job.State.FAILED)
-    second.ranks.update(active=False)
+    second.allocations.update(active=False)
     assert [j.name for j in place_queued()] == ["third"]
 
 

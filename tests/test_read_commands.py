@@ -107,7 +107,7 @@ def test_queue_results_alerts_and_logs_speak_json(jobs):
 
 def test_empty_json_answers_are_still_json(db):
     assert json.loads(run("status", "--json")) == {"jobs": []}
-    assert json.loads(run("queue", "--json")) == {"queue": []}
+    assert json.loads(run("queue", "--json")) == {"queue": [], "holding": {}}
     assert json.loads(run("alerts", "--json")) == {"alerts": []}
 
 

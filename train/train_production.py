@@ -108,7 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="stop after this global step (0 = no limit)",
     )
-    p.add_argument("--batch-size", type=int, default=16, help="per-rank batch size")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="per-rank batch size (an even split; UGRO_LOCAL_BATCH in the environment overrides it per rank)",
+    )
     p.add_argument(
         "--grad-accum",
         type=int,
@@ -292,6 +297,7 @@ class StridedBatches:
         rank: int,
         world_size: int,
         seed: int,
+        split: BatchSplit | None = None,
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
@@ -299,12 +305,14 @@ class StridedBatches:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.split = split
+        per_step = split.global_batch if split else batch_size * world_size
         n_windows = (len(tokens) - 1 - (seq_len - 1)) // seq_len
-        self.steps_per_epoch = n_windows // (batch_size * world_size)
+        self.steps_per_epoch = n_windows // per_step
         if self.steps_per_epoch < 1:
             raise ValueError(
                 f"dataset too small: {len(tokens)} tokens give {n_windows} windows of "
-                f"{seq_len}, need at least batch_size*world_size = {batch_size * world_size}"
+                f"{seq_len}, need at least one global batch = {per_step}"
             )
 
     def _starts(self, epoch: int) -> np.ndarray:
@@ -319,20 +327,55 @@ class StridedBatches:
         windows as one batch of batch_size: a smaller batch with more
         accumulation sees the same data per step)."""
         starts = self._starts(epoch)
-        per_step = self.batch_size * self.world_size
-        micro = self.batch_size // accum
+        split = self.split
+        per_step = split.global_batch if split else self.batch_size * self.world_size
         for i in range(skip, self.steps_per_epoch):
             chunk = starts[i * per_step : (i + 1) * per_step]
-            mine = chunk[self.rank :: self.world_size]
+            # the same global batch either way; an uneven split gives each rank its own share of it
+            if split:
+                mine = chunk[split.offset : split.offset + split.local]
+            else:
+                mine = chunk[self.rank :: self.world_size]
             idx = (
                 torch.from_numpy(mine)[:, None]
                 + torch.arange(self.seq_len + 1)[None, :]
             )
             window = self.tokens[idx]
+            micro = max(1, len(mine) // accum)
             yield [
                 (window[j : j + micro, :-1], window[j : j + micro, 1:])
                 for j in range(0, micro * accum, micro)
             ]
+
+
+class BatchSplit:
+    """This rank's share of the global batch when GPUs are uneven (UGRO_LOCAL_BATCH / UGRO_BATCH_WEIGHT).
+
+    UGRO gives each rank a local batch in proportion to its GPU's speed; the global batch stays that of
+    the even split. Each rank scales its mean loss by its weight (local batch / even batch), so that
+    DDP's gradient averaging yields exactly the gradient of the global batch's mean loss.
+    """
+
+    def __init__(self, local: int, offset: int, global_batch: int, world_size: int) -> None:
+        self.local = local
+        self.offset = offset
+        self.global_batch = global_batch
+        self.weight = local * world_size / global_batch  # what UGRO_BATCH_WEIGHT says
+
+    @classmethod
+    def from_env(cls, d: Dist) -> BatchSplit | None:
+        raw = os.environ.get("UGRO_LOCAL_BATCH")
+        if not raw:
+            return None
+        local = int(raw)
+        if local < 1:
+            raise ValueError(f"UGRO_LOCAL_BATCH must be >= 1, got {raw!r}")
+        sizes = [local]
+        if d.enabled and d.world_size > 1:
+            sizes = [None] * d.world_size
+            dist.all_gather_object(sizes, local)
+        offset = sum(sizes[: d.rank])
+        return cls(local, offset, sum(sizes), d.world_size)
 
 
 # --------------------------------------------------------------------------
@@ -506,6 +549,13 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
         d.log(notice)
 
     tokens = load_tokens(data_path)
+    split = BatchSplit.from_env(d)
+    local_batch = split.local if split else args.batch_size
+    if split:
+        d.log(
+            f"uneven split: global batch {split.global_batch}, rank 0 takes {split.local} "
+            f"(weight {split.weight:.3f}); the loss is the global batch's mean"
+        )
     # A step takes batch_size x grad_accum windows per rank, in grad_accum micro-batches.
     batches = StridedBatches(
         tokens,
@@ -514,6 +564,7 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
         d.rank,
         d.world_size,
         args.seed,
+        split,
     )
     steps_per_epoch = batches.steps_per_epoch
     total_steps = steps_per_epoch * args.num_epochs
@@ -583,9 +634,11 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
 
     last_saved = step
     last_loss = float("nan")
+    # a slower GPU, simulated on CPU (tests and bench/uneven_batch.py): seconds per sample of this rank
+    sample_sleep = float(os.environ.get("TRAIN_SAMPLE_SLEEP", "0") or 0)
     # The run's final loss is the last loss it logged (rank 0's line): UGRO's pages and CLI show the same.
     logged_loss = float("nan")
-    tokens_per_step = args.batch_size * args.grad_accum * args.seq_len
+    tokens_per_step = local_batch * args.grad_accum * args.seq_len
     sleep_at = pair(args.sleep_at_step, "--sleep-at-step")
     slow = pair(args.slow_rank, "--slow-rank")
     oom_at = pair(args.oom_at_step, "--oom-at-step")
@@ -616,6 +669,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             loss_sum = 0.0
+            # an uneven split weighs this rank's gradients by its share (DDP divides the sum by world_size)
+            scale = split.weight if split else 1.0
             for j, (x, y) in enumerate(micro_batches):
                 x = x.to(d.device, non_blocking=True)
                 y = y.to(d.device, non_blocking=True)
@@ -628,9 +683,14 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                     loss = F.cross_entropy(
                         logits.reshape(-1, logits.size(-1)), y.reshape(-1)
                     )
-                    (loss / len(micro_batches)).backward()
+                    (loss * scale / len(micro_batches)).backward()
                 loss_sum += loss.item()
             loss = torch.tensor(loss_sum / len(micro_batches))
+            if split:
+                share = (loss * split.local / split.global_batch).reshape(1)
+                if d.enabled and d.world_size > 1:
+                    dist.all_reduce(share)
+                loss = share[0]  # the global batch's mean loss, the same on every rank
             if args.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip
@@ -654,6 +714,8 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
             interval_losses.append(last_loss)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if sample_sleep:
+                time.sleep(sample_sleep * local_batch)
             if slow and slow[0] == d.rank:
                 time.sleep(slow[1])
             wait = 0.0

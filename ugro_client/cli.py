@@ -61,6 +61,11 @@ def build_parser() -> Parser:
     p.add_argument("--dataset", default="")
     p.add_argument("--epochs", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--gpus", type=int, help="GPUs in all, on any nodes (instead of --nodes/--node)")
+    p.add_argument("--gpus-per-node", type=int, dest="gpus_per_node", help="with --nodes K: GPUs on each node")
+    p.add_argument("--time-limit", default="", dest="time_limit", help="e.g. 90m, 2h, 1d (default: the cluster's)")
+    p.add_argument("--min-vram", default="", dest="min_vram", help="memory each GPU needs, e.g. 10G")
+    p.add_argument("--after", default="", help="start only after this job succeeded")
     p.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
     p.add_argument("--priority", type=int, default=0, help="0-100 (launchers: up to the server's bound)")
     p.add_argument("--metrics-pattern", default="", dest="metrics_pattern")
@@ -160,7 +165,8 @@ def cmd_launch(client: Client, a) -> int:
         "name": a.name, "nodes": a.nodes, "count": a.count, "script": a.script, "model": a.model,
         "dataset": a.dataset, "epochs": a.epochs, "lr": a.lr, "nproc_per_node": a.nproc_per_node,
         "priority": a.priority, "extra_args": a.extra, "metrics_pattern": a.metrics_pattern,
-        "metrics_files": a.metrics_files, "dry_run": a.dry_run,
+        "metrics_files": a.metrics_files, "dry_run": a.dry_run, "gpus": a.gpus, "gpus_per_node": a.gpus_per_node,
+        "time_limit": a.time_limit, "min_vram": a.min_vram, "after": a.after,
     }  # fmt: skip
     answer = client.post("jobs/", body)
     if a.dry_run:
@@ -285,8 +291,12 @@ def cmd_queue(client: Client, a) -> int:
     elif not jobs:
         print("queue is empty")
     else:
-        rows = jobs_table(jobs)
-        print("\n".join(("    " if i == 0 else f"{i:>3} ") + row for i, row in enumerate(rows)))
+        print(f"{'POS':>3} {'NAME':24} {'PRIO':>4} {'OWNER':10} {'REASON':11} {'EST. START':20} DETAIL")
+        for j in jobs:
+            reason = "starting" if j.get("starts_now") else (j.get("reason") or "-")
+            est = "now" if j.get("starts_now") else (j.get("estimated_start") or "unknown")[:16].replace("T", " ")
+            print(f"{j.get('position', 0):>3} {j['name'][:24]:24} {j['priority']:>4} {(j['owner'] or '-')[:10]:10} "
+                  f"{reason:11} {est:20} {j.get('detail') or ''}")  # fmt: skip
     return EXIT_OK
 
 

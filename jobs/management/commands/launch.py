@@ -8,7 +8,9 @@ from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
+from jobs.batches import parse_weights
 from jobs.launch import LaunchError, LaunchRequest
+from jobs.limits import parse_duration, parse_size_mb
 from jobs.logs import rank_lines
 from jobs.models import Job
 from jobs.scheduler import request_schedule, schedule
@@ -30,8 +32,33 @@ class Command(UserCommand):
         parser.add_argument("--dataset", default="")
         parser.add_argument("--epochs", type=int)
         parser.add_argument("--lr", type=float)
+        parser.add_argument("--gpus", type=int, help="GPUs in all, on any nodes (instead of --nodes/--node)")
+        parser.add_argument(
+            "--gpus-per-node", type=int, dest="gpus_per_node",
+            help="with --nodes K or --node: GPUs on each node (default: the whole node)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--time-limit", default="", dest="time_limit",
+            help="stop the job (TIMEOUT, SIGTERM then SIGKILL) this long after it starts: 90m, 2h, 1d, H:MM:SS "
+            "(default: the cluster's)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--min-vram", default="", dest="min_vram",
+            help="memory each GPU needs, e.g. 10G (default: learned from earlier runs of the script, if any)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--batch-per-gpu", type=int, dest="batch_per_gpu",
+            help="the even split's batch per GPU: fills {local_batch} (default: training.batch_size_per_gpu)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--batch-weights", default="", dest="batch_weights",
+            help="uneven GPUs: NODE=WEIGHT,... relative speeds, or auto (learned from earlier runs of the "
+            "script alone on each node); each rank gets its share of the global batch "
+            "(UGRO_LOCAL_BATCH, UGRO_BATCH_WEIGHT, {local_batch})",
+        )  # fmt: skip
+        parser.add_argument("--after", default="", help="start only after this job succeeded (a dependency)")
         parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
-        parser.add_argument("--priority", type=int, default=0)
+        parser.add_argument("--priority", type=int, default=0, help="0-100, higher starts first")
         parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
         parser.add_argument(
             "--dry-run",
@@ -80,11 +107,20 @@ class Command(UserCommand):
         parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     def handle(self, **o):
+        try:
+            limit = parse_duration(o["time_limit"]) if o["time_limit"] else None
+            vram = parse_size_mb(o["min_vram"]) if o["min_vram"] else None
+            auto = o["batch_weights"].strip() == "auto"
+            weights = parse_weights(o["batch_weights"]) if o["batch_weights"] and not auto else {}
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         req = LaunchRequest(
             name=o["name"], nodes=o["node"], count=o["nodes"], script=o["script"], model=o["model"],
             dataset=o["dataset"], epochs=o["epochs"], lr=o["lr"], nproc_per_node=o["nproc_per_node"],
             extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
-            metrics_files=o["metrics_files"], retry=o["retry"], max_attempts=o["max_attempts"],
+            metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
+            time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
+            batch_weights_auto=auto, after=o["after"], retry=o["retry"], max_attempts=o["max_attempts"],
             min_nodes=o["min_nodes"], resume_template=o["resume_template"], checkpoint_glob=o["checkpoint_glob"],
             batch_template=o["batch_template"], batch=o["batch"], grad_accum=o["grad_accum"],
             hang_after_s=o["hang_after_s"],

@@ -3,24 +3,38 @@ from __future__ import annotations
 import json
 
 from accounts.commands import UserCommand
-from jobs.report import job_summary, jobs_table
-from jobs.scheduler import queued_jobs
+from jobs.report import job_summary, queue_table
+from jobs.snapshot import Snapshot, holders_by_job, queue
 
 
 class Command(UserCommand):
-    help = "List queued jobs in the order they will start."
+    help = "Waiting jobs in the order they will start: position, why each waits, estimated start; and who holds GPUs."
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
     def handle(self, as_json=False, **options):
-        jobs = queued_jobs()
+        snap = Snapshot()
+        entries = queue(snap)
+        holders = holders_by_job(snap)
         if as_json:
-            entries = [{"position": i, **job_summary(job)} for i, job in enumerate(jobs, start=1)]
-            self.stdout.write(json.dumps({"queue": entries}, indent=2))
+            rows = [
+                {
+                    "position": e.decision.position,
+                    **job_summary(e.job),
+                    "starts_now": e.decision.start,
+                    "reason": None if e.decision.start else e.decision.reason,
+                    "detail": e.decision.detail,
+                    "estimated_start": e.est_start.isoformat() if e.est_start else None,
+                    "gpus": e.placement_text() or None,
+                }
+                for e in entries
+            ]
+            self.stdout.write(json.dumps({"queue": rows, "holding": holders}, indent=2))
             return
-        if not jobs:
+        if not entries:
             self.stdout.write("queue is empty")
-            return
-        for i, row in enumerate(jobs_table(jobs)):
-            self.stdout.write(("    " if i == 0 else f"{i:>3} ") + row)
+            if not holders:
+                return
+        for row in queue_table(entries, holders) if entries else queue_table([], holders)[1:]:
+            self.stdout.write(row)

@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0004_job_owner'),
+        ('jobs', '0006_sched'),
     ]
 
     operations = [

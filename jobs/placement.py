@@ -1,0 +1,373 @@
+"""Where and when queued jobs start: priority order with backfill, VRAM fit, fair share and quotas.
+
+Pure functions over plain values (no database, no clock of their own): jobs/scheduler.py builds
+the inputs from the database and applies the starts; bench/scheduler_sim.py drives the very same
+`plan` with a simulated clock.
+
+The rules, in the manner of Slurm's backfill scheduler:
+- Waiting jobs are taken in order: priority (high first), then their owner's fair-share usage (GPU
+  seconds, decayed with a half-life: light users first), then submission time.
+- A job starts now when the GPUs it asks for (each with at least its min VRAM) are free and taking
+  them delays no reservation.
+- The first `reservations` jobs that cannot start hold a reservation: the earliest time enough GPUs
+  free up, from running jobs' time limits, on GPUs chosen then. A later job may use a reserved GPU
+  only if its own time limit ends before the reservation starts (backfill); it may always use GPUs
+  no reservation needs.
+- Jobs further down get an estimated start from the same timeline (not binding).
+- A job whose owner would exceed the GPU quota, or whose sweep already runs its maximum of trials,
+  waits with reason "quota".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+INF = math.inf
+WHOLE_NODE = -1
+
+
+class Reason:
+    """Why a job waits (what `queue` shows), in Slurm's words where it has one."""
+
+    PRIORITY = "priority"  # jobs ahead of it come first and it does not fit beside them
+    RESOURCES = "resources"  # it is next: waiting for GPUs to free up (holds a reservation)
+    RESERVATION = "reservation"  # it would fit now but would delay a reserved job
+    QUOTA = "quota"  # its owner's GPU quota, or its sweep's max concurrent trials
+    DEPENDENCY = "dependency"  # it starts after another job succeeded (--after)
+    NO_FIT = "resources"  # not enough eligible GPUs are up at all (nodes down or disabled)
+
+
+@dataclass
+class Slot:
+    """One GPU, or the whole of a node without GPUs (index -1)."""
+
+    node: int
+    index: int
+    vram_mb: float = 0.0
+    free_at: float = 0.0  # when it is (or will be) free; the timeline estimates move it on
+    busy: bool = False  # held right now
+    reserved_from: float = INF  # the earliest binding reservation on it
+
+
+@dataclass
+class NodeView:
+    """A node as the planner sees it: its slots in device order, and whether it takes jobs now."""
+
+    id: int
+    name: str
+    usable: bool = True
+    slots: list[Slot] = field(default_factory=list)
+
+    @property
+    def has_gpus(self) -> bool:
+        return bool(self.slots) and self.slots[0].index != WHOLE_NODE
+
+
+@dataclass
+class Demand:
+    """A waiting job's request.
+
+    gpus: that many GPUs on any nodes. Else nodes (or named) with per_node GPUs each, or, with
+    per_node None, whole nodes (every GPU of a GPU node; a GPU-less node as a whole).
+    """
+
+    job: int
+    priority: int = 0
+    owner: int | None = None
+    submitted: float = 0.0
+    time_limit: float = 3600.0
+    gpus: int | None = None
+    nodes: int | None = None
+    per_node: int | None = None
+    named: tuple[int, ...] = ()
+    min_vram_mb: float | None = None
+    group: int | None = None  # its sweep
+    waits_for: str = ""  # why a job it depends on keeps it waiting ("" when none does)
+
+
+@dataclass
+class Running:
+    """A job that holds slots now, until ends_at (its start + time limit) at the latest."""
+
+    job: int
+    slots: list[tuple[int, int]]
+    ends_at: float
+    owner: int | None = None
+    group: int | None = None
+
+
+@dataclass
+class Decision:
+    """What the planner says of one waiting job."""
+
+    job: int
+    position: int
+    start: bool = False
+    placement: list[tuple[int, list[int]]] = field(default_factory=list)  # (node, GPU indices; [] whole)
+    reason: str = ""
+    detail: str = ""
+    est_start: float | None = None
+    reserved: bool = False
+
+
+@dataclass
+class Limits:
+    """Cluster-wide scheduling settings."""
+
+    reservations: int = 1
+    quota_max_gpus: int = 0  # per owner at once; 0: none
+    group_limits: dict[int, int] = field(default_factory=dict)  # sweep -> max concurrent trials
+
+
+def decayed_usage(intervals: Iterable[tuple[int | None, float, float, float]], now: float, half_life: float) -> dict:
+    """Fair-share usage per owner: sum of GPUs x seconds, each second weighted 0.5 ** (age / half_life).
+
+    intervals: (owner, start, end, gpus). The integral of the decay over [start, end] is closed-form.
+    """
+    k = math.log(2) / half_life
+    usage: dict[int | None, float] = {}
+    for owner, start, end, gpus in intervals:
+        end = min(end, now)
+        if end <= start or gpus <= 0:
+            continue
+        weight = (math.exp(-k * (now - end)) - math.exp(-k * (now - start))) / k
+        usage[owner] = usage.get(owner, 0.0) + gpus * weight
+    return usage
+
+
+def order(queued: Sequence[Demand], usage: dict) -> list[Demand]:
+    """The order in which waiting jobs are considered."""
+    return sorted(queued, key=lambda d: (-d.priority, usage.get(d.owner, 0.0), d.submitted, d.job))
+
+
+def _eligible(d: Demand, s: Slot) -> bool:
+    if s.index == WHOLE_NODE:
+        return d.gpus is None and d.per_node is None and d.min_vram_mb is None
+    return d.min_vram_mb is None or s.vram_mb >= d.min_vram_mb
+
+
+def _now_order(s: Slot) -> tuple:
+    # GPUs no reservation needs first (then the latest reserved), then the smallest card that fits
+    # (big cards stay for big models)
+    return (-s.reserved_from, s.vram_mb, s.index)
+
+
+def _reserve_order(s: Slot) -> tuple:
+    # a reservation takes the GPUs that free up last (by its start): the ones free sooner stay open
+    # to backfill; then the smallest card that fits
+    return (-s.free_at, s.vram_mb, s.index)
+
+
+def choose(d: Demand, nodes: Sequence[NodeView], ok, prefer=_now_order) -> list[tuple[NodeView, list[Slot]]] | None:
+    """Slots for the demand among those ok(slot) says are usable, or None if it does not fit.
+
+    --gpus N: one node if one has room (the fullest that does), else the nodes with most room.
+    Nodes x per_node: the nodes with least room to spare. Whole nodes: in the cluster's node order.
+    """
+    if d.named:
+        by_id = {n.id: n for n in nodes}
+        pool = [by_id[i] for i in d.named if i in by_id]
+        if len(pool) != len(d.named):
+            return None
+    else:
+        pool = list(nodes)
+    room: list[tuple[NodeView, list[Slot]]] = []
+    for n in pool:
+        if not n.usable:
+            if d.named:
+                return None
+            continue
+        free = [s for s in n.slots if _eligible(d, s) and ok(s)]
+        if d.gpus is None and d.per_node is None:  # whole node: every slot of it
+            if len(free) != len(n.slots) or not n.slots:
+                if d.named:
+                    return None
+                continue
+            room.append((n, list(n.slots)))
+        elif d.gpus is None:
+            if len(free) < (d.per_node or 0):
+                if d.named:
+                    return None
+                continue
+            room.append((n, sorted(free, key=prefer)[: d.per_node]))
+        elif free:
+            room.append((n, sorted(free, key=prefer)))
+    if d.gpus is not None:
+        need = d.gpus
+        if sum(len(f) for _, f in room) < need:
+            return None
+        single = [(n, f) for n, f in room if len(f) >= need]
+        if single:
+            # the fullest node that has room; among equals the one with the smallest cards
+            n, f = min(single, key=lambda nf: (len(nf[1]), [prefer(s) for s in nf[1][:need]]))
+            return [(n, f[:need])]
+        out = []
+        for n, f in sorted(room, key=lambda nf: (-len(nf[1]), [prefer(s) for s in nf[1]])):
+            take = f[:need]
+            out.append((n, take))
+            need -= len(take)
+            if need == 0:
+                return out
+        return None
+    if d.named:
+        return room
+    want = d.nodes or 1
+    if len(room) < want:
+        return None
+    if d.per_node is not None:
+        spare = {n.id: sum(1 for s in n.slots if ok(s) and _eligible(d, s)) for n, _ in room}
+        room = sorted(room, key=lambda nf: (spare[nf[0].id], [prefer(s) for s in nf[1]]))
+    return room[:want]
+
+
+def earliest(d: Demand, nodes: Sequence[NodeView], now: float) -> float:
+    """The earliest time the demand fits on the timeline (slots' free_at), INF if it never does."""
+
+    def when(n: NodeView, count: int | None) -> float:
+        if not n.usable:
+            return INF
+        times = sorted(s.free_at for s in n.slots if _eligible(d, s))
+        if count is None:  # whole node
+            return max(times) if times and len(times) == len(n.slots) else INF
+        return times[count - 1] if len(times) >= count else INF
+
+    if d.gpus is not None:
+        times = sorted(s.free_at for n in nodes if n.usable for s in n.slots if _eligible(d, s))
+        t = times[d.gpus - 1] if len(times) >= d.gpus else INF
+    elif d.named:
+        by_id = {n.id: n for n in nodes}
+        t = max((when(by_id[i], d.per_node) if i in by_id else INF) for i in d.named)
+    else:
+        per = sorted(when(n, d.per_node) for n in nodes)
+        want = d.nodes or 1
+        t = per[want - 1] if len(per) >= want else INF
+    return max(t, now)
+
+
+def plan(
+    now: float,
+    nodes: Sequence[NodeView],
+    running: Sequence[Running],
+    queued: Sequence[Demand],
+    usage: dict | None = None,
+    limits: Limits | None = None,
+) -> list[Decision]:
+    """Decide, for every waiting job in order, whether it starts now (and where) or why it waits."""
+    limits = limits or Limits()
+    usage = usage or {}
+    slots = {(s.node, s.index): s for n in nodes for s in n.slots}
+    for s in slots.values():
+        s.free_at, s.busy, s.reserved_from = now, False, INF
+    held: dict[int | None, int] = {}
+    group_running: dict[int, int] = {}
+    for r in running:
+        for key in r.slots:
+            s = slots.get(key)
+            if s is not None:
+                s.busy, s.free_at = True, max(s.free_at, r.ends_at, now)
+        held[r.owner] = held.get(r.owner, 0) + len(r.slots)
+        if r.group is not None:
+            group_running[r.group] = group_running.get(r.group, 0) + 1
+
+    decisions: list[Decision] = []
+    reserved = 0
+    first_waiting: Decision | None = None
+    # Within a pass GPUs only get busier and reservations only earlier, so what did not fit stays so:
+    # a request of the same shape is not tried again (many queued jobs look alike).
+    free_now = sum(1 for n in nodes if n.usable for s in n.slots if not s.busy)
+    no_fit_now: dict[tuple, float] = {}  # shape -> the shortest time limit that did not fit now
+    not_free: set[tuple] = set()  # shapes that do not fit the free GPUs even ignoring reservations
+    for position, d in enumerate(order(queued, usage), start=1):
+        dec = Decision(job=d.job, position=position)
+        decisions.append(dec)
+        if d.waits_for:
+            dec.reason, dec.detail = Reason.DEPENDENCY, d.waits_for
+            continue
+        limit = limits.group_limits.get(d.group) if d.group is not None else None
+        if limit is not None and group_running.get(d.group, 0) >= limit:
+            dec.reason, dec.detail = Reason.QUOTA, f"its sweep runs at most {limit} trials at once"
+            continue
+        end = now + d.time_limit
+        shape = (d.gpus, d.nodes, d.per_node, d.named, d.min_vram_mb)
+        fit = None
+        if free_now >= _count(d, nodes) and no_fit_now.get(shape, INF) > d.time_limit:
+            fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
+            if fit is None:
+                no_fit_now[shape] = d.time_limit
+        count = sum(len(f) for _, f in fit) if fit else _count(d, nodes)
+        if limits.quota_max_gpus and held.get(d.owner, 0) + count > limits.quota_max_gpus:
+            dec.reason = Reason.QUOTA
+            dec.detail = (
+                f"its owner holds {held.get(d.owner, 0)} of at most {limits.quota_max_gpus} GPUs at once "
+                f"and it needs {count}"
+            )
+            continue
+        if fit:
+            dec.start, dec.est_start = True, now
+            dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in fit]
+            for _, f in fit:
+                for s in f:
+                    s.busy, s.free_at = True, end
+            free_now -= count
+            held[d.owner] = held.get(d.owner, 0) + count
+            if d.group is not None:
+                group_running[d.group] = group_running.get(d.group, 0) + 1
+            continue
+        t = earliest(d, nodes, now)
+        if t == INF:
+            dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
+            continue
+        at = choose(d, nodes, lambda s, t=t: s.free_at <= t, _reserve_order)
+        if at is None:  # cannot happen: earliest() found the time from these slots
+            dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
+            continue
+        dec.est_start = t
+        dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in at]
+        binding = reserved < limits.reservations
+        for _, f in at:
+            for s in f:
+                s.free_at = max(s.free_at, t + d.time_limit)
+                if binding:
+                    s.reserved_from = min(s.reserved_from, t)
+        if binding:
+            reserved += 1
+            dec.reserved = True
+            dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {_fmt_in(t - now)}"
+            first_waiting = first_waiting or dec
+        elif shape not in not_free and free_now >= _count(d, nodes) and choose(d, nodes, lambda s: not s.busy):
+            dec.reason = Reason.RESERVATION
+            dec.detail = "fits now, but would run past the start reserved for " + (
+                f"job {first_waiting.job}" if first_waiting else "a job ahead"
+            )
+        else:
+            not_free.add(shape)
+            dec.reason, dec.detail = Reason.PRIORITY, "jobs ahead of it take the GPUs it needs"
+    return decisions
+
+
+def _count(d: Demand, nodes: Sequence[NodeView]) -> int:
+    if d.gpus is not None:
+        return d.gpus
+    k = len(d.named) if d.named else (d.nodes or 1)
+    return k * (d.per_node or 1)
+
+
+def _no_fit_detail(d: Demand, nodes: Sequence[NodeView]) -> str:
+    up = [s for n in nodes if n.usable for s in n.slots if _eligible(d, s)]
+    vram = f" with at least {d.min_vram_mb / 1024:.1f} GB" if d.min_vram_mb else ""
+    if d.gpus is not None:
+        return f"needs {d.gpus} GPUs{vram}; {len(up)} such GPUs are up"
+    what = f"{d.per_node} GPUs{vram} each" if d.per_node else "whole"
+    want = len(d.named) if d.named else (d.nodes or 1)
+    return f"needs {want} nodes ({what}); not enough such nodes are up"
+
+
+def _fmt_in(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"in {seconds}s"
+    if seconds < 3600:
+        return f"in {seconds // 60}m"
+    return f"in {seconds // 3600}h{seconds % 3600 // 60:02d}m"
