@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cluster.models import Node
-from jobs import lifecycle
+from jobs import lifecycle, recovery
 from jobs.launch import LaunchError, LaunchRequest, create_job, dry_run
 from jobs.models import Job, Sweep
 from jobs.sweeps import SweepRequest, cancel_sweep, create_sweep
@@ -85,3 +85,17 @@ def cancel_sweep_as(user, sweep: Sweep, source: str) -> list[Job]:
     stopping = cancel_sweep(sweep)
     audit.record(user, "cancel sweep", sweep.name, source=source, sweep_id=sweep.pk)
     return stopping
+
+
+def resume(user, job: Job, wanted: str | None, nodes: list[str] | None, source: str) -> Job:
+    """Resume a failed or cancelled job as its next attempt (jobs/recovery.py) as `user`; raises
+    policy.Refused or recovery.RecoveryError (one line), with nothing changed."""
+    _checked(user, "resume", job.name, source, job=job)
+    try:
+        job = recovery.resume(job, wanted, nodes, who=user.get_username() if user else "")
+    except recovery.RecoveryError as exc:
+        audit.record(user, "resume", job.name, source=source, outcome=f"refused: {exc}")
+        raise
+    audit.record(user, "resume", job.name, source=source, job_id=job.pk, attempt=job.attempt,
+                 from_step=job.resume_step, nodes=job.requested_nodes)  # fmt: skip
+    return job

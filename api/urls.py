@@ -36,6 +36,7 @@ urlpatterns = [
     path("v1/jobs/<str:name>/logs", api(views.JobLogsView), name="job-logs"),
     path("v1/jobs/<str:name>/results", api(views.JobResultsView), name="job-results"),
     path("v1/jobs/<str:name>/cancel", api(views.JobCancelView), name="job-cancel"),
+    path("v1/jobs/<str:name>/resume", api(views.JobResumeView), name="job-resume"),
     path("v1/queue", api(views.QueueView), name="queue"),
     path("v1/health", api(views.HealthView), name="health"),
     path("v1/nodes/<str:name>/drain", api(views.NodeDrainView), name="node-drain"),

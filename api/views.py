@@ -24,6 +24,7 @@ from jobs import report
 from jobs.launch import LaunchError
 from jobs.logs import LogLine, job_lines, rank_lines
 from jobs.models import Job, Rank
+from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
 from jobs.views import metric_names, progress
@@ -261,7 +262,7 @@ class JobResultsView(APIView):
                 {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
                 for m in FinalMetric.objects.filter(job=job).order_by("rank", "name")
             ],
-            "checkpoints": [{"node": n, "path": p, "size": size} for n, p, size in report.checkpoints(job)],
+            "checkpoints": [{"node": c.node.name, "path": c.path, "size": c.size} for c in report.checkpoints(job)],
             "config": str(cfg) if cfg.exists() else None,
             "logs": {str(r.index): str(r.local_log) for r in ranks},
             "lines": report.results(job),
@@ -282,6 +283,29 @@ class JobCancelView(APIView):
             raise
         except ValueError as exc:
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        return Response(s.JobSerializer(job_summary(job, with_progress=False)).data)
+
+
+class JobResumeView(APIView):
+    policy_actions = {"POST": "resume"}
+
+    @extend_schema(summary="Resume a failed or cancelled job as its next attempt (`ugro resume`): body "
+                   '{"from": STEP | "latest" | "scratch", "nodes": [names]}; it is QUEUED now',
+                   request=None, responses=s.JobSerializer)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        job = _job(name)
+        body = request.data if isinstance(request.data, dict) else {}
+        wanted = str(body.get("from", "latest"))[:40]
+        nodes = body.get("nodes") or None
+        if nodes is not None and (not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes)):
+            return Response({"error": "nodes must be a list of node names"}, status=status.HTTP_400_BAD_REQUEST)
+        try:
+            job = actions.resume(request.user, job, wanted, nodes, web_source(request))
+        except policy.Refused:
+            raise
+        except RecoveryError as exc:
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        request_schedule()
         return Response(s.JobSerializer(job_summary(job, with_progress=False)).data)
 
 

@@ -48,6 +48,7 @@ class FailureKind(StrEnum):
     CANCELLED = "CANCELLED"
     TIMEOUT = "TIMEOUT"
     NCCL = "NCCL"
+    HANG = "HANG"
     UNKNOWN = "UNKNOWN"
 
     @property
@@ -66,6 +67,7 @@ _DESCRIPTIONS = {
     FailureKind.CANCELLED: "the job was cancelled as asked",
     FailureKind.TIMEOUT: "the job ran past its time limit",
     FailureKind.NCCL: "a collective or communication error between ranks (NCCL, gloo)",
+    FailureKind.HANG: "the job stopped printing metric lines for longer than its hang limit",
     FailureKind.UNKNOWN: "a rank failed without saying why",
 }
 

@@ -34,17 +34,15 @@ from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
 from metrics.models import MetricPoint
 
-from . import lifecycle
+from . import checkpoints, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
-from .models import Checkpoint, Job, Rank
+from .models import Job, Rank
 from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
 PUBLISH_SLICE = 1000
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
-CHECKPOINT_SCAN_S = 30.0  # how often a running rank's checkpoint directory is listed
 
 
 class LeaseLost(Exception):
@@ -125,25 +123,6 @@ def takeable(data: bytes, final: bool) -> bytes:
     return data[: cut + (rest // LINE_CUT) * LINE_CUT]
 
 
-def checkpoint_dir(rank: Rank) -> str:
-    """Where a rank's checkpoints are looked for: <workdir>/outputs/<job> (train_production.py's place)."""
-    return f"{rank.node.workdir.rstrip('/')}/outputs/{rank.job.name}"
-
-
-def record_checkpoints(rank: Rank) -> int:
-    """Ask the rank's node for its checkpoint files and record them; the number recorded or updated."""
-    entries = node_request(rank.node, "listdir", timeout=10, path=checkpoint_dir(rank))["entries"]
-    n = 0
-    for e in entries:
-        if e["name"].endswith(CHECKPOINT_SUFFIXES) and not e["name"].endswith(".tmp"):
-            Checkpoint.objects.update_or_create(
-                job_id=rank.job_id, node_id=rank.node_id, path=f"{checkpoint_dir(rank)}/{e['name']}",
-                defaults={"size": e["size"], "mtime": e["mtime"]},
-            )  # fmt: skip
-            n += 1
-    return n
-
-
 class JobFollower:
     """Follows one job; keeps per-rank parser state between steps."""
 
@@ -160,7 +139,11 @@ class JobFollower:
         stream = self.streams.get(rank.pk)
         if stream is None:
             stream = self.streams[rank.pk] = RankStream()
-            last = MetricPoint.objects.filter(job=self.job, rank=rank.index).order_by("-step").first()
+            last = (
+                MetricPoint.objects.filter(job=self.job, rank=rank.index, attempt=self.job.attempt)
+                .order_by("-step")
+                .first()
+            )
             if last:
                 stream.parser.last_step = last.step  # inferred steps continue after a restart
         return stream
@@ -220,14 +203,16 @@ class JobFollower:
         return taken
 
     def _scan_checkpoints(self, rank: Rank) -> None:
-        """Record the rank's checkpoints every CHECKPOINT_SCAN_S while it runs, and once when it ends."""
+        """Record the rank's checkpoints every CHECKPOINT_SCAN_S while it runs, and once when it ends
+        (jobs/checkpoints.py decides which are complete)."""
         last = self.scanned.get(rank.pk)
         ended = rank.state != Rank.State.RUNNING
-        if not ended and last is not None and time.monotonic() - last < CHECKPOINT_SCAN_S:
+        every = float(settings.UGRO.get("CHECKPOINT_SCAN_S", 30.0))
+        if not ended and last is not None and time.monotonic() - last < every:
             return
         self.scanned[rank.pk] = time.monotonic()
         try:
-            record_checkpoints(rank)
+            checkpoints.scan(rank)
         except (LinkError, AgentRequestError) as exc:
             log.info("checkpoints of %s: %s", rank, exc)
 
@@ -264,6 +249,8 @@ class JobFollower:
         lines = split_lines(data)
         stream = self._stream(rank)
         points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final)
+        if self.job.attempt != 1:
+            points = [p._replace(attempt=self.job.attempt) for p in points]
         old = rank.log_offset
         fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
         with transaction.atomic():
@@ -382,7 +369,7 @@ def follow(
                     followers.pop(job.pk, None)
                     continue
                 f = followers.get(job.pk)
-                if f is None:
+                if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
                     taken += f.step(wait=wait)

@@ -26,14 +26,15 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import lifecycle
+from . import checkpoints, lifecycle
 from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_speeds, learned_vram
-from .models import Job, Rank
+from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
 from .nodes import node_request, on_each
 from .preflight import run_preflight, script_path
+from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
 from .stop import stop_processes
 
@@ -94,6 +95,16 @@ class LaunchRequest:
     batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
     batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
     after: str = ""  # the name of a job this one starts after (once it succeeded)
+    # recovery (docs/recovery.md)
+    retry: str = ""  # failure kinds retried automatically, e.g. "node-lost,oom"
+    max_attempts: int | None = None
+    min_nodes: int | None = None
+    resume_template: str = ""  # blank: --resume-from {checkpoint}
+    checkpoint_glob: str = ""
+    batch_template: str = ""  # e.g. --batch-size {batch} --grad-accum {accum}
+    batch: int | None = None
+    grad_accum: int | None = None
+    hang_after_s: float | None = None
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -226,7 +237,7 @@ def create_job(req: LaunchRequest) -> Job:
 
 def _never_ran(name: str):
     return Job.objects.filter(
-        name=name, state=Job.State.FAILED, running_at__isnull=True,
+        name=name, state=Job.State.FAILED, running_at__isnull=True, attempt=1,
         failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
     )  # fmt: skip
 
@@ -297,6 +308,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     if problems:
         raise LaunchError(problems=problems)
 
+    recovery = _recovery_fields(req, count or len(req.nodes))
     values = {
         "model": model,
         "dataset": dataset,
@@ -326,8 +338,41 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         sweep_params=req.sweep_params,
         resumed_from=req.resumed_from,
         after=after,
+        **recovery,
     )  # fmt: skip
     return job, pattern, files
+
+
+def _recovery_fields(req: LaunchRequest, nodes: int) -> dict[str, Any]:
+    """The job's recovery settings from a request; LaunchError with a one-line reason."""
+    from_template = req.resume_template.strip() or DEFAULT_RESUME_TEMPLATE
+    if "{checkpoint}" not in from_template:
+        raise LaunchError("--resume-template must contain {checkpoint}")
+    for text, what in ((from_template, "resume template"), (req.batch_template, "batch template"),
+                       (req.checkpoint_glob, "checkpoint glob")):  # fmt: skip
+        _check_arg(text, what)
+    glob = req.checkpoint_glob.strip()
+    if glob.startswith("/") or ".." in glob.split("/"):
+        raise LaunchError("--checkpoint-glob must be relative to the node's workdir, without '..'")
+    if req.max_attempts is not None and not 1 <= req.max_attempts <= 100:
+        raise LaunchError("--max-attempts must be between 1 and 100")
+    for value, what in ((req.batch, "--batch"), (req.grad_accum, "--grad-accum")):
+        if value is not None:
+            _int_in(value, 1, 1_000_000, what)
+    if req.min_nodes is not None and not 1 <= req.min_nodes <= max(1, nodes):
+        raise LaunchError(f"--min-nodes must be between 1 and the job's {nodes} nodes")
+    if req.hang_after_s is not None and not (math.isfinite(req.hang_after_s) and req.hang_after_s > 0):
+        raise LaunchError("--hang-after must be a positive number of seconds")
+    try:
+        retry_on = parse_retry(req.retry) if req.retry else []
+        batch = check_batch_template(req.batch_template.strip(), req.batch, req.grad_accum)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    return {
+        "retry_on": retry_on, "max_attempts": req.max_attempts, "min_nodes": req.min_nodes,
+        "resume_template": from_template, "checkpoint_glob": glob, "batch_template": req.batch_template.strip(),
+        "batch": batch, "hang_after_s": req.hang_after_s,
+    }  # fmt: skip
 
 
 def _batch_params(per_gpu: Any, weights: dict[str, float] | str) -> dict[str, Any]:
@@ -530,7 +575,9 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
         "--max-restarts=0",
     ]
     args = _with_local_batch(job.script_args, getattr(rank, "local_batch", None))
-    return [*prefix, script_path(node, job.script), *args], len(prefix)
+    # the batch and resume arguments after the user's: argparse keeps the last value
+    extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
+    return [*prefix, script_path(node, job.script), *args, *extra], len(prefix)
 
 
 def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
@@ -570,6 +617,8 @@ def write_job_config(job: Job, ranks: list[Rank]) -> None:
         "script_args": job.script_args,
         "params": job.params,
         "rdzv_endpoint": job.rdzv_endpoint,
+        "attempt": job.attempt,
+        "resume_from": job.resume_path or None,
         "created_at": job.created_at.isoformat(),
         "started_at": job.started_at.isoformat() if job.started_at else None,
         "ranks": [
@@ -620,6 +669,13 @@ def launch(job: Job) -> Job:
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
         )
         return job
+    ckpt = job.resume_checkpoint
+    if ckpt is not None:
+        try:  # on every node of this attempt (the HF Trainer reads it on every rank)
+            checkpoints.ensure_on(ckpt, [r.node for r in ranks])
+        except ValueError as exc:
+            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+            return job
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:

@@ -5,6 +5,7 @@
     STARTING | RUNNING -> CANCELLING -> CANCELLED
     STARTING | RUNNING -> FAILING -> FAILED
     STARTING -> FAILED (nothing was started: unreachable node, pre-flight)
+    FAILED | CANCELLED -> QUEUED (requeue: a resume or retry starts attempt N+1 of the same job)
 
 Every transition is a conditional UPDATE from the states it may leave; a caller that loses the race
 gets False and does nothing more. The final states release every node in the same transaction that
@@ -27,15 +28,16 @@ from django.db import IntegrityError, connections, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from cluster.alerts import job_ended_alerts
+from cluster.alerts import job_ended_alerts, resolve_job_alerts
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
+from metrics.models import MetricPoint
 from ugro_site.celery import send_task, worker_alive
 
 from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain
-from .logs import tail_lines
-from .models import Allocation, Job, Rank
+from .logs import archive_logs, restore_logs, tail_lines
+from .models import Allocation, Attempt, Checkpoint, Job, Rank
 from .nodes import node_request
 from .stop import stop_processes
 
@@ -139,7 +141,7 @@ def fail_unstarted(job: Job, kind: FailureKind, reason: str) -> bool:
     with transaction.atomic():
         done = _move(
             job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(),
-            failure_kind=kind.value, failure_reason=reason[:4000],
+            failure_kind=kind.value, failure_reason=reason[:4000], recovery_note="", retry_at=None,
         )  # fmt: skip
         if done:
             _release(job)
@@ -161,6 +163,8 @@ def fail(job: Job, failure: Failure) -> bool:
         "failure_signal": failure.signal,
         "failure_line": (failure.line or "")[:2000],
         "failure_reason": failure.summary()[:4000],
+        "recovery_note": "",  # the retry policy decides afresh for this failure
+        "retry_at": None,
     }
     with transaction.atomic():
         done = _move(job, Job.LIVE_STATES, Job.State.FAILING, **fields)
@@ -272,6 +276,101 @@ def _announce_end(job: Job) -> None:
     except Exception:  # an alert must never keep a job from ending
         log.exception("alerts for the end of %s failed", job.name)
     send_task("jobs.tasks.schedule_jobs")
+
+
+# -- FAILED | CANCELLED -> QUEUED: the next attempt ---------------------------------------------
+
+
+RESUMABLE_STATES = (Job.State.FAILED, Job.State.CANCELLED)
+
+
+@dataclass
+class NextAttempt:
+    """What the next attempt of an ended job starts from and where it may run."""
+
+    reason: str  # why (a person's resume, or the retry policy and the failure kind)
+    checkpoint: Checkpoint | None = None
+    resume_path: str = ""  # the checkpoint as rank 0 names it ("" = from scratch)
+    nodes: list[str] | None = None  # node names (None: as the job asked before)
+    count: int | None = None  # a node count instead of names
+    batch: dict | None = None  # new batch values for the job's batch template
+    retry_at: datetime | None = None  # not before (backoff); None: at once
+
+
+def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
+    """Inside requeue's transaction: the Attempt row, the ranks removed, the curve cut, the job QUEUED."""
+    ranks = list(job.ranks.select_related("node").order_by("index"))
+    last_step = MetricPoint.objects.filter(job=job, attempt=number).order_by("-step").values_list("step", flat=True)
+    from_step = nxt.checkpoint.step if nxt.checkpoint is not None else None
+    ended = {
+        "tag": job.tag, "state": job.state, "failure_kind": job.failure_kind,
+        "failure_reason": job.failure_reason, "started_at": job.started_at, "finished_at": job.finished_at,
+    }  # fmt: skip
+    ended_from = job.resume_step  # the step the ended attempt started from (None: from scratch)
+    fields = {
+        "attempt": number + 1,
+        "started_at": None, "running_at": None, "finished_at": None, "tag": "", "rdzv_endpoint": "",
+        "launch_spread_s": None, "launcher": "", "follower": "", "follower_until": None,
+        "failure_kind": "", "failure_rank": None, "failure_node": "", "failure_exit_code": None,
+        "failure_signal": None, "failure_line": "", "failure_reason": "",
+        "resume_checkpoint": nxt.checkpoint, "resume_path": nxt.resume_path, "resume_step": from_step,
+        "retry_at": nxt.retry_at, "recovery_note": nxt.reason[:2000],
+    }  # fmt: skip
+    if nxt.nodes is not None:
+        fields.update(requested_nodes=list(nxt.nodes), requested_count=None)
+    elif nxt.count is not None:
+        fields.update(requested_nodes=[], requested_count=nxt.count)
+    if nxt.batch is not None:
+        fields["batch"] = nxt.batch
+    if not _move(job, [job.state], Job.State.QUEUED, **fields):
+        raise RuntimeError(f"job {job.name} left {ended['state']} while its row was locked")
+    Attempt.objects.create(
+        job=job, number=number, from_step=ended_from, last_step=last_step.first(),
+        nodes=[r.node.name for r in ranks],
+        ranks=[
+            {"index": r.index, "node": r.node.name, "state": r.state, "exit_code": r.exit_code,
+             "log_offset": r.log_offset, "log_lines": r.log_lines, "lost_reason": r.lost_reason}
+            for r in ranks
+        ],
+        logs_dir=str(moved) if moved else "", next_reason=nxt.reason[:300], **ended,
+    )  # fmt: skip
+    Rank.objects.filter(job=job).delete()
+    cut = MetricPoint.objects.filter(job=job, superseded=False)
+    (cut.filter(step__gt=from_step) if from_step is not None else cut).update(superseded=True)
+
+
+def requeue(job: Job, nxt: NextAttempt) -> bool:
+    """FAILED | CANCELLED -> QUEUED as attempt N+1 of the same job (same name, same curve).
+
+    The ended attempt is kept as an Attempt row; its central logs move to logs/attempt_<N>/ and its rank
+    rows are removed (the job's ranks are always the current attempt's); its metric points past the
+    step the new attempt starts from leave the curve (superseded, not deleted). False if the job is not
+    in a resumable state (another resume won the race, or it is still live).
+    """
+    with transaction.atomic():
+        # the row lock makes a second resume wait, then see the job QUEUED: it moves no log file
+        locked = Job.objects.select_for_update().filter(pk=job.pk).first()
+        if locked is None or locked.state not in RESUMABLE_STATES:
+            job.refresh_from_db()
+            return False
+        job.refresh_from_db()
+        number = job.attempt
+        moved = archive_logs(job, number)  # the next attempt must never write over them
+        try:
+            _archive_attempt(job, nxt, number, moved)
+        except Exception:
+            if moved:
+                restore_logs(job, number)
+            raise
+    log.warning("job %s: attempt %d queued (%s)", job.name, job.attempt, nxt.reason)
+
+    def go() -> None:
+        publish_job(job, "state", {"state": job.state, "reason": nxt.reason, "attempt": job.attempt})
+        resolve_job_alerts(job.name)  # the failure is being dealt with
+        send_task("jobs.tasks.schedule_jobs")
+
+    transaction.on_commit(go)
+    return True
 
 
 # -- ranks ----------------------------------------------------------------------------------------

@@ -36,6 +36,54 @@ def write_at(path: Path, offset: int, chunk: bytes) -> None:
         os.close(fd)
 
 
+def attempt_logs_dir(job: Job, number: int) -> Path:
+    """Where attempt `number`'s central logs live once a later attempt started."""
+    return job.logs_dir / f"attempt_{number}"
+
+
+def archive_logs(job: Job, number: int) -> Path | None:
+    """Move the current attempt's central rank logs (and arrival times) to logs/attempt_<number>/ (renames:
+    nothing is copied). Returns that directory, or None when there was nothing to move."""
+    files = sorted(job.logs_dir.glob("rank_*.log")) + sorted(job.logs_dir.glob("rank_*.times"))
+    if not files:
+        return None
+    target = attempt_logs_dir(job, number)
+    target.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        f.replace(target / f.name)
+    return target
+
+
+def restore_logs(job: Job, number: int) -> None:
+    """Undo archive_logs (the requeue that moved them lost its race)."""
+    source = attempt_logs_dir(job, number)
+    for f in sorted(source.glob("rank_*")):
+        f.replace(job.logs_dir / f.name)
+
+
+@dataclass(frozen=True)
+class ArchivedRank:
+    """A rank of an earlier attempt, as far as reading its central log needs (duck-types Rank)."""
+
+    pk: str
+    index: int
+    log_offset: int
+    local_log: Path
+
+
+def attempt_ranks(job: Job, number: int) -> list[ArchivedRank] | None:
+    """The ranks of an earlier attempt of the job, for job_lines; None if there is no such attempt."""
+    attempt = job.attempts.filter(number=number).first()
+    if attempt is None:
+        return None
+    base = Path(attempt.logs_dir) if attempt.logs_dir else attempt_logs_dir(job, number)
+    return [
+        ArchivedRank(pk=f"a{number}r{r['index']}", index=r["index"], log_offset=int(r.get("log_offset") or 0),
+                     local_log=base / f"rank_{r['index']}.log")
+        for r in sorted(attempt.ranks, key=lambda r: r["index"])
+    ]  # fmt: skip
+
+
 def times_path(rank: Rank) -> Path:
     """When each chunk of a rank's log arrived (byte offset, time), for merged views."""
     return rank.local_log.with_suffix(".times")

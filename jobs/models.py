@@ -11,12 +11,15 @@ from django.utils import timezone
 from cluster.models import Node
 from cluster.names import validate_safe_name
 
+DEFAULT_RESUME_TEMPLATE = "--resume-from {checkpoint}"
+
 
 class Job(models.Model):
     """One distributed training run. Only jobs/lifecycle.py changes `state` (docs/lifecycle.md):
 
     QUEUED -> STARTING -> RUNNING -> SUCCEEDED; STARTING | RUNNING -> FAILING -> FAILED;
-    QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED.
+    QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED;
+    FAILED | CANCELLED -> QUEUED as the next attempt (resume, retry: docs/recovery.md).
     FAILING and CANCELLING hold the nodes while the job's processes are stopped; the final states
     release every node in the same transaction that sets them.
     """
@@ -84,6 +87,31 @@ class Job(models.Model):
     follower = models.CharField(max_length=100, blank=True)
     follower_until = models.DateTimeField(null=True, blank=True)
     resumed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Recovery (docs/recovery.md): how this job resumes, and what made its current attempt.
+    resume_template = models.CharField(
+        max_length=500, default=DEFAULT_RESUME_TEMPLATE,
+        help_text="The script's resume argument; {checkpoint} is the checkpoint's path on rank 0's node.",
+    )  # fmt: skip
+    checkpoint_glob = models.CharField(
+        max_length=500, blank=True, help_text="Extra checkpoint paths to record, a glob relative to the workdir."
+    )
+    resume_checkpoint = models.ForeignKey(
+        "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="The checkpoint this attempt starts from (blank: from scratch).",
+    )  # fmt: skip
+    resume_path = models.CharField(max_length=1000, blank=True, help_text="Its path as rank 0 reads it.")
+    resume_step = models.BigIntegerField(null=True, blank=True, help_text="The step this attempt starts from.")
+    retry_on = models.JSONField(default=list, blank=True, help_text="Failure kinds that resume automatically.")
+    max_attempts = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: the cluster default.")
+    min_nodes = models.PositiveIntegerField(null=True, blank=True, help_text="Fewest nodes a retry may run on.")
+    batch_template = models.CharField(
+        max_length=500, blank=True, help_text="e.g. --batch-size {batch} --grad-accum {accum}: an OOM retry halves "
+        "batch and doubles accum.",
+    )  # fmt: skip
+    batch = models.JSONField(default=dict, blank=True, help_text='{"batch": B, "accum": A} for batch_template.')
+    hang_after_s = models.FloatField(null=True, blank=True, help_text="Silence that makes it HUNG; blank: default.")
+    retry_at = models.DateTimeField(null=True, blank=True, help_text="When the next automatic attempt starts.")
+    recovery_note = models.TextField(blank=True, help_text="What recovery did or proposes, one line.")
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
@@ -244,7 +272,16 @@ class Sweep(models.Model):
 
 
 class Checkpoint(models.Model):
-    """A checkpoint file a rank wrote on its node, as the follower recorded it (pages never ask nodes)."""
+    """A checkpoint a rank wrote on its node, as the follower recorded it (pages never ask nodes).
+
+    A file (`checkpoint_step<N>.pt`, anything a job's glob matches) or a Hugging Face
+    `checkpoint-<N>/` directory. Only a `ready` one is ever offered for a resume: complete (a
+    directory holds trainer_state.json) and the same size in two listings (or its writer has ended).
+    """
+
+    class Kind(models.TextChoices):
+        FILE = "file", "file"
+        DIR = "dir", "directory"
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+")
@@ -252,6 +289,11 @@ class Checkpoint(models.Model):
     size = models.BigIntegerField()
     mtime = models.FloatField(help_text="Modification time on the node (the node's clock).")
     recorded_at = models.DateTimeField(default=timezone.now)
+    step = models.BigIntegerField(null=True, blank=True, help_text="From the name (checkpoint_step<N>, -<N>).")
+    kind = models.CharField(max_length=4, choices=Kind.choices, default=Kind.FILE)
+    ready = models.BooleanField(default=False, help_text="Complete and no longer changing: may be resumed from.")
+    attempt = models.PositiveIntegerField(default=1, help_text="The attempt that was running when it appeared.")
+    sha256 = models.CharField(max_length=64, blank=True, help_text="Set when it was copied to another node.")
 
     class Meta:
         ordering = ["job", "path"]
@@ -259,3 +301,33 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}:{self.path}"
+
+
+class Attempt(models.Model):
+    """One ended attempt of a job, kept when a resume or retry starts the next one (same job, same name).
+
+    The job row always describes its current attempt; this is the record of the earlier ones: how
+    each ended, at which step, where it ran, and where its central logs were moved.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    tag = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=10, help_text="How it ended (failed, cancelled).")
+    failure_kind = models.CharField(max_length=16, blank=True)
+    failure_reason = models.TextField(blank=True)
+    from_step = models.BigIntegerField(null=True, blank=True, help_text="The step it started from.")
+    last_step = models.BigIntegerField(null=True, blank=True, help_text="The last metric step it reached.")
+    nodes = models.JSONField(default=list, help_text="Node names in rank order.")
+    ranks = models.JSONField(default=list, help_text="Each rank's index, node, state, exit code, log size.")
+    logs_dir = models.CharField(max_length=1000, blank=True, help_text="Where its central logs were moved.")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    next_reason = models.CharField(max_length=300, blank=True, help_text="Why the next attempt was made.")
+
+    class Meta:
+        ordering = ["job", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="attempt_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.job.name} attempt {self.number}"

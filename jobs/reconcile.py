@@ -16,6 +16,8 @@ rule is idempotent and bounded in time, so running it twice, or after a crash an
 - An ended job that still holds nodes (a crash between its end and the release): released.
 - A lost rank of an ended job whose node answers again: the rest of its output is fetched.
 - Processes on a node tagged with a job this controller knows has ended: killed, and an alert says so.
+- RUNNING with no metric line for longer than its hang limit: HUNG (jobs/recovery.py).
+- FAILED with a retry policy: the policy decides, and a due retry is requeued (jobs/recovery.py).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ from django.utils import timezone
 from cluster.alerts import record_event
 from cluster.models import Alert, Node
 
-from . import lifecycle
+from . import lifecycle, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
-from .models import Job, Rank
+from .models import Attempt, Job, Rank
 from .nodes import node_request, on_each, unreachable
 from .scheduler import stop_overdue
 from .stop import stop_processes
@@ -58,6 +60,9 @@ class Report:
     released: list[str] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)
     orphans_killed: list[str] = field(default_factory=list)
+    hung: list[str] = field(default_factory=list)
+    stragglers: list[str] = field(default_factory=list)
+    retried: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
@@ -94,6 +99,10 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
         job.refresh_from_db()
         if lifecycle.judge(job):
             report.judged.append(job.name)
+        elif recovery.check_hang(job):
+            report.hung.append(job.name)
+        else:
+            report.stragglers += [f"{job.name}: {m}" for m in recovery.check_stragglers(job)]
 
     holding = Q(ranks__active=True) | Q(allocations__active=True)
     for job in jobs.filter(holding, state__in=Job.ENDED_STATES).distinct():
@@ -106,6 +115,8 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
     for job in lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct():
         if recover_output(job, follower_id() + ":reconcile"):
             report.recovered.append(job.name)
+
+    report.retried += recovery.retry_pass(job_ids)
 
     if orphans and job_ids is None:
         report.orphans_killed += kill_orphans()
@@ -184,4 +195,16 @@ def kill_orphans() -> list[str]:
             )
             record_event(node, f"orphans:{job.name}", message, job_name=job.name, severity=Alert.Severity.WARNING)
             killed.append(f"{node.name}:{job.name}")
+        # an earlier attempt's processes (its tag is no longer the job's): e.g. on a node that was cut off
+        for attempt in Attempt.objects.filter(tag__in=list(tags)).select_related("job"):
+            ghost = Job(pk=attempt.job.pk, name=attempt.job.name, tag=attempt.tag)
+            unclean = stop_processes(ghost, [Rank(job=ghost, node=node, index=0)])
+            pids = tags.get(attempt.tag) or []
+            message = (
+                f"{len(pids)} process(es) of attempt {attempt.number} of job {attempt.job.name} were still running "
+                f"on {node.name}: {'killed' if not unclean else 'could not be confirmed killed'}"
+            )
+            record_event(node, f"orphans:{attempt.job.name}", message, job_name=attempt.job.name,
+                         severity=Alert.Severity.WARNING)  # fmt: skip
+            killed.append(f"{node.name}:{attempt.job.name}#{attempt.number}")
     return killed

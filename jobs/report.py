@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 
 from django.core.management.base import CommandError
+from django.db.models import F
 from django.utils import timezone
 
 from metrics.final import final_loss
 
-from .models import Job
+from .models import Checkpoint, Job
 
 
 def get_job(name: str) -> Job:
@@ -131,7 +133,7 @@ def job_record(job: Job, prog: dict | None = None) -> dict:
 
 def job_detail(job: Job) -> list[str]:
     out = [
-        f"job {job.name} (id {job.pk}): {job.state}",
+        f"job {job.name} (id {job.pk}): {job.state}" + (f", attempt {job.attempt}" if job.attempt > 1 else ""),
         f"  script: {job.script} {' '.join(json.dumps(a) if ' ' in a else a for a in job.script_args)}",
         f"  created {job.created_at:%Y-%m-%d %H:%M:%S}, duration {human_duration(job.duration())}",
     ]
@@ -154,9 +156,14 @@ def job_detail(job: Job) -> list[str]:
     return out
 
 
-def checkpoints(job: Job) -> list[tuple[str, str, int]]:
-    """(node, path, size) of the checkpoints the follower recorded for the job."""
-    return [(c.node.name, c.path, c.size) for c in job.checkpoints.select_related("node").order_by("path")]
+def checkpoints(job: Job) -> list[Checkpoint]:
+    """The checkpoints the follower recorded for the job, newest step first."""
+    return list(job.checkpoints.select_related("node").order_by(F("step").desc(nulls_last=True), "path"))
+
+
+def age(mtime: float) -> str:
+    """How long ago a node's file changed (node clock vs ours: close enough for an age)."""
+    return human_duration(max(0.0, time.time() - mtime))
 
 
 def results(job: Job) -> list[str]:
@@ -174,9 +181,22 @@ def results(job: Job) -> list[str]:
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)
-    out.append(f"  checkpoints: {len(ckpts)}")
-    for node, path, size in ckpts:
-        out.append(f"    {node}:{path} ({size / 1e6:.1f} MB)")
+    ready = sum(c.ready for c in ckpts)
+    out.append(f"  checkpoints: {len(ckpts)} ({ready} complete)")
+    if ckpts:
+        out.append(f"    {'STEP':>8} {'NODE':12} {'SIZE':>10} {'AGE':>9}  PATH")
+    for c in ckpts:
+        step = str(c.step) if c.step is not None else "-"
+        note = "" if c.ready else "  (being written or incomplete: not offered)"
+        out.append(f"    {step:>8} {c.node.name[:12]:12} {c.size / 1e6:>7.1f} MB {age(c.mtime):>9}  {c.path}{note}")
+    for a in job.attempts.order_by("number"):
+        out.append(
+            f"  attempt {a.number}: {a.state}{' ' + a.failure_kind if a.failure_kind else ''} at step "
+            f"{a.last_step if a.last_step is not None else '-'} (from step {a.from_step or 0}) on "
+            f"{','.join(a.nodes) or '-'}; then {a.next_reason}"
+        )
+    if job.attempt > 1 or job.recovery_note:
+        out.append(f"  attempt {job.attempt}: {job.state}" + (f"; {job.recovery_note}" if job.recovery_note else ""))
     return out
 
 
@@ -196,7 +216,22 @@ def results_record(job: Job) -> dict:
             {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
             for m in job.final_metrics.order_by("rank", "name")
         ],
-        "checkpoints": [{"node": node, "path": path, "bytes": size} for node, path, size in checkpoints(job)],
+        "checkpoints": [
+            {"node": c.node.name, "path": c.path, "bytes": c.size, "step": c.step, "complete": c.ready}
+            for c in checkpoints(job)
+        ],
+        "attempts": [
+            {
+                "attempt": a.number,
+                "state": a.state,
+                "failure_kind": a.failure_kind or None,
+                "from_step": a.from_step,
+                "last_step": a.last_step,
+                "nodes": a.nodes,
+                "then": a.next_reason,
+            }
+            for a in job.attempts.order_by("number")
+        ],
     }
 
 

@@ -16,6 +16,7 @@ urlpatterns = [
     path("jobs/<int:pk>/", views.detail, name="job-detail"),
     path("jobs/<int:pk>/cancel/", views.cancel, name="job-cancel"),
     path("jobs/<int:pk>/relaunch/", views.relaunch, name="job-relaunch"),
+    path("jobs/<int:pk>/resume/", views.resume, name="job-resume"),
     path("api/jobs/<int:pk>/logs", views.api_logs, name="api-job-logs"),
     path("api/jobs/<int:pk>/checkpoints", views.api_checkpoints, name="api-job-checkpoints"),
     path("api/jobs/<int:pk>/system", views.api_system, name="api-job-system"),

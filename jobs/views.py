@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from datetime import timedelta
@@ -16,7 +17,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from accounts import actions
+from accounts import actions, policy
 from accounts.audit import web_source
 from accounts.policy import Refused
 from cluster.history import history
@@ -25,7 +26,7 @@ from metrics.final import final_loss, format_value
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from . import report
+from . import lifecycle, recovery, report
 from .launch import (
     EPOCHS_MAX,
     LR_MAX,
@@ -142,7 +143,7 @@ def progress(job: Job, names: list[str]) -> dict | None:
         fraction = min(1.0, max(0.0, last / max_steps))
     elif names:
         name = "loss" if "loss" in names else names[0]
-        last = MetricPoint.objects.filter(job=job, name=name).aggregate(step=Max("step"))["step"]
+        last = MetricPoint.objects.filter(job=job, name=name, superseded=False).aggregate(step=Max("step"))["step"]
         max_steps = _max_steps(job)
     if fraction is None and max_steps and last is not None:
         fraction = min(1.0, last / max_steps)
@@ -169,7 +170,7 @@ def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     rows, ranks = [], set()
     for name in names:
         last_by_rank: dict[int, MetricPoint] = {}
-        for point in MetricPoint.objects.filter(job=job, name=name).order_by("-step")[:64]:
+        for point in MetricPoint.objects.filter(job=job, name=name, superseded=False).order_by("-step")[:64]:
             last_by_rank.setdefault(point.rank, point)
         ranks.update(last_by_rank)
         rows.append({"name": name, "last": last_by_rank})
@@ -216,6 +217,21 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
         "nav": "jobs",
     }
+    marks = [{"attempt": a.number, "step": a.from_step or 0} for a in job.attempts.filter(number__gt=1)]
+    marks += [{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else []
+    ckpts = report.checkpoints(job)
+    for c in ckpts:
+        c.size_text = f"{c.size / 1e9:.2f} GB" if c.size >= 1e9 else f"{c.size / 1e6:.1f} MB"
+        c.age = report.age(c.mtime)
+    context.update(
+        checkpoints=ckpts,
+        ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None],
+        resumable=job.state in lifecycle.RESUMABLE_STATES and policy.allowed(request.user, "resume", job),
+        attempts=list(job.attempts.order_by("number")),
+        attempt_marks=marks,
+        attempt_marks_json=json.dumps(marks),
+        stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
+    )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
         context["summary_ranks"], context["summary"] = summary_metrics(job)
@@ -318,7 +334,31 @@ def relaunch_request(job: Job) -> LaunchRequest:
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",
         metrics_files=list(metric_settings.files) if metric_settings else [],
+        retry=",".join(recovery.retry_names(job.retry_on or [])),
+        max_attempts=job.max_attempts,
+        min_nodes=job.min_nodes,
+        resume_template=job.resume_template,
+        checkpoint_glob=job.checkpoint_glob,
+        batch_template=job.batch_template,
+        batch=(job.batch or {}).get("batch"),
+        grad_accum=(job.batch or {}).get("accum"),
+        hang_after_s=job.hang_after_s,
     )
+
+
+@require_POST
+def resume(request: HttpRequest, pk: int) -> HttpResponse:
+    """The next attempt of a failed or cancelled job, from the chosen checkpoint (latest by default)."""
+    job = get_object_or_404(Job, pk=pk)
+    wanted = request.POST.get("from", "latest")[:40] or "latest"
+    try:
+        job = actions.resume(request.user, job, wanted, None, web_source(request))
+    except (recovery.RecoveryError, Refused) as exc:
+        messages.error(request, f"resume of {job.name} refused: {exc}")
+    else:
+        request_schedule()
+        messages.success(request, f"job {job.name} queued as attempt {job.attempt}")
+    return redirect("job-detail", job.pk)
 
 
 @require_POST
@@ -487,7 +527,26 @@ def api_checkpoints(request: HttpRequest, pk: int) -> JsonResponse:
     """The checkpoints the follower recorded for a job (no node is asked during the request)."""
     job = get_object_or_404(Job, pk=pk)
     found = report.checkpoints(job)
-    return JsonResponse({"job": job.pk, "checkpoints": [[node, path, size] for node, path, size in found]})
+    return JsonResponse(
+        {
+            "job": job.pk,
+            "checkpoints": [[c.node.name, c.path, c.size] for c in found],
+            "details": [
+                {
+                    "node": c.node.name,
+                    "path": c.path,
+                    "size": c.size,
+                    "step": c.step,
+                    "mtime": c.mtime,
+                    "kind": c.kind,
+                    "ready": c.ready,
+                    "attempt": c.attempt,
+                }
+                for c in found
+            ],  # fmt: skip
+            "offered": sorted({c.step for c in found if c.ready and c.step is not None}, reverse=True),
+        }
+    )
 
 
 @require_GET
@@ -525,4 +584,4 @@ def api_logs(request: HttpRequest, pk: int) -> JsonResponse:
     )
 
 
-__all__ = ["board", "detail", "cancel", "relaunch", "launch", "api_logs"]
+__all__ = ["board", "detail", "cancel", "resume", "relaunch", "launch", "api_logs"]

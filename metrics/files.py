@@ -293,7 +293,7 @@ def _save(
         for key in taken:
             unique.pop(key, None)
     points = [
-        MetricPoint(job=job, rank=rank.index, step=step, name=name, value=value, time=now)
+        MetricPoint(job=job, rank=rank.index, step=step, name=name, value=value, time=now, attempt=job.attempt)
         for (step, name), value in unique.items()
     ]
     with transaction.atomic():

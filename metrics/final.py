@@ -46,7 +46,7 @@ def format_value(value: float) -> str:
 def final_value(job_id: int, name: str, *, extremes: bool = False) -> FinalValue | None:
     """The job's final value of ``name`` (with its lowest and highest values when ``extremes``); None when
     it logged none."""
-    points = MetricPoint.objects.filter(job_id=job_id, name=name)
+    points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
     rank = 0 if points.filter(rank=0).exists() else points.aggregate(first=Min("rank"))["first"]
     if rank is None:
         return None

@@ -24,9 +24,10 @@ class Sample(NamedTuple):
     name: str
     value: float
     time: datetime
+    attempt: int = 1  # the job's attempt (a resume makes the next one)
 
 
-POINT_COLUMNS = ("job_id", "rank", "step", "name", "value", "time")
+POINT_COLUMNS = ("job_id", "rank", "step", "name", "value", "time", "attempt")
 
 
 def save_points(points: Sequence[Sample]) -> None:

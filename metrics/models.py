@@ -16,6 +16,12 @@ class MetricPoint(models.Model):
     name = models.CharField(max_length=100)
     value = models.FloatField()
     time = models.DateTimeField()
+    # db defaults too: points are also written by COPY and plain INSERTs that name only their own columns
+    attempt = models.PositiveIntegerField(default=1, db_default=1, help_text="The job's attempt that printed it.")
+    superseded = models.BooleanField(
+        default=False, db_default=False,
+        help_text="A later attempt resumed from an earlier step: this point is off the curve.",
+    )  # fmt: skip
 
     class Meta:
         indexes = [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")]

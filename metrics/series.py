@@ -73,7 +73,7 @@ def series(
     """
     if buckets < 1:
         raise ValueError("buckets must be >= 1")
-    points = MetricPoint.objects.filter(job_id=job_id, name=name)
+    points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
     if rank is not None:
         points = points.filter(rank=rank)
     if step_min is not None:

@@ -32,6 +32,12 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
         return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
     data = series(job.pk, name, rank=rank, buckets=buckets, with_time=request.GET.get("time") == "1")
     data["job"] = job.pk
+    # where each later attempt joined the curve: the chart marks them
+    data["attempts"] = [
+        {"attempt": n, "step": step or 0}
+        for n, step in job.attempts.order_by("number").values_list("number", "from_step")
+        if n > 1
+    ] + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
     data["state"] = job.state
     return JsonResponse(data)
 

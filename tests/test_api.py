@@ -236,3 +236,27 @@ def test_the_jobs_list_costs_the_same_few_queries_for_many_ended_jobs(lab, djang
     with django_assert_max_num_queries(8):
         rows = api(lab, "get", "/api/v1/jobs/", {"limit": 30}).json()
     assert len(rows) == 30 and rows[0]["nodes"] == ["n1"]
+
+
+def test_resume_makes_the_next_attempt_from_a_checkpoint_and_results_list_them(lab, monkeypatch):
+    from jobs.models import Checkpoint
+
+    monkeypatch.setattr("jobs.scheduler.send_task", lambda *a, **k: None)  # nothing starts here
+    node = Node.objects.get(name="n1")
+    job = Job.objects.create(name="broke", script="s.py", owner=lab["user"], state=Job.State.FAILED, tag="broke-1")
+    Rank.objects.create(job=job, node=node, index=0, state=Rank.State.EXITED, exit_code=1, active=False)
+    Checkpoint.objects.create(job=job, node=node, path="/w/outputs/broke/checkpoint_step40.pt", size=9, mtime=0,
+                              step=40, ready=True)  # fmt: skip
+    results = api(lab, "get", "/api/v1/jobs/broke/results").json()
+    assert results["checkpoints"] == [{"node": "n1", "path": "/w/outputs/broke/checkpoint_step40.pt", "size": 9}]
+    # bad input: one line, nothing changed
+    for body, code, message in [({"from": "7"}, 409, "no complete checkpoint at step 7"),
+                                ({"nodes": "n1"}, 400, "nodes must be a list")]:  # fmt: skip
+        response = api(lab, "post", "/api/v1/jobs/broke/resume", body)
+        assert response.status_code == code and message in response.json()["error"], response.content
+    assert Job.objects.get(pk=job.pk).attempt == 1
+    done = api(lab, "post", "/api/v1/jobs/broke/resume", {"from": "40"})
+    assert done.status_code == 200 and done.json()["state"] == "queued" and done.json()["attempt"] == 2
+    job.refresh_from_db()
+    assert job.resume_step == 40 and job.resume_path == "/w/outputs/broke/checkpoint_step40.pt"
+    assert AuditEvent.objects.filter(action="resume", target="broke", username="carol").exists()

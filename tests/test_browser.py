@@ -251,10 +251,55 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     assert page.locator("#log img, #log script, select img").count() == 0
     assert page.locator("#panels .panel-toggle", has_text="<img src=x onerror=alert(3)>").count() == 1
     assert page.evaluate("window.__pwned") is None
-    # checkpoints are asked of the node after the page is up (the script saved none)
-    page.locator("#checkpoints", has_text="No checkpoints found on the nodes.").wait_for(timeout=30_000)
+    # checkpoints are what the follower recorded (the script saved none)
+    page.locator("#checkpoints", has_text="No checkpoints recorded.").wait_for(timeout=30_000)
     page.screenshot(path=ARTIFACTS / "hostile-ended.png", full_page=True)
     assert not [e for e in errors if "pwned" in e], errors
+
+
+def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium):
+    from django.core.management import call_command
+
+    from metrics.models import MetricPoint
+
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, server)
+    # given alice's run (a launcher resumes her own jobs) whose rank 1 is killed after step 25, checkpoints every 10
+    call_command("launch", "--name", "web-resume", "--nodes", "2", "--detach", "--as", "alice", "--",
+                 "--max-steps", "50", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every",
+                 "10", "--step-sleep", "0.1")  # fmt: skip
+    job = Job.objects.get(name="web-resume")
+    wait_for(lambda: MetricPoint.objects.filter(job=job, name="loss", step__gte=25).exists(), timeout=150,
+             what="step 25")  # fmt: skip
+    rank1 = job.ranks.select_related("node").get(index=1).node.name
+    for pid in job_pids(job.tag):
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if f"UGRO_NODE={rank1}".encode() in env and b"train_production.py" in argv and b"torchrun" not in argv:
+            os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: Job.objects.get(pk=job.pk).state == "failed", timeout=90, what="the job to fail")
+    wait_for(lambda: job.checkpoints.filter(ready=True, step=20).exists(), timeout=30, what="the checkpoints")
+
+    # when its page's Resume button is pressed with step 20 chosen
+    page.goto(f"{server}/jobs/{job.pk}/")
+    page.locator("#checkpoints td", has_text="20").first.wait_for(timeout=10_000)
+    page.select_option("#resume-from", "20")
+    page.screenshot(path=ARTIFACTS / "job-resume.png", full_page=True)
+    page.click("#resume-btn")
+    page.wait_for_url(f"{server}/jobs/{job.pk}/")
+
+    # then the same job runs as attempt 2 from step 20 and ends with one curve, attempt 2 marked on it
+    page.locator("#job-attempt", has_text="2").wait_for(timeout=10_000)
+    wait_for(lambda: Job.objects.get(pk=job.pk).state == "succeeded", timeout=150, what="attempt 2 to succeed")
+    page.reload()
+    page.locator("#chart-attempts", has_text="attempt 2 from step 20").wait_for(timeout=20_000)
+    assert page.locator("#attempts tr").count() == 3  # header, attempt 1, attempt 2
+    steps = list(MetricPoint.objects.filter(job=job, name="loss", rank=0, superseded=False)
+                 .order_by("step").values_list("step", flat=True))  # fmt: skip
+    assert steps == list(range(5, 51, 5))
+    page.screenshot(path=ARTIFACTS / "job-resumed.png", full_page=True)
+    assert not errors, errors
 
 
 def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(web, chromium):

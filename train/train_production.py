@@ -8,18 +8,37 @@ machines (RANK / WORLD_SIZE / LOCAL_RANK are read from the environment).
 
 Output contract (stdout; each line is written with one write(2) call):
   * every ``--log-every`` steps each rank prints exactly one line that is a JSON
-    object: {"step", "epoch", "loss", "lr", "tokens_per_sec", "grad_norm", "rank"}
+    object: {"step", "epoch", "loss", "lr", "tokens_per_sec", "grad_norm", "rank",
+    "compute_s", "sync_wait_s"}
       - step: global optimizer step, 1-based (number of steps completed)
       - epoch: 0-based index of the epoch the step belongs to
       - loss: this rank's mean training loss since the previous log line
       - tokens_per_sec: this rank's throughput since the previous log line
+      - compute_s: this rank's own time per step (everything but waiting for the
+        other ranks in the gradient all-reduce), mean since the previous log line:
+        a slow rank has the highest compute_s, while every rank's tokens_per_sec
+        drops to the slowest one's
+      - sync_wait_s: time per step spent waiting in the gradient all-reduce
   * every other line (banner, notices, "saved checkpoint ...",
     "training complete: ...") is plain text, never a JSON object.
 
 Checkpoints: rank 0 writes ``<output-dir>/checkpoint_step<N>.pt`` atomically
 every ``--save-every`` steps, at the end of every epoch and at the end of
 training.  ``--resume-from PATH|latest`` restores model, optimizer and step;
-rank 0 reads the file and broadcasts it, so other machines need no copy.
+the rank that has the file reads it and broadcasts it, so other machines need
+no copy (ranks follow join order: rank 0 may be on any machine).
+
+Resuming gives the same result as not stopping: the model, the optimizer, the
+step and the data position are restored (the data order is a function of seed
+and epoch, the model has no randomness after its seeded initialisation).
+
+SIGUSR1 makes every rank print all its threads' stacks (faulthandler): UGRO
+sends it when a job hangs and py-spy is not installed on the node.
+
+Options for tests inject failures: --fail-at-step STEP (an error),
+--sleep-at-step STEP:SECONDS (a hang),
+--slow-rank RANK:SECONDS (a straggler), --oom-at-step STEP:MAX_BATCH (CUDA out
+of memory while the per-rank batch is larger than MAX_BATCH).
 
 Only the standard library, torch and numpy are used.
 """
@@ -28,10 +47,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -93,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="per-rank batch size (an even split; UGRO_LOCAL_BATCH in the environment overrides it per rank)",
     )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches of --batch-size per optimizer step (same data per step as "
+        "one batch of batch-size x grad-accum)",
+    )
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument(
@@ -108,21 +136,44 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds to sleep after every step (for tests)",
     )
+    p.add_argument("--sleep-at-step", default="", help="STEP:SECONDS, sleep once (tests: a hang)")
+    p.add_argument("--fail-at-step", type=int, default=0, help="raise an error before STEP (tests)")
+    p.add_argument("--slow-rank", default="", help="RANK:SECONDS, extra sleep per step on that rank")
+    p.add_argument(
+        "--oom-at-step",
+        default="",
+        help="STEP:MAX_BATCH, CUDA out of memory at STEP while --batch-size > MAX_BATCH",
+    )
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0)
     return p
 
 
 def validate_args(args: argparse.Namespace) -> None:
-    positive = ("num_epochs", "batch_size", "seq_len", "log_every")
+    positive = ("num_epochs", "batch_size", "seq_len", "log_every", "grad_accum")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ("max_steps", "save_every", "step_sleep"):
+    for name in ("max_steps", "save_every", "step_sleep", "fail_at_step"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.learning_rate <= 0:
         raise ValueError("--learning-rate must be > 0")
+    for name in ("sleep_at_step", "slow_rank", "oom_at_step"):
+        pair(getattr(args, name), f"--{name.replace('_', '-')}")
+
+
+def pair(text: str, what: str) -> tuple[int, float] | None:
+    """'A:B' -> (int A, float B); None for ''."""
+    if not text:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(a), float(b)
+    except ValueError:
+        raise ValueError(f"{what} must be N:SECONDS (got {text!r})") from None
 
 
 # --------------------------------------------------------------------------
@@ -180,12 +231,19 @@ class Dist:
         if self.is_main:
             emit(msg)
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj, src: int = 0):
         if not self.enabled or self.world_size == 1:
             return obj
-        box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def all_gather_object(self, obj) -> list:
+        if not self.enabled or self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
     def barrier(self) -> None:
         if self.enabled and self.world_size > 1:
@@ -264,7 +322,10 @@ class StridedBatches:
         starts = offset + self.seq_len * np.arange(n)
         return rng.permutation(starts)
 
-    def epoch_batches(self, epoch: int, skip: int = 0):
+    def epoch_batches(self, epoch: int, skip: int = 0, accum: int = 1):
+        """Per step, `accum` micro-batches of batch_size // accum windows (the same
+        windows as one batch of batch_size: a smaller batch with more
+        accumulation sees the same data per step)."""
         starts = self._starts(epoch)
         split = self.split
         per_step = split.global_batch if split else self.batch_size * self.world_size
@@ -280,7 +341,11 @@ class StridedBatches:
                 + torch.arange(self.seq_len + 1)[None, :]
             )
             window = self.tokens[idx]
-            yield window[:, :-1], window[:, 1:]
+            micro = max(1, len(mine) // accum)
+            yield [
+                (window[j : j + micro, :-1], window[j : j + micro, 1:])
+                for j in range(0, micro * accum, micro)
+            ]
 
 
 class BatchSplit:
@@ -392,47 +457,65 @@ def save_checkpoint(output_dir: Path, state: dict, step: int) -> Path:
 
 
 def load_resume_state(d: Dist, resume_from: str | None, output_dir: Path):
-    """Rank 0 reads the checkpoint and broadcasts it to every rank.
+    """The rank that has the checkpoint reads it and broadcasts it to every rank.
 
-    Returns (state or None, plain notice line or None).  Raises on rank 0 if
-    an explicit path does not exist; the error is broadcast so that every
-    rank fails instead of hanging.
+    Ranks follow join order under torchrun's c10d rendezvous, so global rank 0
+    may be on any machine: every rank says whether it has the file (for
+    'latest': its newest step there) and the lowest rank with it (the newest)
+    reads it.  Returns (state or None, plain notice line or None).  A missing
+    explicit path is an error on every rank, so none of them hangs.
     """
     if not resume_from:
         return None, None
+    if resume_from == "latest":
+        found = find_latest_checkpoint(output_dir)
+        m = CHECKPOINT_RE.match(found.name) if found else None
+        mine = (int(m.group(1)) if m else -1, str(found) if found else None)
+    else:
+        path = Path(resume_from)
+        mine = (0 if path.is_file() else -1, str(path) if path.is_file() else None)
+    offers = d.all_gather_object(mine)
+    best = max(range(len(offers)), key=lambda r: (offers[r][0], -r))
+    step, path = offers[best]
+    if path is None:
+        if resume_from == "latest":
+            return None, f"no checkpoint in {output_dir}; starting from scratch"
+        raise RuntimeError(f"--resume-from: no such checkpoint file: {resume_from}")
     payload = None
-    if d.is_main:
+    if d.rank == best:
         try:
-            if resume_from == "latest":
-                path = find_latest_checkpoint(output_dir)
-                if path is None:
-                    payload = {
-                        "state": None,
-                        "notice": f"no checkpoint in {output_dir}; starting from scratch",
-                    }
-                else:
-                    payload = {
-                        "state": torch.load(
-                            path, map_location="cpu", weights_only=True
-                        ),
-                        "notice": f"resuming from {path}",
-                    }
-            else:
-                path = Path(resume_from)
-                if not path.is_file():
-                    raise FileNotFoundError(
-                        f"--resume-from: no such checkpoint file: {path}"
-                    )
-                payload = {
-                    "state": torch.load(path, map_location="cpu", weights_only=True),
-                    "notice": f"resuming from {path}",
-                }
+            payload = {
+                "state": torch.load(path, map_location="cpu", weights_only=True),
+                "notice": f"resuming from {path}"
+                + (f" (on rank {best})" if best else ""),
+            }
         except Exception as exc:  # noqa: BLE001 - forwarded to all ranks
             payload = {"error": f"{type(exc).__name__}: {exc}"}
-    payload = d.broadcast_object(payload)
+    payload = d.broadcast_object(payload, src=best)
     if "error" in payload:
         raise RuntimeError(payload["error"])
     return payload["state"], payload["notice"]
+
+
+# --------------------------------------------------------------------------
+# Timing the gradient all-reduce (per-rank compute time for straggler scores)
+# --------------------------------------------------------------------------
+def timed_allreduce(state: dict, bucket):
+    """DDP's default all-reduce (divide by world size, sum), timed: when this rank
+    arrived with its gradients, and when the other ranks' had all come in."""
+    now = time.perf_counter()
+    if state["arrived"] is None:
+        state["arrived"] = now
+    group = dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size(group))
+    fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+    def done(f):
+        state["synced"] = time.perf_counter()
+        return f.value()[0]
+
+    return fut.then(done)
 
 
 # --------------------------------------------------------------------------
@@ -473,8 +556,15 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
             f"uneven split: global batch {split.global_batch}, rank 0 takes {split.local} "
             f"(weight {split.weight:.3f}); the loss is the global batch's mean"
         )
+    # A step takes batch_size x grad_accum windows per rank, in grad_accum micro-batches.
     batches = StridedBatches(
-        tokens, args.seq_len, args.batch_size, d.rank, d.world_size, args.seed, split
+        tokens,
+        args.seq_len,
+        args.batch_size * args.grad_accum,
+        d.rank,
+        d.world_size,
+        args.seed,
+        split,
     )
     steps_per_epoch = batches.steps_per_epoch
     total_steps = steps_per_epoch * args.num_epochs
@@ -506,10 +596,13 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
         step = int(state["step"])
 
     ddp_model = model
+    timing = {"arrived": None, "synced": None}
     if d.enabled:
         ddp_model = DDP(
             model, device_ids=[d.local_rank] if d.device.type == "cuda" else None
         )
+        if d.world_size > 1:
+            ddp_model.register_comm_hook(timing, timed_allreduce)
 
     d.log(
         f"UGRO train_production: job={args.job_id} world_size={d.world_size} "
@@ -545,7 +638,12 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
     sample_sleep = float(os.environ.get("TRAIN_SAMPLE_SLEEP", "0") or 0)
     # The run's final loss is the last loss it logged (rank 0's line): UGRO's pages and CLI show the same.
     logged_loss = float("nan")
-    tokens_per_step = local_batch * args.seq_len
+    tokens_per_step = local_batch * args.grad_accum * args.seq_len
+    sleep_at = pair(args.sleep_at_step, "--sleep-at-step")
+    slow = pair(args.slow_rank, "--slow-rank")
+    oom_at = pair(args.oom_at_step, "--oom-at-step")
+    interval_compute = 0.0
+    interval_wait = 0.0
     ddp_model.train()
     interval_losses: list[float] = []
     interval_t0 = time.time()
@@ -554,25 +652,45 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
     while step < total_steps:
         epoch = step // steps_per_epoch
         skip = step % steps_per_epoch
-        for x, y in batches.epoch_batches(epoch, skip=skip):
+        for micro_batches in batches.epoch_batches(epoch, skip=skip, accum=args.grad_accum):
             if step >= total_steps:
                 break
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            t_step = time.perf_counter()
+            timing["arrived"] = timing["synced"] = None
+            if args.fail_at_step and step + 1 == args.fail_at_step:
+                raise RuntimeError(f"injected failure before step {step + 1} (--fail-at-step)")
+            if oom_at and step + 1 >= oom_at[0] and args.batch_size > oom_at[1]:
+                raise RuntimeError(
+                    f"CUDA out of memory. Tried to allocate {args.batch_size * 64} MiB "
+                    f"(injected by --oom-at-step at step {step + 1}, batch size {args.batch_size})"
+                )
             lr = lr_at(step, args.learning_rate, total_steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            logits = ddp_model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            # an uneven split weighs this rank's gradients by its share (DDP divides the sum by world_size)
+            scale = split.weight if split else 1.0
+            for j, (x, y) in enumerate(micro_batches):
+                x = x.to(d.device, non_blocking=True)
+                y = y.to(d.device, non_blocking=True)
+                last_micro = j == len(micro_batches) - 1
+                sync = contextlib.nullcontext()
+                if not last_micro and ddp_model is not model:
+                    sync = ddp_model.no_sync()  # gradients are all-reduced once per step
+                with sync:
+                    logits = ddp_model(x)
+                    loss = F.cross_entropy(
+                        logits.reshape(-1, logits.size(-1)), y.reshape(-1)
+                    )
+                    (loss * scale / len(micro_batches)).backward()
+                loss_sum += loss.item()
+            loss = torch.tensor(loss_sum / len(micro_batches))
             if split:
-                # weighted gradient averaging: DDP divides the sum by world_size
-                (loss * split.weight).backward()
-                share = (loss.detach() * split.local / split.global_batch).reshape(1)
+                share = (loss * split.local / split.global_batch).reshape(1)
                 if d.enabled and d.world_size > 1:
                     dist.all_reduce(share)
                 loss = share[0]  # the global batch's mean loss, the same on every rank
-            else:
-                loss.backward()
             if args.grad_clip > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), args.grad_clip
@@ -598,6 +716,13 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                 time.sleep(args.step_sleep)
             if sample_sleep:
                 time.sleep(sample_sleep * local_batch)
+            if slow and slow[0] == d.rank:
+                time.sleep(slow[1])
+            wait = 0.0
+            if timing["arrived"] is not None and timing["synced"] is not None:
+                wait = max(0.0, timing["synced"] - timing["arrived"])
+            interval_wait += wait
+            interval_compute += time.perf_counter() - t_step - wait
 
             if step % args.log_every == 0 or step == total_steps:
                 elapsed = max(time.time() - interval_t0, 1e-9)
@@ -614,12 +739,19 @@ def train(args: argparse.Namespace, unknown: list[str], d: Dist) -> int:
                             ),
                             "grad_norm": round(float(grad_norm), 6),
                             "rank": d.rank,
+                            "compute_s": round(interval_compute / interval_steps, 6),
+                            "sync_wait_s": round(interval_wait / interval_steps, 6),
                         }
                     )
                 )
                 interval_losses = []
+                interval_compute = interval_wait = 0.0
                 interval_steps = 0
                 interval_t0 = time.time()
+
+            if sleep_at and sleep_at[0] == step:
+                d.log(f"sleeping {sleep_at[1]:g}s after step {step} (--sleep-at-step)")
+                time.sleep(sleep_at[1])
 
             epoch_end = step % steps_per_epoch == 0
             if (args.save_every and step % args.save_every == 0) or epoch_end:
@@ -646,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):
+        # every thread's stack to stderr on SIGUSR1 (UGRO's hang dump without py-spy)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     d = None
     try:
         d = Dist()

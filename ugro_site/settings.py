@@ -261,6 +261,23 @@ UGRO.update(
         "SAMPLES_KEEP_DAYS": env_float("UGRO_SAMPLES_KEEP_DAYS", 30.0, minimum=1.0),
     }
 )
+# Recovery (docs/recovery.md): checkpoints, the retry policy's cluster default, hang detection.
+UGRO.update(
+    {
+        "CHECKPOINT_SCAN_S": env_float("UGRO_CHECKPOINT_SCAN_S", 30.0, minimum=0.1),
+        "CHECKPOINT_COPY_TIMEOUT_S": env_float("UGRO_CHECKPOINT_COPY_TIMEOUT_S", 60.0, minimum=1.0),
+        # failure kinds retried when a job names none (e.g. "node-lost,rendezvous"); empty: never
+        "RETRY_ON": env_list("UGRO_RETRY_ON", []),
+        "MAX_ATTEMPTS": env_int("UGRO_MAX_ATTEMPTS", 3, minimum=1),
+        "RETRY_BACKOFF_S": env_float("UGRO_RETRY_BACKOFF_S", 10.0, minimum=0.0),
+        "RETRY_BACKOFF_MAX_S": env_float("UGRO_RETRY_BACKOFF_MAX_S", 600.0, minimum=0.0),
+        "HANG_MIN_S": env_float("UGRO_HANG_MIN_S", 60.0, minimum=0.1),
+        "HANG_FACTOR": env_float("UGRO_HANG_FACTOR", 5.0, minimum=1.0),
+        "HANG_STARTUP_S": env_float("UGRO_HANG_STARTUP_S", 600.0, minimum=1.0),  # before an attempt's first line
+        "STRAGGLER_RATIO": env_float("UGRO_STRAGGLER_RATIO", 1.33, minimum=1.0),
+        "STRAGGLER_WINDOWS": env_int("UGRO_STRAGGLER_WINDOWS", 3, minimum=1),
+    }
+)
 if UGRO["PREFLIGHT_VERSION_MISMATCH"] not in ("fail", "warn"):
     raise EnvError("UGRO_PREFLIGHT_VERSION_MISMATCH must be fail or warn")
 UGRO_ALERT_EMAILS = env_list("UGRO_ALERT_EMAILS", [])

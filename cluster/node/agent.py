@@ -2,6 +2,8 @@
 # nothing is installed on the node. Stdlib only, Python >= 3.8 (no __future__ imports: this file is
 # concatenated after others and exec'd). It speaks JSON lines: one request in, one response out.
 import base64
+import glob
+import hashlib
 import json
 import os
 import shutil
@@ -11,7 +13,7 @@ import subprocess
 import sys
 import time
 
-AGENT_VERSION = 2
+AGENT_VERSION = 3
 MAX_TAIL_BYTES = 4 * 1024 * 1024
 MAX_TAIL_WAIT_MS = 5000
 TAIL_POLL_S = 0.01
@@ -471,7 +473,147 @@ def op_listdir(req):
     return {"entries": entries}
 
 
+def _tree(path):
+    """(total bytes, newest mtime, file count) of a directory tree; errors count as absent files."""
+    total, newest, count = 0, 0.0, 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += st.st_size
+            newest = max(newest, st.st_mtime)
+            count += 1
+    return total, newest, count
+
+
+def op_checkpoints(req):
+    """Checkpoint candidates: the entries of each directory in req['dirs'] and every path the globs in
+    req['globs'] match (relative to req['cwd']). A directory comes with its tree's size and whether it
+    holds trainer_state.json (a Hugging Face checkpoint is complete only then)."""
+    cwd = _expand(req.get("cwd") or "~")
+    paths = []
+    for d in req.get("dirs") or []:
+        d = _expand(d)
+        try:
+            paths += [os.path.join(d, n) for n in sorted(os.listdir(d))]
+        except OSError:
+            pass
+    for pattern in req.get("globs") or []:
+        paths += sorted(glob.glob(os.path.join(cwd, os.path.expanduser(pattern))))
+    out, seen = [], set()
+    for path in paths:
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if os.path.isdir(path):
+            size, mtime, files = _tree(path)
+            out.append({"path": path, "dir": True, "size": size, "mtime": max(mtime, st.st_mtime), "files": files,
+                        "trainer_state": os.path.isfile(os.path.join(path, "trainer_state.json"))})
+        else:
+            out.append({"path": path, "dir": False, "size": st.st_size, "mtime": st.st_mtime})
+    return {"entries": out}
+
+
+def op_files(req):
+    """Every file under a path (the path itself when it is a file): relative name, size, sha256."""
+    root = _expand(req["path"])
+    if os.path.isfile(root):
+        names = [""]
+    elif os.path.isdir(root):
+        names = []
+        for base, _dirs, files in os.walk(root):
+            names += [os.path.relpath(os.path.join(base, f), root) for f in files]
+    else:
+        raise AgentError("%s does not exist on this node" % req["path"])
+    out = []
+    for name in sorted(names):
+        path = os.path.join(root, name) if name else root
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1024 * 1024), b""):
+                digest.update(block)
+        out.append({"name": name, "size": os.path.getsize(path), "sha256": digest.hexdigest()})
+    return {"files": out}
+
+
+def op_put(req):
+    """Write a chunk of a file being copied here at its offset into '<path>.ugro-part'; with 'sha256' (the
+    last chunk) check the whole part against it, then move it to path. A mismatch removes the part."""
+    path = _expand(req["path"])
+    part = path + ".ugro-part"
+    offset = int(req["offset"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, offset)
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = base64.b64decode(req.get("data") or "")
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+    if req.get("sha256") is None:
+        return {"size": os.path.getsize(part)}
+    digest = hashlib.sha256()
+    with open(part, "rb") as fh:
+        for block in iter(lambda: fh.read(1024 * 1024), b""):
+            digest.update(block)
+    if digest.hexdigest() != req["sha256"]:
+        os.unlink(part)
+        raise AgentError("checksum mismatch writing %s: got %s, expected %s" % (path, digest.hexdigest(),
+                                                                               req["sha256"]))
+    os.replace(part, path)
+    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def op_dump_stacks(req):
+    """A stack dump of every process of a job on this node: `py-spy dump` where it is installed, else
+    SIGUSR1 (the reference script's faulthandler prints every thread's stack to its output)."""
+    pyspy = shutil.which("py-spy")
+    out = []
+    for pid in _job_pids(req["tag"], req["node"]):
+        if pyspy:
+            try:
+                proc = subprocess.run([pyspy, "dump", "--pid", str(pid)], stdin=subprocess.DEVNULL,
+                                      capture_output=True, timeout=20)
+                text = (proc.stdout + proc.stderr).decode("utf-8", "replace")[-65536:]
+                out.append({"pid": pid, "how": "py-spy", "text": text})
+                continue
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                out.append({"pid": pid, "how": "py-spy", "text": "py-spy failed: %s" % exc})
+        if _catches(pid, signal.SIGUSR1):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                out.append({"pid": pid, "how": "SIGUSR1", "text": ""})
+            except OSError as exc:
+                out.append({"pid": pid, "how": "SIGUSR1", "text": str(exc)})
+    return {"dumps": out, "py_spy": bool(pyspy)}
+
+
+def _catches(pid, signum):
+    """True if the process installed a handler for signum (SigCgt in /proc/<pid>/status): only then is
+    it sent, since a process without one would be killed by it."""
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 OPS = {
+    "checkpoints": op_checkpoints,
+    "files": op_files,
+    "put": op_put,
+    "dump_stacks": op_dump_stacks,
     "hello": op_hello,
     "start": op_start,
     "tail": op_tail,

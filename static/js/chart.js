@@ -282,9 +282,30 @@
     if (mode === "relative") {
       opts.series[0].value = (u, v) => (v === null ? "—" : UGRO.shortDuration(v));
     }
+    // Where a later attempt of the job joined the curve: options.markers = [{x (step), label}].
+    const marks = mode === "step" ? this.options.markers || [] : [];
+    if (marks.length) opts.hooks = { draw: [(u) => drawMarks(u, marks)] };
     this.plot = new uPlot(opts, data, this.box);
     this.box.dataset.keys = keys.join(",");
   };
+
+  function drawMarks(u, marks) {
+    const ctx = u.ctx;
+    ctx.save();
+    ctx.strokeStyle = ctx.fillStyle = "#dc2626";
+    ctx.setLineDash([4, 4]);
+    ctx.font = 11 * devicePixelRatio + "px sans-serif";
+    for (const m of marks) {
+      const x = Math.round(u.valToPos(m.x, "x", true));
+      if (!Number.isFinite(x) || x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+      ctx.beginPath();
+      ctx.moveTo(x, u.bbox.top);
+      ctx.lineTo(x, u.bbox.top + u.bbox.height);
+      ctx.stroke();
+      ctx.fillText(m.label, x + 3, u.bbox.top + 12 * devicePixelRatio);
+    }
+    ctx.restore();
+  }
 
   function formatTick(v) {
     if (v === null) return "";

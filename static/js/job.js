@@ -25,10 +25,22 @@
   const board = new UGRO.PanelBoard(panelsBox, makePanel, view, saveView);
   UGRO.jobBoard = board; // for the console and the browser tests
 
+  // where each later attempt joined the curve (server-rendered JSON, read as data)
+  const attemptMarks = JSON.parse(root.dataset.attempts || "[]").map((m) => ({
+    x: m.step,
+    label: "attempt " + m.attempt,
+  }));
+
   function makePanel(name, parent) {
     const panel = new UGRO.Panel(
       parent,
-      { name: name, primary: (key) => key === "0", syncKey: "job-" + root.dataset.job, filePrefix: root.dataset.name + "_" },
+      {
+        name: name,
+        primary: (key) => key === "0",
+        syncKey: "job-" + root.dataset.job,
+        filePrefix: root.dataset.name + "_",
+        markers: attemptMarks,
+      },
       view
     );
     panel.t0 = t0;
@@ -195,55 +207,7 @@
     if (follow.checked) log.scrollTop = log.scrollHeight;
   });
 
-  // ---- checkpoints (ended jobs: listed by asking the nodes, so after the page is up) ----
-  function megabytes(size) {
-    return size >= 1e9 ? (size / 1e9).toFixed(2) + " GB" : (size / 1e6).toFixed(1) + " MB";
-  }
-
-  async function loadCheckpoints() {
-    const table = document.getElementById("checkpoints");
-    if (!table) return;
-    table.dataset.loaded = "1";
-    const body = table.tBodies[0];
-    let rows;
-    try {
-      rows = (await UGRO.getJSON(table.dataset.url)).checkpoints;
-    } catch (err) {
-      body.replaceChildren(emptyRow("Could not ask the nodes."));
-      return;
-    }
-    if (!rows.length) {
-      body.replaceChildren(emptyRow("No checkpoints found on the nodes."));
-      return;
-    }
-    body.replaceChildren(
-      ...rows.map(function ([node, path, size]) {
-        const tr = UGRO.el("tr");
-        const code = UGRO.el("code", "", path);
-        const where = UGRO.el("td");
-        where.append(code);
-        tr.append(UGRO.el("td", "", node), where, UGRO.el("td", "num", megabytes(size)));
-        return tr;
-      })
-    );
-  }
-
-  function emptyRow(text) {
-    const tr = UGRO.el("tr");
-    const td = UGRO.el("td", "empty", text);
-    td.colSpan = 3;
-    tr.append(td);
-    return tr;
-  }
-  loadCheckpoints();
-  // A job that ends while the page is open gets its results region re-rendered: list its checkpoints then.
-  document.addEventListener("ugro:regions", function () {
-    const table = document.getElementById("checkpoints");
-    if (table && !table.dataset.loaded) {
-      table.dataset.loaded = "1";
-      loadCheckpoints();
-    }
-  });
+  // Checkpoints, attempts and the Resume button are server-rendered regions (re-rendered on state changes).
 
   // The "job queued" banner says nothing once the job has left the queue.
   function dropQueuedBanner() {

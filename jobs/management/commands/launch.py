@@ -77,6 +77,33 @@ class Command(UserCommand):
             help="a metrics.csv or TensorBoard event file, or a directory with them, on the nodes "
             "(relative to the workdir; {job} is the job name; repeatable)",
         )  # fmt: skip
+        rec = parser.add_argument_group("recovery (docs/recovery.md)")
+        rec.add_argument(
+            "--retry", default="",
+            help="failure kinds resumed automatically: node-lost,rendezvous,oom,script-error,hang,nccl,killed,"
+            "timeout,unknown",
+        )  # fmt: skip
+        rec.add_argument("--max-attempts", type=int, dest="max_attempts", help="most attempts in all")
+        rec.add_argument("--min-nodes", type=int, dest="min_nodes", help="a node-lost retry may run on this few")
+        rec.add_argument(
+            "--resume-template", default="", dest="resume_template",
+            help="the script's resume argument (default: --resume-from {checkpoint}; "
+            "HF: --resume_from_checkpoint {checkpoint})",
+        )  # fmt: skip
+        rec.add_argument(
+            "--checkpoint-glob", default="", dest="checkpoint_glob",
+            help="more checkpoints to record: a glob relative to the workdir ({job}: the name)",
+        )  # fmt: skip
+        rec.add_argument(
+            "--batch-template", default="", dest="batch_template",
+            help="e.g. '--batch-size {batch} --grad-accum {accum}': an OOM retry halves the batch",
+        )  # fmt: skip
+        rec.add_argument("--batch", type=int, help="per-rank batch for --batch-template")
+        rec.add_argument("--grad-accum", type=int, dest="grad_accum", help="accumulation for --batch-template")
+        rec.add_argument(
+            "--hang-after", type=float, dest="hang_after_s",
+            help="seconds without a metric line that make the job HUNG (default 60, or 5x its interval)",
+        )  # fmt: skip
         parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     def handle(self, **o):
@@ -93,7 +120,10 @@ class Command(UserCommand):
             extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
             metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
             time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
-            batch_weights_auto=auto, after=o["after"],
+            batch_weights_auto=auto, after=o["after"], retry=o["retry"], max_attempts=o["max_attempts"],
+            min_nodes=o["min_nodes"], resume_template=o["resume_template"], checkpoint_glob=o["checkpoint_glob"],
+            batch_template=o["batch_template"], batch=o["batch"], grad_accum=o["grad_accum"],
+            hang_after_s=o["hang_after_s"],
         )  # fmt: skip
         if o["dry_run"]:
             try:

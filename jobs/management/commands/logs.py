@@ -6,7 +6,7 @@ import time
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
-from jobs.logs import job_lines, rank_lines
+from jobs.logs import attempt_ranks, job_lines, rank_lines
 from jobs.report import get_job
 from jobs.watch import JobWatch
 
@@ -22,10 +22,13 @@ class Command(UserCommand):
         parser.add_argument("--json", action="store_true", dest="as_json",
                             help='one JSON object per line: {"rank", "time", "text"}; with --follow the last is '
                             '{"job", "state", "reason"}')  # fmt: skip
+        parser.add_argument("--attempt", type=int, help="an earlier attempt's logs (default: the current one)")
 
-    def handle(self, name, rank=None, tail=None, follow=False, as_json=False, **options):
+    def handle(self, name, rank=None, tail=None, follow=False, as_json=False, attempt=None, **options):
         self.as_json = as_json
         job = get_job(name)
+        if attempt is not None and attempt != job.attempt:
+            return self._earlier(job, attempt, rank, tail, follow)
         if rank is not None and not job.ranks.filter(index=rank).exists():
             raise CommandError(f"job {job.name} has no rank {rank} (ranks 0-{job.ranks.count() - 1})")
         if tail is not None and tail < 1:
@@ -38,6 +41,19 @@ class Command(UserCommand):
                 self._follow(job, rank, {r.index: r.log_offset for r in ranks})
             except KeyboardInterrupt:
                 pass
+
+    def _earlier(self, job, attempt, rank, tail, follow):
+        ranks = attempt_ranks(job, attempt)
+        if ranks is None:
+            raise CommandError(f"job {job.name} has no attempt {attempt} (attempts 1-{job.attempt})")
+        if follow:
+            raise CommandError(f"attempt {attempt} of job {job.name} has ended: --follow is for the current one")
+        if rank is not None and rank not in [r.index for r in ranks]:
+            raise CommandError(f"attempt {attempt} of job {job.name} has no rank {rank}")
+        if tail is not None and tail < 1:
+            raise CommandError("--tail must be at least 1")
+        for line in job_lines(job, rank, tail, ranks=ranks):
+            self._write(line, rank)
 
     def _follow(self, job, rank_index, offsets):
         # Following here (and reconciling when no worker runs) means the job ends, frees its nodes

@@ -49,6 +49,17 @@ class RandomTokens(Dataset):
         return self.items[i]
 
 
+class FailAt(transformers.TrainerCallback):
+    """Raise once training reaches a step (a crash to resume from)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            raise RuntimeError(f"injected failure at step {state.global_step}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-steps", type=int, default=30)
@@ -60,6 +71,9 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, default=0, help="0: no evaluation")
     p.add_argument("--seq2seq", action="store_true", help="a tiny T5 with Seq2SeqTrainer")
     p.add_argument("--output-dir", default=os.path.join("outputs", os.environ.get("UGRO_JOB_NAME", "hf")))
+    p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint-<N> directory")
+    p.add_argument("--fail-at-step", type=int, default=0, help="raise at this step unless resuming (tests)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -84,7 +98,8 @@ def main() -> None:
         logging_steps=args.logging_steps,
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
@@ -98,9 +113,11 @@ def main() -> None:
         )
     else:
         trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=train, eval_dataset=evaluation)
+    if args.fail_at_step and not args.resume_from_checkpoint:
+        trainer.add_callback(FailAt(args.fail_at_step))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"transformers {transformers.__version__} torch {torch.__version__}", flush=True)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
 
 

@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Recovery: detection time, time back to training and steps lost, UGRO's retry policy beside torchrun --max-restarts 3.
+
+    .venv/bin/python bench/recovery.py [--scenarios killed,node_lost,oom,hang] [--only ugro|torchrun] [--keep]
+
+Three real sshd nodes on 127.0.6.2-4 (cluster.loopback; never the test suite's 127.0.0.x), each with
+the repo's train/ in its working dir, and a throwaway SQLite UGRO with the nodes imported from
+cluster.yaml. Every run trains train/train_production.py (tiny model, `--seq-len 16 --batch-size 4
+--log-every 5 --save-every 25 --step-sleep 0.05 --max-steps 400 --num-epochs 10`) and a failure is injected once the
+run has printed step 60 (so the last checkpoint is step 50):
+
+  killed     SIGKILL to the training process of node rank 1          UGRO: --retry killed,script-error
+  node_lost  the sshd of a node without the checkpoints is stopped   UGRO: 3 nodes, --retry node-lost --min-nodes 2
+             (its processes go on, unreachable), started again after  torchrun: SIGKILL to one agent and its worker
+  oom        --oom-at-step 60:2 (CUDA out of memory while batch > 2)  UGRO: --retry oom with a batch template
+  hang       --sleep-at-step 60:3600 (silent after step 60)          UGRO: --retry hang --hang-after 10
+
+UGRO runs in this process the way the worker runs it: the follower continuously (follow passes of
+0.5 s), the reconciler every 5 s (beat's period: hangs and the retry policy are decided there), and
+a queued attempt is scheduled at once (the requeue queues `schedule_jobs` after commit). Settings are
+UGRO's defaults (NODE_LOST_AFTER_S 20 s, RETRY_BACKOFF_S 10 s, CHECKPOINT_SCAN_S 30 s), except the
+job's `--hang-after 10` (default floor 60 s).
+
+torchrun: two agents started by this benchmark on two of the nodes' addresses (`--nnodes 2 --max-restarts
+3 --rdzv-backend c10d --rdzv-conf join_timeout=30`), the same script and arguments, LOGLEVEL=INFO so
+the agent says when it restarts its workers; the same failures injected at the same step. torchrun
+restarts the script with the same arguments: from step 0.
+
+Measured, per scenario and tool (wall clock; all nodes are this machine):
+  detection_s     from the injection (the kill, the sshd stop; for oom and hang the arrival of the last
+                  line before it: step 55 / step 60) to the failure recorded (UGRO: the job left RUNNING;
+                  torchrun: its agent logged that it restarts the workers or gave up)
+  back_s          from detection to the first metric line of the next attempt / restart
+  steps_lost      the last step printed before the failure minus the step training went on from
+  outcome         what happened next
+Results: bench/results/recovery.json (the rows of the scenarios and tools run replace their old ones;
+the others are kept) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    NODE_TORCHRUN,
+    REPO,
+    RESULTS,
+    kill_tagged,
+    machine_info,
+    make_tmp,
+    setup_django,
+    tagged_pids,
+    write_json,
+)
+from first_step import cluster_yaml  # noqa: E402
+
+SUBNET = "127.0.6"
+TRAIN = ["--max-steps", "400", "--num-epochs", "10", "--seq-len", "16", "--batch-size", "4", "--log-every", "5",
+         "--save-every", "25", "--step-sleep", "0.05"]  # fmt: skip
+INJECT_AT = 60
+SCENARIOS = ("killed", "node_lost", "oom", "hang")
+RECONCILE_EVERY = 5.0
+TIMEOUT = 240.0
+STEP_RE = re.compile(rb'^\{"step": (\d+),')
+
+
+def call(*args: str) -> str:
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def worker_pids(tag: str, node: str) -> list[int]:
+    """The training processes (not torchrun's agent) carrying a tag on a node."""
+    out = []
+    for pid in tagged_pids(tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (not node or f"UGRO_NODE={node}".encode() in env) and b"train_production.py" in argv:
+            if b"torchrun" not in argv:
+                out.append(pid)
+    return out
+
+
+# -- UGRO -------------------------------------------------------------------------------------------
+
+
+class UgroRun:
+    """One job under UGRO's recovery, driven as the worker drives it."""
+
+    def __init__(self, cluster, scenario: str) -> None:
+        self.cluster, self.scenario = cluster, scenario
+        self.name = f"rec-{scenario.replace('_', '')}-{uuid.uuid4().hex[:6]}"
+        self.last_reconcile = 0.0
+        self.row: dict = {"tool": "ugro", "scenario": scenario, "job": self.name}
+
+    def launch(self) -> None:
+        policy = {
+            "killed": ["--nodes", "2", "--retry", "killed,script-error"],
+            "node_lost": ["--nodes", "3", "--retry", "node-lost", "--min-nodes", "2"],
+            "oom": ["--nodes", "2", "--retry", "oom", "--batch-template=--batch-size {batch} --grad-accum {accum}",
+                    "--batch", "4"],
+            "hang": ["--nodes", "2", "--retry", "hang", "--hang-after", "10"],
+        }[self.scenario]  # fmt: skip
+        extra = {"oom": ["--oom-at-step", f"{INJECT_AT}:2"], "hang": ["--sleep-at-step", f"{INJECT_AT}:3600"]}
+        call("launch", "--name", self.name, *policy, "--detach", "--", *TRAIN, *extra.get(self.scenario, []))
+
+    def job(self):
+        from jobs.models import Job
+
+        return Job.objects.get(name=self.name)
+
+    def pump(self, until, timeout: float = TIMEOUT):
+        """Follow, reconcile every RECONCILE_EVERY s, schedule a queued attempt, until until() is truthy."""
+        from jobs.follow import follow
+        from jobs.models import Job
+        from jobs.reconcile import reconcile
+        from jobs.scheduler import schedule
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = until()
+            if value:
+                return value
+            job = self.job()
+            if job.state == Job.State.QUEUED:
+                schedule(only=[job.pk])
+            follow(0.5, job_ids=[job.pk])
+            if time.monotonic() - self.last_reconcile >= RECONCILE_EVERY:
+                self.last_reconcile = time.monotonic()
+                reconcile([job.pk], orphans=False)
+        raise TimeoutError(f"{self.name}: timed out")
+
+    def last_point(self, attempt: int):
+        from metrics.models import MetricPoint
+
+        return (
+            MetricPoint.objects.filter(job__name=self.name, attempt=attempt, name="loss")
+            .order_by("-step", "-time")
+            .values_list("step", "time")
+            .first()
+        )
+
+    def run(self) -> dict:
+        from jobs import checkpoints
+        from metrics.models import MetricPoint
+
+        self.launch()
+        inject_step = INJECT_AT - (5 if self.scenario == "oom" else 0)
+        self.pump(lambda: (self.last_point(1) or (0,))[0] >= inject_step)
+        job = self.job()
+        stopped = None
+        if self.scenario == "killed":
+            victim = job.ranks.select_related("node").get(index=1).node.name
+            t_inject = time.time()
+            for pid in worker_pids(job.tag, victim):
+                os.kill(pid, signal.SIGKILL)
+        elif self.scenario == "node_lost":
+            self.pump(lambda: checkpoints.offered(self.job()))
+            keeper = checkpoints.offered(self.job())[0].node.name
+            gone = next(n for n in self.cluster.nodes if n.name not in (keeper, "node1"))
+            t_inject = time.time()
+            gone.stop()
+            stopped = gone
+            self.row["lost_node"] = gone.name
+        else:  # oom, hang: the last line printed before the failure
+            t_inject = self.last_point(1)[1].timestamp()
+        try:
+            self.pump(lambda: self.job().state != "running")
+            t_detect = time.time()
+            failed_at = self.last_point(1)[0]
+            self.pump(lambda: self.job().attempt >= 2 and self.last_point(2))
+            job = self.job()
+            first2 = MetricPoint.objects.filter(job=job, attempt=2).order_by("time").values_list("time", flat=True)[0]
+            attempt1 = job.attempts.get(number=1)
+            self.row.update(
+                detection_s=round(t_detect - t_inject, 2),
+                back_s=round(first2.timestamp() - t_detect, 2),
+                failed_at_step=failed_at,
+                resumed_from_step=job.resume_step,
+                steps_lost=failed_at - (job.resume_step or 0),
+                failure_kind=attempt1.failure_kind,
+                outcome=f"attempt 2 trains from step {job.resume_step}: {attempt1.next_reason}",
+                nodes_attempt2=sorted(job.ranks.values_list("node__name", flat=True)),
+            )
+        finally:
+            job = self.job()
+            if not job.is_ended:
+                call("cancel", self.name)
+            if stopped is not None:
+                stopped.start()
+        return self.row
+
+
+# -- torchrun --max-restarts 3 ---------------------------------------------------------------------------
+
+
+class TorchrunRun:
+    """Two torchrun agents with --max-restarts 3 on two nodes' addresses, the same failure injected."""
+
+    def __init__(self, cluster, scenario: str, tmp: Path, port: int) -> None:
+        self.cluster, self.scenario, self.tmp, self.port = cluster, scenario, tmp, port
+        self.tag = f"bench-rec-tr-{uuid.uuid4().hex[:8]}"
+        self.logs = [tmp / f"{self.tag}-agent{i}.log" for i in range(2)]
+        self.procs: list[subprocess.Popen] = []
+        self.seen: list[tuple[float, int, int]] = []  # (time, agent, step) of each metric line
+        self.events: list[tuple[float, int, str]] = []  # (time, agent, line) of restart / give-up lines
+        self.offsets = [0, 0]
+        self.partial = [b"", b""]
+        self.row: dict = {"tool": "torchrun --max-restarts 3", "scenario": scenario}
+
+    def start(self) -> None:
+        extra = {"oom": ["--oom-at-step", f"{INJECT_AT}:2"], "hang": ["--sleep-at-step", f"{INJECT_AT}:3600"]}
+        for i, node in enumerate(self.cluster.nodes[:2]):
+            argv = [str(NODE_TORCHRUN), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={self.cluster.nodes[0].address}:{self.port}", f"--rdzv-id={self.tag}",
+                    "--rdzv-conf=join_timeout=30", f"--local-addr={node.address}", "--max-restarts=3",
+                    "train/train_production.py", *TRAIN, "--output-dir", f"outputs/{self.tag}",
+                    *extra.get(self.scenario, [])]  # fmt: skip
+            env = {**os.environ, "UGRO_JOB": self.tag, "UGRO_NODE": node.name, "LOGLEVEL": "INFO",
+                   "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+            for key in ("DATABASE_URL", "DJANGO_SETTINGS_MODULE"):
+                env.pop(key, None)
+            self.procs.append(subprocess.Popen(argv, cwd=node.workdir, env=env, stdin=subprocess.DEVNULL,
+                                               stdout=open(self.logs[i], "wb"), stderr=subprocess.STDOUT,
+                                               start_new_session=True))  # fmt: skip
+
+    def poll(self) -> None:
+        now = time.time()
+        for i, path in enumerate(self.logs):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[i])
+                    data = fh.read()
+            except OSError:
+                continue
+            self.offsets[i] += len(data)
+            lines = (self.partial[i] + data).split(b"\n")
+            self.partial[i] = lines.pop()
+            for line in lines:
+                m = STEP_RE.match(line)
+                if m:
+                    self.seen.append((now, i, int(m.group(1))))
+                elif (
+                    b"will restart worker group" in line
+                    or b"exceeded max_restarts" in line.lower()
+                    or (b"Rendezvous" in line and b"timed out" in line.lower())
+                ):
+                    self.events.append((now, i, line.decode("utf-8", "replace")[-300:]))
+
+    def wait(self, until, timeout: float) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.poll()
+            value = until()
+            if value:
+                return value
+            time.sleep(0.05)
+        self.poll()
+        return until()
+
+    def last_step(self) -> int:
+        return max((s for _, _, s in self.seen), default=0)
+
+    def run(self) -> dict:
+        self.start()
+        try:
+            inject_step = INJECT_AT - (5 if self.scenario == "oom" else 0)
+            if not self.wait(lambda: self.last_step() >= inject_step, TIMEOUT):
+                self.row["outcome"] = "never reached the injection step"
+                return self.row
+            n_seen = len(self.seen)
+            if self.scenario == "killed":
+                t_inject = time.time()
+                for pid in worker_pids(self.tag, self.cluster.nodes[1].name):
+                    os.kill(pid, signal.SIGKILL)
+            elif self.scenario == "node_lost":
+                t_inject = time.time()
+                for pid in tagged_pids(self.tag):
+                    env = Path(f"/proc/{pid}/environ").read_bytes() if Path(f"/proc/{pid}").exists() else b""
+                    if f"UGRO_NODE={self.cluster.nodes[1].name}".encode() in env:
+                        os.kill(pid, signal.SIGKILL)
+            else:
+                t_inject = max(t for t, _, s in self.seen if s == inject_step)
+            failed_at = self.last_step()
+            limit = 90.0 if self.scenario == "hang" else TIMEOUT
+            detected = self.wait(lambda: self.events, limit)
+            if not detected:
+                self.row.update(outcome=f"not detected within {limit:g}s (still running, silent)", detection_s=None)
+                return self.row
+            t_detect = self.events[0][0]
+            self.row.update(detection_s=round(t_detect - t_inject, 2), failed_at_step=failed_at,
+                            first_event=self.events[0][2])  # fmt: skip
+            back = self.wait(lambda: [t for t, _, s in self.seen[n_seen:] if t > t_detect and s <= failed_at], 120)
+            if back:
+                self.row.update(back_s=round(back[0] - t_detect, 2), resumed_from_step=0, steps_lost=failed_at)
+            if self.scenario == "killed" and back:
+                self.row["outcome"] = "restarted from step 0 (the same arguments: no resume)"
+                return self.row
+            ended = self.wait(lambda: self.procs[0].poll() is not None, TIMEOUT)
+            restarts = sum("will restart" in e for _, _, e in self.events)
+            codes = [p.poll() for p in self.procs]
+            self.row["outcome"] = (
+                f"{'ended' if ended else 'still running'}: exit codes {codes}, {restarts} restart(s) logged, "
+                f"last step {self.last_step()}"
+            )
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            kill_tagged(self.tag)
+        return self.row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--only", choices=("ugro", "torchrun"), default=None)
+    ap.add_argument("--out", default=str(RESULTS / "recovery.json"))
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if any(s not in SCENARIOS for s in scenarios):
+        ap.error(f"scenarios: {', '.join(SCENARIOS)}")
+    tmp = make_tmp("ugro-bench-recovery-")
+    os.environ["LOG_LEVEL"] = "ERROR"
+    setup_django(tmp)
+    from django.conf import settings
+
+    from cluster.config_yaml import import_cluster
+    from cluster.links import pool
+    from cluster.loopback import LoopbackCluster
+
+    meta = machine_info()
+    meta.update(train_args=TRAIN, inject_at_step=INJECT_AT, reconcile_every_s=RECONCILE_EVERY,
+                ugro={k: settings.UGRO[k] for k in ("NODE_LOST_AFTER_S", "RETRY_BACKOFF_S", "CHECKPOINT_SCAN_S",
+                                                    "HANG_FACTOR", "KILL_GRACE_S")})  # fmt: skip
+    rows: list[dict] = []
+    cluster = LoopbackCluster(tmp / "nodes", 3, subnet=SUBNET, first_octet=2)
+    t0 = time.monotonic()
+    try:
+        cluster.start()
+        for node in cluster.nodes:
+            shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
+        import_cluster(cluster_yaml(cluster, 29631))
+        for i, scenario in enumerate(scenarios):
+            tools = [("ugro", lambda s=scenario: UgroRun(cluster, s).run()),
+                     ("torchrun", lambda s=scenario, i=i: TorchrunRun(cluster, s, tmp, 29641 + i).run())]  # fmt: skip
+            for tool, fn in tools:
+                if args.only and tool != args.only:
+                    continue
+                try:
+                    row = fn()
+                except Exception as exc:  # a failed trial is a result, not the end of the benchmark
+                    row = {"tool": tool, "scenario": scenario, "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        pool.close_all()
+        cluster.stop()
+        kill_tagged("rec-", prefix=True)
+        kill_tagged("bench-rec-tr-", prefix=True)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta["elapsed_s"] = round(time.monotonic() - t0, 1)
+    out = Path(args.out)
+    kept, runs = [], []
+    if out.exists():
+        old = json.loads(out.read_text())
+        ran = {(r["scenario"], r["tool"]) for r in rows}
+        kept = [r for r in old.get("trials", []) if (r["scenario"], r["tool"]) not in ran]
+        runs = old.get("runs", [])
+    write_json(out, {"runs": [*runs, meta], "trials": kept + rows})
+    print(f"\n{'scenario':<10} {'tool':<26} {'detect s':>9} {'back s':>8} {'lost':>6}  outcome")
+    for r in rows:
+
+        def f(v):
+            return "-" if v is None else f"{v}"
+
+        print(f"{r['scenario']:<10} {r['tool']:<26} {f(r.get('detection_s')):>9} {f(r.get('back_s')):>8} "
+              f"{f(r.get('steps_lost')):>6}  {r.get('outcome') or r.get('error', '')}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""A job's checkpoints: recorded as they appear on the nodes, offered only once complete, copied between nodes.
+
+The follower lists each rank's checkpoint places every CHECKPOINT_SCAN_S while it runs (through the node
+agent's `checkpoints` op: the job's output directory, `<workdir>/outputs/<job>`, and the job's own glob)
+and once more when the rank ends. A candidate is recorded with its node, path, step, size and time; it
+becomes `ready` (offered for a resume) only when it is complete and stopped changing:
+
+- a temporary name (a leading dot, `.tmp`, `.part`, `tmp-` ...) is never recorded;
+- a Hugging Face `checkpoint-<N>/` directory counts only once it holds `trainer_state.json`
+  (the Trainer writes it last);
+- the size and mtime must be the same in two listings in a row, or the rank must have ended (nothing is
+  writing any more).
+
+Pages and commands read the rows; no request asks a node.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+from pathlib import PurePosixPath
+
+from django.conf import settings
+
+from cluster.models import Node
+
+from .models import Checkpoint, Job, Rank
+from .nodes import node_request, on_each
+
+log = logging.getLogger(__name__)
+
+FILE_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
+TEMP_MARKS = (".tmp", ".temp", ".part", ".partial", ".incomplete", ".ugro-part")
+STEP_PATTERNS = (
+    re.compile(r"checkpoint[_-]?step[_-]?(\d+)", re.I),  # checkpoint_step50.pt
+    re.compile(r"checkpoint-(\d+)$", re.I),  # Hugging Face checkpoint-500/
+    re.compile(r"(?:step|global_step|iter)[_=-]?(\d+)", re.I),  # epoch=1-step=500.ckpt, iter_0001000
+)
+COPY_CHUNK = 2 * 1024 * 1024  # bytes per request when a checkpoint travels between nodes
+
+
+def step_of(name: str) -> int | None:
+    """The training step a checkpoint's name carries, or None."""
+    stem = name
+    for suffix in FILE_SUFFIXES:
+        if stem.endswith(suffix):
+            stem = stem[: -len(suffix)]
+    for pattern in STEP_PATTERNS:
+        m = pattern.search(stem)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def is_temporary(name: str) -> bool:
+    low = name.lower()
+    return low.startswith((".", "tmp", "~")) or any(mark in low for mark in TEMP_MARKS)
+
+
+def output_dir(job: Job, node: Node) -> str:
+    """Where the reference script saves: <workdir>/outputs/<job> (also where HF scripts are pointed)."""
+    return f"{node.workdir.rstrip('/')}/outputs/{job.name}"
+
+
+def _candidate(job: Job, entry: dict) -> tuple[int | None, str] | None:
+    """(step, kind) of a listed entry that may be a checkpoint, None for anything else."""
+    name = PurePosixPath(entry["path"]).name
+    if is_temporary(name):
+        return None
+    from_glob = entry.get("glob", False)
+    if entry["dir"]:
+        if not (from_glob or re.fullmatch(r"checkpoint-\d+", name)):
+            return None
+        return step_of(name), Checkpoint.Kind.DIR
+    if not (from_glob or name.endswith(FILE_SUFFIXES)):
+        return None
+    return step_of(name), Checkpoint.Kind.FILE
+
+
+def scan(rank: Rank) -> int:
+    """List the rank's checkpoint places on its node and record what is there; returns how many are ready.
+
+    Raises LinkError / AgentRequestError when the node does not answer.
+    """
+    job, node = rank.job, rank.node
+    globs = [job.checkpoint_glob.replace("{job}", job.name)] if job.checkpoint_glob else []
+    answer = node_request(node, "checkpoints", timeout=10, dirs=[output_dir(job, node)], globs=globs, cwd=node.workdir)
+    by_glob: set[str] = set()
+    if globs:  # which paths only the glob found (anything it names counts, whatever the suffix)
+        listed = {e["path"] for e in answer["entries"]}
+        by_glob = {p for p in listed if not p.startswith(output_dir(job, node) + "/")}
+    ended = rank.state != Rank.State.RUNNING
+    known = {c.path: c for c in Checkpoint.objects.filter(job=job, node=node)}
+    ready = 0
+    for entry in answer["entries"]:
+        entry["glob"] = entry["path"] in by_glob
+        found = _candidate(job, entry)
+        if found is None:
+            continue
+        step, kind = found
+        complete = kind == Checkpoint.Kind.FILE or entry.get("trainer_state") or entry["glob"]
+        old = known.get(entry["path"])
+        unchanged = old is not None and old.size == entry["size"] and old.mtime == entry["mtime"]
+        is_ready = bool(complete and (unchanged or ended) and entry["size"] > 0)
+        if old is None:
+            Checkpoint.objects.create(
+                job=job, node=node, path=entry["path"], size=entry["size"], mtime=entry["mtime"], step=step,
+                kind=kind, ready=is_ready, attempt=job.attempt,
+            )  # fmt: skip
+        elif not (unchanged and old.ready == is_ready):
+            Checkpoint.objects.filter(pk=old.pk).update(
+                size=entry["size"], mtime=entry["mtime"], step=step, kind=kind, ready=is_ready
+            )
+        ready += is_ready
+    return ready
+
+
+def offered(job: Job) -> list[Checkpoint]:
+    """The job's checkpoints that a resume may use, newest step first."""
+    return list(
+        job.checkpoints.select_related("node").filter(ready=True, step__isnull=False).order_by("-step", "-mtime")
+    )
+
+
+def choose(job: Job, wanted: str | int | None = "latest") -> Checkpoint:
+    """The checkpoint at step `wanted` (or the latest); ValueError with a one-line reason if there is none."""
+    ready = offered(job)
+    if not ready:
+        pending = job.checkpoints.filter(ready=False).count()
+        more = f" ({pending} still being written or incomplete)" if pending else ""
+        raise ValueError(f"job {job.name} has no complete checkpoint to resume from{more}")
+    if wanted in (None, "", "latest"):
+        return ready[0]
+    try:
+        step = int(wanted)
+    except (TypeError, ValueError):
+        raise ValueError(f"--from must be a step number or 'latest', not {wanted!r}") from None
+    for c in ready:
+        if c.step == step:
+            return c
+    steps = ", ".join(str(c.step) for c in ready[:20])
+    raise ValueError(f"job {job.name} has no complete checkpoint at step {step} (steps: {steps})")
+
+
+def path_for_rank0(checkpoint: Checkpoint) -> str:
+    """How rank 0 names the checkpoint: relative to the workdir when it lies under it (the same relative
+    path then holds on any node it is copied to), else its absolute path."""
+    workdir = checkpoint.node.workdir.rstrip("/") + "/"
+    if checkpoint.path.startswith(workdir):
+        return checkpoint.path[len(workdir) :]
+    return checkpoint.path
+
+
+def resume_args(job: Job) -> list[str]:
+    """The resume argument for the current attempt, from the job's template (none when from scratch)."""
+    if not job.resume_path:
+        return []
+    return [item.replace("{checkpoint}", job.resume_path) for item in job.resume_template.split()]
+
+
+def batch_args(job: Job) -> list[str]:
+    """The batch arguments from the job's batch template, e.g. --batch-size 8 --grad-accum 2 (none if unset)."""
+    if not job.batch_template or not job.batch:
+        return []
+    values = {"batch": str(job.batch.get("batch")), "accum": str(job.batch.get("accum", 1))}
+    out = []
+    for item in job.batch_template.split():
+        for key, value in values.items():
+            item = item.replace("{" + key + "}", value)
+        out.append(item)
+    return out
+
+
+def target_path(checkpoint: Checkpoint, node: Node) -> str:
+    rel = path_for_rank0(checkpoint)
+    return rel if rel.startswith("/") else f"{node.workdir.rstrip('/')}/{rel}"
+
+
+def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
+    """Make the checkpoint present on every node of an attempt: rank 0 reads it in the reference script,
+    but frameworks such as the Hugging Face Trainer load it on every rank. A node that already holds the
+    same files (by sha256) gets nothing; the copies run at once. ValueError with a one-line reason."""
+    targets = [n for n in nodes if n.pk != checkpoint.node_id]
+    if not targets:
+        return
+    timeout = float(settings.UGRO.get("CHECKPOINT_COPY_TIMEOUT_S", 60.0))
+    try:
+        want = node_request(checkpoint.node, "files", timeout=timeout, path=checkpoint.path)["files"]
+    except Exception as exc:  # the node that holds it does not answer, or the files are gone
+        raise ValueError(f"checkpoint {checkpoint.node.name}:{checkpoint.path} cannot be read: {exc}") from None
+
+    def one(node: Node) -> str | None:
+        try:
+            have = node_request(node, "files", timeout=timeout, path=target_path(checkpoint, node))["files"]
+        except Exception:  # absent (or unreadable): copy it
+            have = None
+        if have == want:
+            return None
+        try:
+            copy_to(checkpoint, node)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    failed = [msg or f"{node.name}: {err}" for node, msg, err in on_each(targets, one) if msg or err]
+    if failed:
+        raise ValueError("; ".join(failed))
+
+
+def copy_to(checkpoint: Checkpoint, node: Node) -> str:
+    """Copy a checkpoint (file or directory) to another node over the existing links, checked by sha256.
+
+    Each file is read from the source node in COPY_CHUNK pieces and written to `<path>.ugro-part` on the
+    target, which checks the whole file's sha256 before moving it into place. Returns the sha256 of the
+    file (or of the directory's sorted file list). Raises ValueError with a one-line reason.
+    """
+    source = checkpoint.node
+    dest = target_path(checkpoint, node)
+    timeout = float(settings.UGRO.get("CHECKPOINT_COPY_TIMEOUT_S", 60.0))
+    try:
+        files = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
+        for f in files:
+            src_path = f"{checkpoint.path}/{f['name']}" if f["name"] else checkpoint.path
+            dst_path = f"{dest}/{f['name']}" if f["name"] else dest
+            offset = 0
+            while True:
+                item = node_request(
+                    source, "tail", timeout=timeout,
+                    files=[{"key": 0, "path": src_path, "offset": offset, "max_bytes": COPY_CHUNK}],
+                )["files"][0]  # fmt: skip
+                data = base64.b64decode(item["data"])
+                last = offset + len(data) >= f["size"]
+                node_request(
+                    node, "put", timeout=timeout, path=dst_path, offset=offset, data=item["data"],
+                    sha256=f["sha256"] if last else None,
+                )  # fmt: skip
+                offset += len(data)
+                if last:
+                    break
+                if not data:
+                    raise ValueError(f"{source.name}:{src_path} shrank while it was copied")
+    except ValueError:
+        raise
+    except Exception as exc:  # a link or agent error: one line for the job's reason
+        raise ValueError(f"copying checkpoint {source.name}:{checkpoint.path} to {node.name} failed: {exc}") from None
+    digest = files[0]["sha256"] if len(files) == 1 and not files[0]["name"] else _list_digest(files)
+    Checkpoint.objects.filter(pk=checkpoint.pk).update(sha256=digest)
+    log.info("copied checkpoint %s:%s to %s:%s (sha256 %s)", source.name, checkpoint.path, node.name, dest, digest)
+    return digest
+
+
+def _list_digest(files: list[dict]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f['name']}\0{f['sha256']}\n".encode())
+    return h.hexdigest()
