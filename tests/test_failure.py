@@ -377,6 +377,7 @@ def test_every_kind_has_a_one_line_description():
         "CANCELLED",
         "TIMEOUT",
         "NCCL",
+        "HANG",  # the recovery issue's kind for a job whose metric lines stopped
         "UNKNOWN",
     }
     for kind in FailureKind:

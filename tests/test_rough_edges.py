@@ -77,10 +77,11 @@ def test_results_region_is_always_on_the_page_and_filled_once_the_job_ended(brow
     now = timezone.now()
     job = Job.objects.create(name="live", script="s.py", state=Job.State.RUNNING, running_at=now, started_at=now)
     html = browser.get(f"/jobs/{job.pk}/").content.decode()
-    assert 'data-region="results"' in html and 'id="checkpoints"' not in html
+    # (the checkpoints table is there all along: the follower records them while the job runs)
+    assert 'data-region="results"' in html and 'id="results"' not in html
     Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=now)
     html = browser.get(f"/jobs/{job.pk}/").content.decode()
-    assert 'data-region="results"' in html and 'id="checkpoints"' in html
+    assert 'data-region="results"' in html and 'id="results"' in html
 
 
 def test_the_queued_banner_is_marked_for_the_page_to_drop(browser, node):

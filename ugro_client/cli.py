@@ -97,7 +97,8 @@ def build_parser() -> Parser:
             p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return once it is cancelling")
     p = sub.add_parser("resume", help="a new attempt of a job")
     p.add_argument("name")
-    p.add_argument("--from", dest="from_step", default="latest", help="a checkpoint step, or latest")
+    p.add_argument("--from", dest="from_step", default="latest", help="a checkpoint step, latest, or scratch")
+    p.add_argument("--nodes", nargs="+", metavar="NODE", help="run the new attempt on these nodes")
     p = sub.add_parser("queue", help="queued jobs")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("health", help="node health")
@@ -275,10 +276,13 @@ def cmd_cancel(client: Client, a) -> int:
 
 def cmd_resume(client: Client, a) -> int:
     try:
-        job = client.post(f"jobs/{a.name}/resume", {"from": a.from_step})
+        body = {"from": a.from_step}
+        if a.nodes:
+            body["nodes"] = a.nodes
+        job = client.post(f"jobs/{a.name}/resume", body)
     except ApiError as exc:
         if exc.status == 404 and "no job named" not in str(exc):
-            raise ApiError("this UGRO server has no resume endpoint yet", EXIT_REFUSED) from None
+            raise ApiError("this UGRO server has no resume endpoint (it predates resume)", EXIT_REFUSED) from None
         raise
     print(f"job {job['name']} queued again (attempt {job['attempt']})")
     return EXIT_OK
