@@ -112,8 +112,10 @@ def main() -> None:
         print(f"{i:>5} {t['solo_samples_per_s'][0]:>8} {t['solo_samples_per_s'][1]:>8} {t['sum_solo']:>8} "  # noqa: T201
               f"{t['even_samples_per_s']:>8} {t['even_pct_of_sum']:>6} {t['weighted_samples_per_s']:>9} "
               f"{t['weighted_pct_of_sum']:>6} {t['weighted_shares']}")  # fmt: skip
-    print(f"median: even {out['median_even_pct_of_sum']} %, weighted {out['median_weighted_pct_of_sum']} % of the "  # noqa: T201
-          "sum of solo throughputs")
+    print(
+        f"median: even {out['median_even_pct_of_sum']} %, weighted {out['median_weighted_pct_of_sum']} % of the "  # noqa: T201
+        "sum of solo throughputs"
+    )
 
 
 if __name__ == "__main__":
