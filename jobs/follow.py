@@ -75,6 +75,12 @@ def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
     return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=_lease_s())))
 
 
+def followed_by_nobody(job: Job, now: datetime) -> bool:
+    """Whether any follower may claim the job now (no lease, or a lapsed one): claim's condition, read
+    from a job row already loaded."""
+    return job.follower == "" or job.follower_until is None or job.follower_until < now
+
+
 def renew(job_id: int, owner: str) -> None:
     """Extend this follower's lease if it still holds it; LeaseLost otherwise. Inside a transaction the
     UPDATE also locks the job's row until commit."""
@@ -248,9 +254,7 @@ class JobFollower:
             return 0
         lines = split_lines(data)
         stream = self._stream(rank)
-        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final)
-        if self.job.attempt != 1:
-            points = [p._replace(attempt=self.job.attempt) for p in points]
+        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final, attempt=self.job.attempt)
         old = rank.log_offset
         fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
         with transaction.atomic():
@@ -358,12 +362,7 @@ def follow(
             left_over = False
             for job in active:
                 if max_jobs is not None and job.pk not in followers and len(followers) >= max_jobs:
-                    left_over = (
-                        left_over
-                        or job.follower == ""
-                        or job.follower_until is None
-                        or (job.follower_until < timezone.now())
-                    )
+                    left_over = left_over or followed_by_nobody(job, timezone.now())
                     continue
                 if not claim(job.pk, owner):
                     followers.pop(job.pk, None)

@@ -110,9 +110,15 @@ def _committed_tail(path, offset: int) -> list[str]:
 
 
 def parse_lines(
-    job_id: int, rank_index: int, lines: list[str], stream: RankStream, when: datetime, end: bool = False
-) -> tuple[list[MetricPoint], list[str]]:
-    """Unsaved MetricPoints and their metrics.jsonl lines, for lines of one rank.
+    job_id: int,
+    rank_index: int,
+    lines: list[str],
+    stream: RankStream,
+    when: datetime,
+    end: bool = False,
+    attempt: int = 1,
+) -> tuple[list[Sample], list[str]]:
+    """Unsaved metric points (of the job's `attempt`) and their metrics.jsonl lines, for lines of one rank.
 
     end: the rank's log is complete (points still waiting for a progress bar's redraw are taken).
     Side effects, idempotent so a retried pass may repeat them: the run's final metrics (the
@@ -137,7 +143,7 @@ def parse_lines(
             finals.append(p)
             record["final"] = True
         else:
-            points.append(Sample(job_id, rank, p.step, p.name[:100], p.value, when))
+            points.append(Sample(job_id, rank, p.step, p.name[:100], p.value, when, attempt))
         jsonl.append(json.dumps(record))
     if finals:
         save_final_metrics(job_id, rank_index, finals, when)
