@@ -32,6 +32,8 @@ from django.db.models import Avg, Case, Count, IntegerField, Max, Q, Sum, Value,
 from django.db.models.functions import TruncMinute
 from django.utils import timezone
 
+from ugro_site.publish import send
+
 from . import alerts, gpus
 from .health import (
     BREAKER_TRIP_AFTER,
@@ -192,24 +194,8 @@ def node_event(node: Node, outcome: PollOutcome | None = None) -> dict[str, Any]
 
 def publish(events: list[dict[str, Any]]) -> None:
     """Push node events to the dashboard's "cluster" group; best effort (Redis is only transport)."""
-    if not events:
-        return
-    try:
-        from asgiref.sync import async_to_sync
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        if layer is None:
-            return
-
-        async def send_all() -> None:
-            for data in events:
-                await layer.group_send("cluster", {"type": "cluster.event", "kind": "node", "data": data})
-
-        # One event loop and one connection per poll, not per node.
-        async_to_sync(send_all)()
-    except Exception as exc:  # the DB has it all; the next poll publishes again
-        log.debug("could not publish %d node events: %s", len(events), exc)
+    for data in events:
+        send("cluster", {"type": "cluster.event", "kind": "node", "data": data})
 
 
 NODE_FIELDS = ["status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at",

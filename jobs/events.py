@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
-
-log = logging.getLogger(__name__)
+from ugro_site.publish import send
 
 
 def job_group(job_id: int) -> str:
@@ -16,15 +12,8 @@ def job_group(job_id: int) -> str:
 
 
 def publish_job(job, kind: str, payload: dict[str, Any]) -> None:
-    """Send an event to the job's group and a state summary to the cluster group; never raises."""
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
-        if kind == "state":
-            async_to_sync(layer.group_send)(
-                "cluster", {"type": "cluster.event", "kind": "job", "data": {"job": job.name, "state": job.state}}
-            )
-    except Exception as exc:  # Redis down must not stop following: the next page load rebuilds the view
-        log.debug("publish to %s failed: %s", job_group(job.pk), exc)
+    """Queue an event for the job's group and a state summary for the cluster group; never raises nor
+    waits for Redis (ugro_site/publish.py sends them in order from one event loop per process)."""
+    send(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
+    if kind == "state":
+        send("cluster", {"type": "cluster.event", "kind": "job", "data": {"job": job.name, "state": job.state}})

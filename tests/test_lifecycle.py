@@ -29,7 +29,7 @@ from jobs.follow import JobFollower, LeaseLost, claim, follow
 from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
 from jobs.models import Job, Rank
 
-from .conftest import REPO
+from .conftest import REPO, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -208,9 +208,14 @@ def test_a_line_without_a_newline_is_taken_in_pieces_and_following_goes_on(local
     job = running_job(local_node)
     blob = b"x" * (5 * 1024 * 1024)
     write_log(job, blob)
-    follow(2.0, job_ids=[job.pk])
+
+    def followed() -> int:
+        follow(1.0, job_ids=[job.pk])  # passes until the time is up (a loaded machine takes more of them)
+        return job.ranks.get().log_offset
+
+    # then whole LINE_CUT pieces are taken while it runs (the follower is not stuck)
+    wait_for(lambda: followed() >= 5 * LINE_CUT, timeout=60, what="the five pieces to be taken")
     rank = job.ranks.get()
-    # then whole LINE_CUT pieces were taken while it ran (the follower is not stuck)
     assert rank.log_offset == 5 * LINE_CUT and rank.state == Rank.State.RUNNING
     write_log(job, b"\nlast line\n", rc=0)
     follow(5.0, job_ids=[job.pk])
