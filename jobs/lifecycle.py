@@ -136,11 +136,12 @@ def _record_started(started: list[Started], now: datetime) -> None:
         )
 
 
-def fail_unstarted(job: Job, kind: FailureKind, reason: str) -> bool:
-    """STARTING -> FAILED when nothing was started (unreachable node, pre-flight): nodes freed at once."""
+def fail_unstarted(job: Job, kind: FailureKind, reason: str, node: str = "") -> bool:
+    """STARTING -> FAILED when nothing was started (unreachable node, pre-flight): nodes freed at once.
+    node: the (first) node that could not be reached, if that was why."""
     with transaction.atomic():
         done = _move(
-            job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(),
+            job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(), failure_node=node,
             failure_kind=kind.value, failure_reason=reason[:4000], recovery_note="", retry_at=None,
         )  # fmt: skip
         if done:

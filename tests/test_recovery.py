@@ -320,3 +320,7 @@ def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_wait
     job.refresh_from_db()
     nxt, note = recovery.decide(job)
     assert nxt.nodes is None and nxt.wait_nodes == ["gone"] and nxt.checkpoint.step == 30
+    # a launch that could not reach a node (nothing started, no rank LOST) waits for the node it named
+    Rank.objects.filter(job=job).update(state=Rank.State.PENDING)
+    nxt, note = recovery.decide(job)
+    assert nxt.wait_nodes == ["gone"] and "once gone is back" in note
