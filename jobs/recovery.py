@@ -185,12 +185,13 @@ def decide(job: Job) -> tuple[lifecycle.NextAttempt | None, str]:
         down = set(Node.objects.filter(status=Node.Status.DOWN).values_list("name", flat=True))
         gone = lost | (down & set(prev_nodes)) | ({job.failure_node} if job.failure_node else set())
         remaining = [n for n in prev_nodes if n not in gone]
-        reachable = [c for c in ready if c.node.name not in gone]
+        reachable = [c for c in ready if c.node.name not in gone | down]
         # go on without the node only from a checkpoint that is not on it (else wait for it to come back)
         if job.min_nodes and remaining and len(remaining) >= job.min_nodes and (reachable or not ready):
             nodes, ready = remaining, reachable
         else:  # queued, waiting for them: the scheduler starts it only once they answer again
             wait = [n for n in prev_nodes if n in gone] or ([job.failure_node] if job.failure_node else [])
+            ready = [c for c in ready if c.node.name not in down or c.node.name in wait]  # held where it will be
     ckpt = ready[0] if ready else None
     pause = backoff_s(job.attempt)
     what = f"from step {ckpt.step}" if ckpt else "from scratch (no complete checkpoint)"

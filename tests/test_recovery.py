@@ -312,6 +312,8 @@ def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_wait
     job.refresh_from_db()
     ckpt(job, gone, 30)  # on the lost node: not usable without it
     ckpt(job, node, 20)
+    far = Node.objects.create(name="far", address="127.0.0.1", ssh_port=1, role="worker", status="down", workdir="/y")
+    ckpt(job, far, 40)  # an earlier attempt's, on a node that is DOWN now: not usable either
     nxt, note = recovery.decide(job)
     assert nxt.nodes == ["box"] and nxt.wait_nodes == [] and nxt.checkpoint.step == 20
     assert "on box (without gone)" in note
@@ -319,6 +321,7 @@ def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_wait
     Job.objects.filter(pk=job.pk).update(min_nodes=2)
     job.refresh_from_db()
     nxt, note = recovery.decide(job)
+    # (from the latest checkpoint there is once it is back: not the one on "far", which it does not wait for)
     assert nxt.nodes is None and nxt.wait_nodes == ["gone"] and nxt.checkpoint.step == 30
     # a launch that could not reach a node (nothing started, no rank LOST) waits for the node it named
     Rank.objects.filter(job=job).update(state=Rank.State.PENDING)
