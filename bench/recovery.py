@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Recovery: detection time, time back to training and steps lost, UGRO's retry policy beside torchrun --max-restarts 3.
 
-    .venv/bin/python bench/recovery.py [--scenarios killed,node_lost,oom,hang] [--only ugro|torchrun] [--keep]
+    .venv/bin/python bench/recovery.py [--scenarios killed,node_lost,oom,hang,node_wait] [--only ugro|torchrun]
+        [--keep]
 
 Three real sshd nodes on 127.0.6.2-4 (cluster.loopback; never the test suite's 127.0.0.x), each with
 the repo's train/ in its working dir, and a throwaway SQLite UGRO with the nodes imported from
@@ -12,6 +13,10 @@ run has printed step 60 (so the last checkpoint is step 50):
   killed     SIGKILL to the training process of node rank 1          UGRO: --retry killed,script-error
   node_lost  the sshd of a node without the checkpoints is stopped   UGRO: 3 nodes, --retry node-lost --min-nodes 2
              (its processes go on, unreachable), started again after  torchrun: SIGKILL to one agent and its worker
+  node_wait  the node that holds the checkpoints falls off: its sshd  UGRO: 2 nodes, --retry node-lost (no --min-nodes):
+             stopped and its processes frozen (SIGSTOP); back         the retry waits QUEUED for the node
+             AWAY_S after UGRO queued the retry (torchrun: after      torchrun: SIGSTOP one agent and its worker,
+             AWAY_S + 20 s)                                           SIGCONT after the same time
   oom        --oom-at-step 60:2 (CUDA out of memory while batch > 2)  UGRO: --retry oom with a batch template
   hang       --sleep-at-step 60:3600 (silent after step 60)          UGRO: --retry hang --hang-after 10
 
@@ -30,7 +35,9 @@ Measured, per scenario and tool (wall clock; all nodes are this machine):
   detection_s     from the injection (the kill, the sshd stop; for oom and hang the arrival of the last
                   line before it: step 55 / step 60) to the failure recorded (UGRO: the job left RUNNING;
                   torchrun: its agent logged that it restarts the workers or gave up)
-  back_s          from detection to the first metric line of the next attempt / restart
+  back_s          from detection to the first metric line of the next attempt / restart (node_wait: from the
+                  node's return, sshd started / SIGCONT, to the first metric line after it)
+  queued_s        node_wait, UGRO: from detection to the retry QUEUED, waiting for the node
   steps_lost      the last step printed before the failure minus the step training went on from
   outcome         what happened next
 Results: bench/results/recovery.json (the rows of the scenarios and tools run replace their old ones;
@@ -70,7 +77,8 @@ SUBNET = "127.0.6"
 TRAIN = ["--max-steps", "400", "--num-epochs", "10", "--seq-len", "16", "--batch-size", "4", "--log-every", "5",
          "--save-every", "25", "--step-sleep", "0.05"]  # fmt: skip
 INJECT_AT = 60
-SCENARIOS = ("killed", "node_lost", "oom", "hang")
+SCENARIOS = ("killed", "node_lost", "oom", "hang", "node_wait")
+AWAY_S = 30.0  # node_wait: how long the node stays away once UGRO queued the retry
 RECONCILE_EVERY = 5.0
 TIMEOUT = 240.0
 STEP_RE = re.compile(rb'^\{"step": (\d+),')
@@ -118,6 +126,7 @@ class UgroRun:
             "oom": ["--nodes", "2", "--retry", "oom", "--batch-template=--batch-size {batch} --grad-accum {accum}",
                     "--batch", "4"],
             "hang": ["--nodes", "2", "--retry", "hang", "--hang-after", "10"],
+            "node_wait": ["--nodes", "2", "--retry", "node-lost"],
         }[self.scenario]  # fmt: skip
         extra = {"oom": ["--oom-at-step", f"{INJECT_AT}:2"], "hang": ["--sleep-at-step", f"{INJECT_AT}:3600"]}
         call("launch", "--name", self.name, *policy, "--detach", "--", *TRAIN, *extra.get(self.scenario, []))
@@ -180,19 +189,42 @@ class UgroRun:
             gone.stop()
             stopped = gone
             self.row["lost_node"] = gone.name
+        elif self.scenario == "node_wait":
+            self.pump(lambda: checkpoints.offered(self.job()))
+            keeper = checkpoints.offered(self.job())[0].node.name
+            gone = next(n for n in self.cluster.nodes if n.name == keeper)
+            frozen = node_pids(job.tag, keeper)
+            t_inject = time.time()
+            gone.stop()
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            stopped = gone
+            self.row["lost_node"] = gone.name
         else:  # oom, hang: the last line printed before the failure
             t_inject = self.last_point(1)[1].timestamp()
         try:
             self.pump(lambda: self.job().state != "running")
             t_detect = time.time()
             failed_at = self.last_point(1)[0]
+            t_from = t_detect
+            if self.scenario == "node_wait":
+                self.pump(lambda: self.job().attempt >= 2)
+                t_queued = time.time()
+                job = self.job()
+                self.row.update(queued_s=round(t_queued - t_detect, 2), wait_nodes=job.wait_nodes,
+                                state_while_away=job.state)  # fmt: skip
+                away_until = time.monotonic() + AWAY_S
+                self.pump(lambda: time.monotonic() >= away_until or self.job().state != "queued")
+                self.row["state_after_away"] = self.job().state
+                stopped.start()
+                stopped, t_from = None, time.time()  # back_s counts from the node's return
             self.pump(lambda: self.job().attempt >= 2 and self.last_point(2))
             job = self.job()
             first2 = MetricPoint.objects.filter(job=job, attempt=2).order_by("time").values_list("time", flat=True)[0]
             attempt1 = job.attempts.get(number=1)
             self.row.update(
                 detection_s=round(t_detect - t_inject, 2),
-                back_s=round(first2.timestamp() - t_detect, 2),
+                back_s=round(first2.timestamp() - t_from, 2),
                 failed_at_step=failed_at,
                 resumed_from_step=job.resume_step,
                 steps_lost=failed_at - (job.resume_step or 0),
@@ -287,6 +319,8 @@ class TorchrunRun:
                 self.row["outcome"] = "never reached the injection step"
                 return self.row
             n_seen = len(self.seen)
+            if self.scenario == "node_wait":
+                return self.freeze_and_thaw(n_seen)
             if self.scenario == "killed":
                 t_inject = time.time()
                 for pid in worker_pids(self.tag, self.cluster.nodes[1].name):
@@ -327,6 +361,45 @@ class TorchrunRun:
                     os.killpg(p.pid, signal.SIGKILL)
             kill_tagged(self.tag)
         return self.row
+
+    def freeze_and_thaw(self, n_seen: int) -> dict:
+        """node_wait: node rank 1's agent and worker stop (SIGSTOP) as if the node fell off, and go on
+        (SIGCONT) AWAY_S + 20 s later (about when UGRO's node comes back). The caller cleans up."""
+        frozen = node_pids(self.tag, self.cluster.nodes[1].name)
+        failed_at = self.last_step()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        away = AWAY_S + 20.0
+        self.wait(lambda: False, away)
+        n_away = len(self.seen)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        t_cont = time.time()
+        back = self.wait(lambda: [(t, s) for t, _, s in self.seen[n_away:] if t > t_cont], 120)
+        self.row.update(detection_s=None, failed_at_step=failed_at, events_while_away=[e for _, _, e in self.events],
+                        steps_while_away=sorted({s for _, _, s in self.seen[n_seen:n_away]}))  # fmt: skip
+        if not back:
+            self.row["outcome"] = f"no step printed within 120 s of SIGCONT ({away:g}s frozen)"
+            return self.row
+        first = back[0][1]
+        self.row.update(back_s=round(back[0][0] - t_cont, 2), resumed_from_step=max(0, first - 5),
+                        steps_lost=max(0, failed_at - (first - 5)))  # fmt: skip
+        how = "went on where it stopped" if first > failed_at else f"printed step {first} (restarted)"
+        self.row["outcome"] = (f"nothing noticed while frozen {away:g}s ({len(self.events)} restart events); "
+                               f"after SIGCONT it {how}")  # fmt: skip
+        return self.row
+
+
+def node_pids(tag: str, node: str) -> list[int]:
+    """Every process (wrapper, agent, workers) carrying a tag on a node."""
+    out = []
+    for pid in tagged_pids(tag):
+        try:
+            if f"UGRO_NODE={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
 
 
 def main() -> int:

@@ -657,8 +657,9 @@ def launch(job: Job) -> Job:
     reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"]))
     down = [f"node {r.node.name}: {err}" for r, _, err in reached if err]
     if down:
+        first = next(r.node.name for r, _, err in reached if err)
         lifecycle.fail_unstarted(
-            job, FailureKind.NODE_LOST, "cannot reach " + "; ".join(down) + ". Nothing was started."
+            job, FailureKind.NODE_LOST, "cannot reach " + "; ".join(down) + ". Nothing was started.", node=first
         )
         return job
     boot_ids = {r.pk: (hello or {}).get("boot_id") or "" for r, hello, _ in reached}

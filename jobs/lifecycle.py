@@ -136,11 +136,12 @@ def _record_started(started: list[Started], now: datetime) -> None:
         )
 
 
-def fail_unstarted(job: Job, kind: FailureKind, reason: str) -> bool:
-    """STARTING -> FAILED when nothing was started (unreachable node, pre-flight): nodes freed at once."""
+def fail_unstarted(job: Job, kind: FailureKind, reason: str, node: str = "") -> bool:
+    """STARTING -> FAILED when nothing was started (unreachable node, pre-flight): nodes freed at once.
+    node: the (first) node that could not be reached, if that was why."""
     with transaction.atomic():
         done = _move(
-            job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(),
+            job, [Job.State.STARTING], Job.State.FAILED, finished_at=_now(), failure_node=node,
             failure_kind=kind.value, failure_reason=reason[:4000], recovery_note="", retry_at=None,
         )  # fmt: skip
         if done:
@@ -295,6 +296,7 @@ class NextAttempt:
     count: int | None = None  # a node count instead of names
     batch: dict | None = None  # new batch values for the job's batch template
     retry_at: datetime | None = None  # not before (backoff); None: at once
+    wait_nodes: list[str] | None = None  # lost nodes it waits for, QUEUED, before it may start
 
 
 def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
@@ -314,7 +316,7 @@ def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
         "failure_kind": "", "failure_rank": None, "failure_node": "", "failure_exit_code": None,
         "failure_signal": None, "failure_line": "", "failure_reason": "",
         "resume_checkpoint": nxt.checkpoint, "resume_path": nxt.resume_path, "resume_step": from_step,
-        "retry_at": nxt.retry_at, "recovery_note": nxt.reason[:2000],
+        "retry_at": nxt.retry_at, "recovery_note": nxt.reason[:2000], "wait_nodes": list(nxt.wait_nodes or []),
     }  # fmt: skip
     if nxt.nodes is not None:
         fields.update(requested_nodes=list(nxt.nodes), requested_count=None)
@@ -370,6 +372,23 @@ def requeue(job: Job, nxt: NextAttempt) -> bool:
         send_task("jobs.tasks.schedule_jobs")
 
     transaction.on_commit(go)
+    return True
+
+
+def node_back(job: Job, node_name: str) -> bool:
+    """A lost node a QUEUED attempt waits for answers again (and holds nothing of the job any more): the
+    attempt stops waiting for it, and may start once it waits for none. False if the job moved meanwhile."""
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().filter(pk=job.pk, state=Job.State.QUEUED).first()
+        if locked is None or node_name not in locked.wait_nodes:
+            job.refresh_from_db()
+            return False
+        left = [n for n in locked.wait_nodes if n != node_name]
+        Job.objects.filter(pk=job.pk).update(wait_nodes=left)
+    job.wait_nodes = left
+    log.warning("job %s: node %s is back%s", job.name, node_name, "" if left else "; it may start")
+    if not left:
+        transaction.on_commit(lambda: send_task("jobs.tasks.schedule_jobs"))
     return True
 
 

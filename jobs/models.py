@@ -111,6 +111,10 @@ class Job(models.Model):
     batch = models.JSONField(default=dict, blank=True, help_text='{"batch": B, "accum": A} for batch_template.')
     hang_after_s = models.FloatField(null=True, blank=True, help_text="Silence that makes it HUNG; blank: default.")
     retry_at = models.DateTimeField(null=True, blank=True, help_text="When the next automatic attempt starts.")
+    wait_nodes = models.JSONField(
+        default=list, blank=True, help_text="Lost nodes this queued attempt waits for: it starts only once they "
+        "answer again (a node-lost retry without --min-nodes; docs/recovery.md).",
+    )  # fmt: skip
     recovery_note = models.TextField(blank=True, help_text="What recovery did or proposes, one line.")
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL,

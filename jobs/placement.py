@@ -16,6 +16,8 @@ The rules, in the manner of Slurm's backfill scheduler:
 - Jobs further down get an estimated start from the same timeline (not binding).
 - A job whose owner would exceed the GPU quota, or whose sweep already runs its maximum of trials,
   waits with reason "quota".
+- A retry after a lost node (without --min-nodes, or too few nodes left) waits with reason "node" until
+  that node answers again: it takes no GPUs and holds no reservation meanwhile.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Reason:
     RESERVATION = "reservation"  # it would fit now but would delay a reserved job
     QUOTA = "quota"  # its owner's GPU quota, or its sweep's max concurrent trials
     DEPENDENCY = "dependency"  # it starts after another job succeeded (--after)
+    NODE = "node"  # a retry after a lost node: it waits for that node to answer again
     NO_FIT = "resources"  # not enough eligible GPUs are up at all (nodes down or disabled)
 
 
@@ -85,6 +88,7 @@ class Demand:
     min_vram_mb: float | None = None
     group: int | None = None  # its sweep
     waits_for: str = ""  # why a job it depends on keeps it waiting ("" when none does)
+    waits_for_nodes: tuple[str, ...] = ()  # lost nodes it waits for before it may start anywhere
 
 
 @dataclass
@@ -284,6 +288,11 @@ def plan(
         decisions.append(dec)
         if d.waits_for:
             dec.reason, dec.detail = Reason.DEPENDENCY, d.waits_for
+            continue
+        if d.waits_for_nodes:
+            names = ", ".join(d.waits_for_nodes)
+            dec.reason = Reason.NODE
+            dec.detail = f"waiting for node{'s' if len(d.waits_for_nodes) > 1 else ''} {names} to come back"
             continue
         limit = limits.group_limits.get(d.group) if d.group is not None else None
         if limit is not None and group_running.get(d.group, 0) >= limit:

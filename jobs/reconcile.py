@@ -17,7 +17,10 @@ rule is idempotent and bounded in time, so running it twice, or after a crash an
 - A lost rank of an ended job whose node answers again: the rest of its output is fetched.
 - Processes on a node tagged with a job this controller knows has ended: killed, and an alert says so.
 - RUNNING with no metric line for longer than its hang limit: HUNG (jobs/recovery.py).
-- FAILED with a retry policy: the policy decides, and a due retry is requeued (jobs/recovery.py).
+- FAILED with a retry policy: the policy decides, and a due retry is requeued (jobs/recovery.py); one after
+  a lost node (without --min-nodes) waits QUEUED for that node.
+- QUEUED waiting for a lost node that answers again: the job's leftovers there are stopped, then it may
+  start (jobs/recovery.py release_waits).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Report:
     hung: list[str] = field(default_factory=list)
     stragglers: list[str] = field(default_factory=list)
     retried: list[str] = field(default_factory=list)
+    node_back: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
@@ -117,6 +121,7 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
             report.recovered.append(job.name)
 
     report.retried += recovery.retry_pass(job_ids)
+    report.node_back += recovery.release_waits(job_ids)
 
     if orphans and job_ids is None:
         report.orphans_killed += kill_orphans()

@@ -6,7 +6,10 @@
 - `retry_pass()`: run by the reconciler. A FAILED job whose failure kind is in its retry list is
   resumed from its latest complete checkpoint after an exponential backoff, unless it used up its
   attempts or failed twice in a row at the same step (a crash loop). An OOM is retried only with a batch
-  template (half the batch, twice the accumulation); otherwise the resume is proposed to a person.
+  template (half the batch, twice the accumulation); otherwise the resume is proposed to a person. After a
+  lost node, the retry runs on the remaining nodes when --min-nodes allows; otherwise it is queued at once,
+  waiting for the node (`wait_nodes`, queue reason "node"), and `release_waits()` lets it start once the
+  node answers again and the job's leftovers there are stopped.
 - `check_hang()`: run by the reconciler on RUNNING jobs. No metric line for longer than
   max(HANG_FACTOR x the median interval between lines, the job's hang limit) -> an alert, a stack dump of
   every rank, then the job fails as HANG (and the retry policy applies).
@@ -25,8 +28,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from cluster.alerts import open_alert
-from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, HealthSample, Node
+from cluster.monitor import poll_once
 from cluster.names import check_name
 from metrics.models import MetricPoint
 
@@ -35,6 +38,7 @@ from .failure import Failure, FailureKind
 from .logs import tail_lines
 from .models import Job, Rank
 from .nodes import node_request, on_each
+from .stop import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ RETRY_KINDS = {
     "timeout": FailureKind.TIMEOUT,
     "unknown": FailureKind.UNKNOWN,
 }
+HELLO_TIMEOUT_S = 3.0  # asking a lost node whether it is back
 HANG_SAMPLE_POINTS = 64  # the median line interval is taken over this many recent points
 
 
@@ -172,29 +177,35 @@ def decide(job: Job) -> tuple[lifecycle.NextAttempt | None, str]:
             return None, _oom_proposal(job)
         batch = {"batch": int(b["batch"]) // 2, "accum": int(b.get("accum") or 1) * 2}
     nodes = None
+    wait: list[str] = []
     ready = checkpoints.offered(job)
     if kind == FailureKind.NODE_LOST.value:
         prev_nodes = list(job.ranks.order_by("index").values_list("node__name", flat=True))
-        down = set(Node.objects.filter(status=Node.Status.DOWN).values_list("name", flat=True)) | {job.failure_node}
-        remaining = [n for n in prev_nodes if n not in down]
-        reachable = [c for c in ready if c.node.name not in down]
+        lost = set(job.ranks.filter(state=Rank.State.LOST).values_list("node__name", flat=True))
+        down = set(Node.objects.filter(status=Node.Status.DOWN).values_list("name", flat=True))
+        gone = lost | (down & set(prev_nodes)) | ({job.failure_node} if job.failure_node else set())
+        remaining = [n for n in prev_nodes if n not in gone]
+        reachable = [c for c in ready if c.node.name not in gone | down]
         # go on without the node only from a checkpoint that is not on it (else wait for it to come back)
         if job.min_nodes and remaining and len(remaining) >= job.min_nodes and (reachable or not ready):
             nodes, ready = remaining, reachable
+        else:  # queued, waiting for them: the scheduler starts it only once they answer again
+            wait = [n for n in prev_nodes if n in gone] or ([job.failure_node] if job.failure_node else [])
+            ready = [c for c in ready if c.node.name not in down or c.node.name in wait]  # held where it will be
     ckpt = ready[0] if ready else None
-    wait = backoff_s(job.attempt)
+    pause = backoff_s(job.attempt)
     what = f"from step {ckpt.step}" if ckpt else "from scratch (no complete checkpoint)"
     extra = ""
     if batch:
         extra += f", batch {batch['batch']} x accum {batch['accum']}"
     if nodes:
         extra += f", on {', '.join(nodes)} (without {job.failure_node})"
-    elif kind == FailureKind.NODE_LOST.value:
-        extra += f", once {job.failure_node} is back"
-    note = f"retry: attempt {job.attempt + 1} of {most} {what}{extra}{where}, after {wait:g}s"
+    elif wait:
+        extra += f", once {', '.join(wait)} {'is' if len(wait) == 1 else 'are'} back"
+    note = f"retry: attempt {job.attempt + 1} of {most} {what}{extra}{where}, after {pause:g}s"
     nxt = lifecycle.NextAttempt(
         reason=note, checkpoint=ckpt, resume_path=checkpoints.path_for_rank0(ckpt) if ckpt else "", nodes=nodes,
-        batch=batch, retry_at=timezone.now() + timedelta(seconds=wait),
+        batch=batch, retry_at=timezone.now() + timedelta(seconds=pause), wait_nodes=wait,
     )  # fmt: skip
     return nxt, note
 
@@ -239,23 +250,54 @@ def retry_pass(job_ids: list[int] | None = None) -> list[str]:
         nxt, _ = decide(job)
         if nxt is None:
             continue
-        if job.failure_kind == FailureKind.NODE_LOST.value and nxt.nodes is None and not _answers(job.failure_node):
-            continue  # queued only once the lost node answers again
         nxt.retry_at = None
-        if lifecycle.requeue(job, nxt):
+        if lifecycle.requeue(job, nxt):  # one waiting for a lost node stays QUEUED until it answers
             requeued.append(job.name)
     return requeued
 
 
-def _answers(node_name: str) -> bool:
-    node = Node.objects.filter(name=node_name).first()
-    if node is None or not node.enabled:
-        return False
-    try:
-        node_request(node, "hello", timeout=3)
-    except (LinkError, AgentRequestError, OSError):
-        return False
-    return True
+def release_waits(job_ids: list[int] | None = None) -> list[str]:
+    """Queued attempts waiting for lost nodes: each such node that answers again first has what is left of
+    the job's earlier attempts on it stopped (it may have trained on, cut off), is probed by the health
+    monitor at once if it is DOWN (so the scheduler may use it now, not after the monitor's backoff), and
+    the attempt stops waiting for it. Returns "job:node" for each node released."""
+    jobs = Job.objects.filter(state=Job.State.QUEUED).exclude(wait_nodes=[])
+    if job_ids is not None:
+        jobs = jobs.filter(pk__in=job_ids)
+    waiting = {job: list(job.wait_nodes) for job in jobs}
+    if not waiting:
+        return []
+    names = sorted({n for names in waiting.values() for n in names})
+    nodes = list(Node.objects.filter(name__in=names, enabled=True))
+    answers = on_each(nodes, lambda n: node_request(n, "hello", timeout=HELLO_TIMEOUT_S))
+    back = [node for node, _, err in answers if err is None]
+    down = [n for n in back if n.status == Node.Status.DOWN]
+    if down:
+        poll_once(down, force=True)
+    released = []
+    for job, names in waiting.items():
+        for node in back:
+            if node.name not in names:
+                continue
+            unclean = _stop_earlier_attempts(job, node)
+            if unclean:
+                log.warning("job %s still waits for %s: %s", job.name, node.name, "; ".join(unclean))
+                continue
+            if lifecycle.node_back(job, node.name):
+                released.append(f"{job.name}:{node.name}")
+    return released
+
+
+def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
+    """Stop every process of the job's earlier attempts on a node that was cut off (they carry their
+    attempt's tag); what could not be confirmed stopped."""
+    unclean = []
+    for attempt in job.attempts.exclude(tag=""):
+        if node.name not in (attempt.nodes or []):
+            continue
+        ghost = Job(pk=job.pk, name=job.name, tag=attempt.tag)
+        unclean += stop_processes(ghost, [Rank(job=ghost, node=node, index=0)])
+    return unclean
 
 
 # -- hangs ------------------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "finished_at": _when(job.finished_at),
         "age_s": round((now - job.created_at).total_seconds(), 1),
         "duration_s": round(job.duration(), 1) if job.duration() is not None else None,
+        "waits_for_nodes": list(job.wait_nodes) if job.state == Job.State.QUEUED else [],
         "failure": None
         if not job.failure_reason
         else {
@@ -153,7 +154,15 @@ def job_detail(job: Job) -> list[str]:
         )
     if job.failure_reason:
         out.append("  reason: " + job.failure_reason.replace("\n", "\n  "))
+    if job.state == Job.State.QUEUED and job.wait_nodes:
+        out.append(f"  waiting: {waiting_text(job)}")
     return out
+
+
+def waiting_text(job: Job) -> str:
+    """Why a queued retry after a lost node has not started: the nodes it waits for."""
+    names = list(job.wait_nodes)
+    return f"for node{'s' if len(names) > 1 else ''} {', '.join(names)} to come back (a retry after a lost node)"
 
 
 def checkpoints(job: Job) -> list[Checkpoint]:

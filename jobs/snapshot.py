@@ -19,7 +19,7 @@ from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decaye
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
 DEMAND_FIELDS = (
     "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
-    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id",
+    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "wait_nodes",
 )  # fmt: skip
 
 
@@ -122,7 +122,7 @@ class Snapshot:
             nodes=None if requested else (job["requested_count"] or 1), per_node=job["gpus_per_node"],
             named=tuple(self.by_name.get(name, -1) for name in requested),
             min_vram_mb=float(job["min_vram_mb"]) if job["min_vram_mb"] else None, group=job["sweep_id"],
-            waits_for=self._waits_for(job["after_id"]),
+            waits_for=self._waits_for(job["after_id"]), waits_for_nodes=tuple(job["wait_nodes"] or ()),
         )  # fmt: skip
 
     def _waits_for(self, after_id: int | None) -> str:

@@ -231,6 +231,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         attempt_marks=marks,
         attempt_marks_json=json.dumps(marks),
         stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
+        waiting=report.waiting_text(job) if job.state == Job.State.QUEUED and job.wait_nodes else "",
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)

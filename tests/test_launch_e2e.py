@@ -133,7 +133,7 @@ def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
     with pytest.raises(CommandError, match="cannot reach node node3"):
         launch("--name", "unreach", "--", *FAST_TRAIN)
     job = Job.objects.get(name="unreach")
-    assert job.state == Job.State.FAILED
+    assert job.state == Job.State.FAILED and job.failure_node == "node3"  # a node-lost retry waits for it
     assert "Nothing was started" in job.failure_reason
     assert not Rank.objects.filter(job=job, active=True).exists()
     assert not Rank.objects.filter(job=job).exclude(state=Rank.State.PENDING).exists()

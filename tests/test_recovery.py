@@ -246,3 +246,84 @@ def test_without_step_times_a_node_far_busier_than_the_others_is_flagged(node, t
     assert [s["node"].name for s in found] == ["box"] and "GPU util 97%" in found[0]["message"]
     HealthSample.objects.create(node=other, time=timezone.now() + timedelta(seconds=1), gpu_util_percent=90.0)
     assert recovery.stragglers(job) == []
+
+
+def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_starts_once_it_answers(
+    node, settings, client, django_user_model
+):
+    settings.UGRO = {**settings.UGRO, "RETRY_BACKOFF_S": 0.0, "CONNECT_TIMEOUT_S": 2.0}
+    from jobs.scheduler import place
+
+    # given a job that lost node "gone" (nothing listens on its port) and may be retried after a lost node
+    gone = Node.objects.create(name="gone", address="127.0.0.1", ssh_port=1, role="worker", status="down",
+                               workdir="/nonexistent")  # fmt: skip
+    job = failed_job(node, name="w1", kind="NODE_LOST", retry_on=["NODE_LOST"], max_attempts=2)
+    Job.objects.filter(pk=job.pk).update(failure_node="gone")
+    Rank.objects.create(job=job, node=gone, index=1, state=Rank.State.LOST, active=False, lost_reason="gone")
+    job.refresh_from_db()
+    points(job, 1, [10, 20, 30])
+    ckpt(job, gone, 20)  # the latest checkpoint is on the lost node
+    # when the policy acts (decides, then requeues once the backoff is over)
+    recovery.retry_pass([job.pk])
+    recovery.retry_pass([job.pk])
+    job.refresh_from_db()
+    # then it is QUEUED as attempt 2 from the checkpoint on the lost node, waiting for that node
+    assert (job.state, job.attempt, job.wait_nodes, job.resume_step) == ("queued", 2, ["gone"], 20)
+    assert "once gone is back" in job.recovery_note, job.recovery_note
+    assert Attempt.objects.get(job=job, number=1).failure_kind == "NODE_LOST"
+    # and the scheduler does not start it on the node that is free, and every view says why it waits
+    assert place(job) is False and job.state == "queued"
+    out = io.StringIO()
+    call_command("queue", stdout=out)
+    line = next(li for li in out.getvalue().splitlines() if " w1 " in li)
+    assert re.search(r"\bnode\s+unknown\s+waiting for node gone to come back$", line), line
+    out = io.StringIO()
+    call_command("status", "w1", stdout=out)
+    assert "waiting: for node gone to come back" in out.getvalue()
+    client.force_login(django_user_model.objects.create_user("alice", password="x" * 12))
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="queue-reason"' in page and "Waiting for node gone to come back" in page
+    # a node that still does not answer keeps it waiting, pass after pass
+    assert recovery.release_waits() == [] and recovery.retry_pass() == []
+    job.refresh_from_db()
+    assert job.wait_nodes == ["gone"] and job.attempt == 2
+
+    # when the node answers again (here: it becomes reachable as a local node)
+    Node.objects.filter(pk=gone.pk).update(transport="local", agent_python=sys.executable, workdir=node.workdir)
+    assert recovery.release_waits() == ["w1:gone"]
+    job.refresh_from_db()
+    # then it waits for nothing, the monitor probed the node (no longer DOWN) and the scheduler starts it
+    assert job.wait_nodes == [] and Node.objects.get(pk=gone.pk).status != "down"
+    assert place(job) is True and job.state == "starting" and job.attempt == 2
+
+    # and the attempts count: attempt 2 of 2 lost a node again -> the policy gives up, nothing is queued
+    Rank.objects.filter(job=job).update(state=Rank.State.LOST, active=False)
+    Job.objects.filter(pk=job.pk).update(state="failed", failure_kind="NODE_LOST", failure_node="gone")
+    job.refresh_from_db()
+    nxt, note = recovery.decide(job)
+    assert nxt is None and "gave up after 2 attempts (NODE_LOST on gone)" in note
+
+
+def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_waits_for_nothing(node):
+    gone = Node.objects.create(name="gone", address="127.0.0.1", ssh_port=1, role="worker", workdir="/x")
+    job = failed_job(node, name="m1", kind="NODE_LOST", retry_on=["NODE_LOST"], min_nodes=1)
+    Job.objects.filter(pk=job.pk).update(failure_node="gone")
+    Rank.objects.create(job=job, node=gone, index=1, state=Rank.State.LOST, active=False)
+    job.refresh_from_db()
+    ckpt(job, gone, 30)  # on the lost node: not usable without it
+    ckpt(job, node, 20)
+    far = Node.objects.create(name="far", address="127.0.0.1", ssh_port=1, role="worker", status="down", workdir="/y")
+    ckpt(job, far, 40)  # an earlier attempt's, on a node that is DOWN now: not usable either
+    nxt, note = recovery.decide(job)
+    assert nxt.nodes == ["box"] and nxt.wait_nodes == [] and nxt.checkpoint.step == 20
+    assert "on box (without gone)" in note
+    # with too few nodes left it waits for the lost one instead
+    Job.objects.filter(pk=job.pk).update(min_nodes=2)
+    job.refresh_from_db()
+    nxt, note = recovery.decide(job)
+    # (from the latest checkpoint there is once it is back: not the one on "far", which it does not wait for)
+    assert nxt.nodes is None and nxt.wait_nodes == ["gone"] and nxt.checkpoint.step == 30
+    # a launch that could not reach a node (nothing started, no rank LOST) waits for the node it named
+    Rank.objects.filter(job=job).update(state=Rank.State.PENDING)
+    nxt, note = recovery.decide(job)
+    assert nxt.wait_nodes == ["gone"] and "once gone is back" in note

@@ -345,6 +345,89 @@ def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recov
              what="the lost node's leftovers to be gone")  # fmt: skip
 
 
+def node_pids(tag: str, node: str) -> list[int]:
+    """Every process of an attempt (wrapper, torchrun, workers) on one loopback node."""
+    out = []
+    for pid in job_pids(tag):
+        try:
+            if f"UGRO_NODE={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_from_its_checkpoint(
+    recovery_settings,
+):
+    from jobs.scheduler import schedule
+
+    lab = recovery_settings
+    # given a 2-node job that may be retried after a lost node, but names no --min-nodes
+    run("launch", "--name", "away", "--nodes", "2", "--retry", "node-lost", "--max-attempts", "3", "--detach", "--",
+        "--max-steps", "60", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every", "10",
+        "--step-sleep", "0.1")  # fmt: skip
+    job = Job.objects.get(name="away")
+    drive(job, lambda: checkpoints.offered(job) and last_step(job) >= 15, what="a checkpoint")
+    # the node cut off is the one that holds the checkpoints (global rank 0's): they exist only there
+    gone = checkpoints.offered(job)[0].node.name
+    kept = next(n for n in job.ranks.values_list("node__name", flat=True) if n != gone)
+    cut = lab.nodes[int(gone[-1]) - 1]
+    tag = job.tag
+    frozen = node_pids(tag, gone)
+    assert frozen
+    try:
+        # when that node falls off the network: its sshd stops and its ranks freeze (they never answer again)
+        cut.stop()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        drive(job, lambda: Job.objects.filter(pk=job.pk, state=Job.State.QUEUED, attempt=2).exists(),
+              what="the retry to wait in the queue")  # fmt: skip
+        queued = time.monotonic() - t0
+        job.refresh_from_db()
+        # then attempt 1 failed as NODE_LOST and attempt 2 is QUEUED, waiting for that node, from its checkpoint
+        first = Attempt.objects.get(job=job, number=1)
+        assert first.failure_kind == "NODE_LOST" and gone in first.failure_reason
+        assert job.wait_nodes == [gone] and f"once {gone} is back" in job.recovery_note, job.recovery_note
+        assert job.resume_checkpoint.node.name == gone and job.resume_step >= 10 and job.resume_step % 10 == 0
+        assert f"waiting for node {gone} to come back" in run("queue")
+        # and it is not started elsewhere while the node is away (the third node is free)
+        for _ in range(3):
+            reconcile([job.pk], orphans=False)
+            schedule(only=[job.pk])
+            time.sleep(0.5)
+        job.refresh_from_db()
+        assert job.state == Job.State.QUEUED and job.wait_nodes == [gone] and not job.ranks.exists()
+    finally:
+        # when the node is back
+        cut.start()
+    t1 = time.monotonic()
+
+    def training_again() -> bool:
+        j = Job.objects.get(pk=job.pk)
+        return j.state in (Job.State.RUNNING, Job.State.SUCCEEDED) and last_step(j) > (j.resume_step or 0)
+
+    drive(job, training_again, what="attempt 2 to train")
+    back = time.monotonic() - t1
+    drive(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="attempt 2 to end")
+    job.refresh_from_db()
+    # then attempt 1's frozen processes there were stopped before anything started, and attempt 2 ran on the
+    # same two nodes from the checkpoint that lived only on the lost node, copied (sha256) to the other
+    assert node_pids(tag, gone) == []
+    assert job.state == Job.State.SUCCEEDED and job.attempt == 2, job.failure_reason
+    assert sorted(job.ranks.values_list("node__name", flat=True)) == sorted([gone, kept])
+    ckpt = job.resume_checkpoint
+    rel = checkpoints.path_for_rank0(ckpt)
+    node_dir = {n.name: n.workdir for n in lab.nodes}
+    copy = Path(node_dir[kept]) / rel
+    assert copy.read_bytes() == Path(ckpt.path).read_bytes() and len(Checkpoint.objects.get(pk=ckpt.pk).sha256) == 64
+    steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
+    assert steps[0] == job.resume_step + 5 and steps[-1] == 60, steps
+    assert f"resuming from {rel}" in run("logs", "away")
+    print(f"node lost, no --min-nodes: queued after {queued:.1f}s, training again {back:.1f}s after the node was back")
+
+
 # -- hangs and stragglers -------------------------------------------------------------------------
 
 
