@@ -203,7 +203,7 @@ def kill_orphans() -> list[str]:
         # an earlier attempt's processes (its tag is no longer the job's): e.g. on a node that was cut off
         for attempt in Attempt.objects.filter(tag__in=list(tags)).select_related("job"):
             ghost = Job(pk=attempt.job.pk, name=attempt.job.name, tag=attempt.tag)
-            unclean = stop_processes(ghost, [Rank(job=ghost, node=node, index=0)])
+            unclean = stop_processes(ghost, [Rank(job=ghost, node=node, index=0)], grace=0)
             pids = tags.get(attempt.tag) or []
             message = (
                 f"{len(pids)} process(es) of attempt {attempt.number} of job {attempt.job.name} were still running "

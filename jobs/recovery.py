@@ -296,7 +296,7 @@ def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
         if node.name not in (attempt.nodes or []):
             continue
         ghost = Job(pk=job.pk, name=job.name, tag=attempt.tag)
-        unclean += stop_processes(ghost, [Rank(job=ghost, node=node, index=0)])
+        unclean += stop_processes(ghost, [Rank(job=ghost, node=node, index=0)], grace=0)
     return unclean
 
 

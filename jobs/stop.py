@@ -16,8 +16,11 @@ from .nodes import node_request, on_each
 log = logging.getLogger(__name__)
 
 
-def stop_processes(job: Job, ranks: list[Rank] | None = None) -> list[str]:
+def stop_processes(job: Job, ranks: list[Rank] | None = None, grace: float | None = None) -> list[str]:
     """TERM every process of the job on every node, KILL what is left after the grace period.
+
+    grace: seconds between TERM and KILL (default KILL_GRACE_S); 0 for leftovers of an attempt that was
+    given up (cut off with its node: often stopped, and its next attempt must not wait for them).
 
     Processes are found by the UGRO_JOB tag in their environment, which torchrun's workers inherit
     even though they run in their own sessions. Returns the nodes that could not be confirmed clean.
@@ -25,7 +28,7 @@ def stop_processes(job: Job, ranks: list[Rank] | None = None) -> list[str]:
     if not job.tag:
         return []
     ranks = ranks if ranks is not None else list(job.ranks.select_related("node"))
-    grace = settings.UGRO["KILL_GRACE_S"]
+    grace = settings.UGRO["KILL_GRACE_S"] if grace is None else grace
 
     def stop_one(rank: Rank) -> int:
         node = rank.node
