@@ -5,10 +5,12 @@ Shared by the scheduler (jobs/scheduler.py), the queue command and page, and the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Q
+from django.db.models import Q, TextField
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from cluster.models import GPU, ClusterSettings, Node
@@ -83,7 +85,9 @@ class Snapshot:
         self.by_name = {n.name: n.pk for n in self.node_rows.values()}
         # plain values, not model instances: a queue of thousands costs little; jobs() loads the few needed
         waiting = Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk")
-        rows = [dict(zip(DEMAND_FIELDS, row, strict=True)) for row in waiting.values_list(*DEMAND_FIELDS)]
+        # requested_nodes as text: almost always "[]", which needs no JSON decoding per row
+        fields = [Cast(f, TextField()) if f == "requested_nodes" else f for f in DEMAND_FIELDS]
+        rows = [dict(zip(DEMAND_FIELDS, row, strict=True)) for row in waiting.values_list(*fields)]
         after = {r["after_id"] for r in rows if r["after_id"]}
         self.after = {pk: (name, state) for pk, name, state in
                       Job.objects.filter(pk__in=after).values_list("pk", "name", "state")} if after else {}  # fmt: skip
@@ -116,6 +120,8 @@ class Snapshot:
     def _demand(self, job: dict) -> Demand:
         """The planner's view of a queued job (its DEMAND_FIELDS)."""
         requested = job["requested_nodes"] or []
+        if isinstance(requested, str):
+            requested = json.loads(requested) if requested != "[]" else []
         return Demand(
             job=job["pk"], priority=job["priority"], owner=job["owner_id"], submitted=job["created_at"].timestamp(),
             time_limit=float(job["time_limit_s"] or self.cs.default_time_limit_s), gpus=job["gpus"],
@@ -139,10 +145,11 @@ class Snapshot:
         """The queued jobs with these ids, as model instances (one query)."""
         return Job.objects.select_related("owner").in_bulk(ids)
 
-    def plan(self, extra: list[Job] = ()) -> list[Decision]:
-        """The planner's decisions; extra: unsaved jobs to consider too (a dry run)."""
+    def plan(self, extra: list[Job] = (), estimates: bool = True) -> list[Decision]:
+        """The planner's decisions; extra: unsaved jobs to consider too (a dry run); estimates=False:
+        only what starts now (and the reservations) is decided, as a scheduling pass needs."""
         demands = self.demands + [self._demand({f: getattr(j, f) for f in DEMAND_FIELDS}) for j in extra]
-        return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits)
+        return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits, estimates)
 
 
 def queue(snapshot: Snapshot | None = None) -> list[Entry]:
