@@ -1,12 +1,19 @@
 """Scheduler simulation: a 500-job trace on 8 nodes x 2 GPUs (8/12/24 GB), replayed with a simulated clock
 through UGRO's real planner (jobs/placement.py `plan`, the function jobs/scheduler.py calls every pass),
-under four policies side by side; then the time of one scheduling pass with 1,000 queued jobs, both the
-planner alone and the real database pass (jobs/scheduler.py `place_queued` on a throwaway SQLite DB).
+under several policies side by side; then the time of one scheduling pass with 1,000 queued jobs: the
+planner alone, and the real database pass (jobs/scheduler.py `place_queued`) on a throwaway PostgreSQL
+database and on a throwaway SQLite file.
 
     .venv/bin/python bench/scheduler_sim.py [--jobs 500] [--seed 11] [--load 0.95] [--pass-jobs 1000] [--keep]
+        [--checkpoint-min 10] [--grace-s 30] [--restart-s 60]
 
 Policies (the same planner, the same trace):
 - easy: UGRO's default: priority order, backfill, one reservation (Slurm's EASY backfill)
+- easy_preempt: easy, plus loans: a later job may start on reserved GPUs past the reservation and is
+  requeued (resuming from its last checkpoint; the work since, the grace and a reload are counted lost)
+  when the reserved job could start (Limits.preempt; not wired into the real scheduler)
+- easy_exact_runtimes, easy_preempt_exact_runtimes: the same, planned with every job's real run time
+  instead of its time limit (an oracle: the most any runtime estimate could give)
 - conservative: every waiting job holds a reservation (no job is ever delayed by a later one)
 - no_reservation: backfill with no reservation at all (greedy: large jobs can starve)
 - fifo: the old scheduler: priority order, first in first out, nothing overtakes (no backfill)
@@ -383,6 +390,7 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.95, help="offered load as a fraction of GPU capacity")
     ap.add_argument("--pass-jobs", type=int, default=1000)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--seeds", help="only the simulations, for these seeds (11,12,...): scheduler_sim_seeds.json")
     ap.add_argument("--db-pass-only", choices=["sqlite", "postgres"], help="only time the database pass (a child)")
     ap.add_argument("--profile", action="store_true", help="with --db-pass-only: cProfile one pass first")
     ap.add_argument("--checkpoint-min", type=float, default=10.0, help="checkpoint interval of preempted jobs")
@@ -394,8 +402,11 @@ def main() -> None:
         print(json.dumps(result))  # noqa: T201
         return
 
-    trace = make_trace(args.jobs, args.seed, args.load)
     costs = Costs(args.checkpoint_min * 60, args.grace_s, args.restart_s)
+    if args.seeds:
+        compare_seeds([int(x) for x in args.seeds.split(",")], args, costs)
+        return
+    trace = make_trace(args.jobs, args.seed, args.load)
     results = {}
     for name, (limits, fifo) in POLICIES.items():
         results[name] = simulate(trace, limits, fifo, exact=name in EXACT, costs=costs)
@@ -425,12 +436,12 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scheduler_sim.json").write_text(json.dumps(out, indent=2) + "\n")
-    cols = ["idle_while_waiting_pct", "usable_idle_while_waiting_pct", "utilization_pct", "wait_mean_min",
-            "wait_p95_min", "wait_max_min",
-            "wait_mean_8gpu_min", "wait_max_8gpu_min", "wait_mean_1gpu_min", "makespan_h"]  # fmt: skip
-    print(f"{'policy':16}" + "".join(f"{c:>31}" for c in cols))  # noqa: T201
+    cols = ["idle_while_waiting_pct", "usable_idle_while_waiting_pct", "reserved_idle_while_waiting_pct",
+            "utilization_pct", "wait_mean_min", "wait_p95_min", "wait_max_min", "wait_mean_8gpu_min",
+            "wait_mean_1gpu_min", "preemptions", "lost_work_pct_of_busy"]  # fmt: skip
+    print(f"{'policy':28}" + "".join(f"{c.removesuffix('_while_waiting_pct'):>16.16}" for c in cols))  # noqa: T201
     for name, r in results.items():
-        print(f"{name:16}" + "".join(f"{r[c]!s:>31}" for c in cols))  # noqa: T201
+        print(f"{name:28}" + "".join(f"{r[c]!s:>16}" for c in cols))  # noqa: T201
     print(f"one planner pass, {planner['queued']} queued: median {planner['median_ms']} ms, "  # noqa: T201
           f"min {planner['min_ms']} ms (1-min load {load_before:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
     for db, r in db_pass.items():
@@ -438,6 +449,37 @@ def main() -> None:
               f"min {r['place_queued_min_ms']} ms (snapshot {r['snapshot_median_ms']} ms, planner "
               f"{r['pass_planner_median_ms']} ms; with every estimate {r['planner_with_estimates_median_ms']} ms), "
               f"{r['queries_per_pass']} queries; queue listing {r['queue_listing_median_ms']} ms")  # fmt: skip
+
+
+SEED_POLICIES = ("easy", "easy_preempt", "easy_exact_runtimes", "easy_preempt_exact_runtimes", "fifo")
+SEED_FIGURES = ("idle_while_waiting_pct", "usable_idle_while_waiting_pct", "reserved_idle_while_waiting_pct",
+                "utilization_pct", "wait_mean_min", "wait_p95_min", "wait_mean_8gpu_min", "wait_mean_1gpu_min",
+                "preemptions", "lost_work_pct_of_busy")  # fmt: skip
+
+
+def compare_seeds(seeds: list[int], args: argparse.Namespace, costs: Costs) -> None:
+    """The policies that matter for the idle target on several traces, and their mean per figure."""
+    runs: dict[str, dict[str, dict]] = {name: {} for name in SEED_POLICIES}
+    for seed in seeds:
+        trace = make_trace(args.jobs, seed, args.load)
+        for name in SEED_POLICIES:
+            limits, fifo = POLICIES[name]
+            runs[name][str(seed)] = simulate(trace, limits, fifo, exact=name in EXACT, costs=costs)
+    means = {
+        name: {f: round(statistics.fmean(r[f] for r in by_seed.values()), 2) for f in SEED_FIGURES}
+        for name, by_seed in runs.items()
+    }
+    out = {"benchmark": "scheduler_sim_seeds", "args": vars(args), "costs": vars(costs), "mean": means, "runs": runs,
+           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "scheduler_sim_seeds.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        f"{'mean of seeds ' + args.seeds:28}"
+        + "".join(f"{c.removesuffix('_while_waiting_pct'):>16.16}" for c in SEED_FIGURES)
+    )  # noqa: T201
+    for name, m in means.items():
+        print(f"{name:28}" + "".join(f"{m[c]!s:>16}" for c in SEED_FIGURES))  # noqa: T201
+
 
 if __name__ == "__main__":
     main()

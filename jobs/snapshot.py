@@ -87,8 +87,8 @@ class Snapshot:
         waiting = Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk")
         # requested_nodes as text: almost always "[]", which needs no JSON decoding per row
         fields = [Cast(f, TextField()) if f == "requested_nodes" else f for f in DEMAND_FIELDS]
-        rows = [dict(zip(DEMAND_FIELDS, row, strict=True)) for row in waiting.values_list(*fields)]
-        after = {r["after_id"] for r in rows if r["after_id"]}
+        rows = list(waiting.values_list(*fields))  # tuples in DEMAND_FIELDS order
+        after = {r[-1] for r in rows if r[-1]}
         self.after = {pk: (name, state) for pk, name, state in
                       Job.objects.filter(pk__in=after).values_list("pk", "name", "state")} if after else {}  # fmt: skip
         self.demands = [self._demand(r) for r in rows]
@@ -117,18 +117,19 @@ class Snapshot:
             else {},
         )
 
-    def _demand(self, job: dict) -> Demand:
-        """The planner's view of a queued job (its DEMAND_FIELDS)."""
-        requested = job["requested_nodes"] or []
-        if isinstance(requested, str):
+    def _demand(self, row: tuple) -> Demand:
+        """The planner's view of a queued job: row holds its DEMAND_FIELDS, in that order (a plain tuple
+        per job: the queue may hold thousands)."""
+        pk, priority, owner, created, limit, gpus, count, requested, per_node, vram, sweep, after = row
+        if isinstance(requested, str):  # read as text: "[]" needs no decoding
             requested = json.loads(requested) if requested != "[]" else []
+        requested = requested or []
         return Demand(
-            job=job["pk"], priority=job["priority"], owner=job["owner_id"], submitted=job["created_at"].timestamp(),
-            time_limit=float(job["time_limit_s"] or self.cs.default_time_limit_s), gpus=job["gpus"],
-            nodes=None if requested else (job["requested_count"] or 1), per_node=job["gpus_per_node"],
+            job=pk, priority=priority, owner=owner, submitted=created.timestamp(),
+            time_limit=float(limit or self.cs.default_time_limit_s), gpus=gpus,
+            nodes=None if requested else (count or 1), per_node=per_node,
             named=tuple(self.by_name.get(name, -1) for name in requested),
-            min_vram_mb=float(job["min_vram_mb"]) if job["min_vram_mb"] else None, group=job["sweep_id"],
-            waits_for=self._waits_for(job["after_id"]),
+            min_vram_mb=float(vram) if vram else None, group=sweep, waits_for=self._waits_for(after) if after else "",
         )  # fmt: skip
 
     def _waits_for(self, after_id: int | None) -> str:
@@ -148,7 +149,7 @@ class Snapshot:
     def plan(self, extra: list[Job] = (), estimates: bool = True) -> list[Decision]:
         """The planner's decisions; extra: unsaved jobs to consider too (a dry run); estimates=False:
         only what starts now (and the reservations) is decided, as a scheduling pass needs."""
-        demands = self.demands + [self._demand({f: getattr(j, f) for f in DEMAND_FIELDS}) for j in extra]
+        demands = self.demands + [self._demand(tuple(getattr(j, f) for f in DEMAND_FIELDS)) for j in extra]
         return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits, estimates)
 
 
