@@ -154,10 +154,10 @@ def decayed_usage(intervals: Iterable[tuple[int | None, float, float, float]], n
 
 def order(queued: Sequence[Demand], usage: dict) -> list[Demand]:
     """The order in which waiting jobs are considered."""
-    return sorted(queued, key=lambda d: _order_key(d, usage))
+    return sorted(queued, key=lambda d: (-d.priority, usage.get(d.owner, 0.0), d.submitted, d.job))
 
 
-def _order_key(d: Demand | Running, usage: dict) -> tuple:
+def _order_key(d: Demand | Running, usage: dict) -> tuple:  # as order() sorts
     return (-d.priority, usage.get(d.owner, 0.0), d.submitted, d.job)
 
 
@@ -247,17 +247,20 @@ def _free_at(s: Slot) -> float:
 
 def earliest(d: Demand, nodes: Sequence[NodeView], now: float, free_at=_free_at) -> float:
     """The earliest time the demand fits on the timeline (free_at(slot)), INF if it never does."""
+    plain = free_at is _free_at  # the common case reads the attribute: no call per slot
 
     def when(n: NodeView, count: int | None) -> float:
         if not n.usable:
             return INF
-        times = sorted(free_at(s) for s in n.slots if _eligible(d, s))
+        fits = [s for s in n.slots if _eligible(d, s)]
+        times = sorted([s.free_at for s in fits] if plain else map(free_at, fits))
         if count is None:  # whole node
             return max(times) if times and len(times) == len(n.slots) else INF
         return times[count - 1] if len(times) >= count else INF
 
     if d.gpus is not None:
-        times = sorted(free_at(s) for n in nodes if n.usable for s in n.slots if _eligible(d, s))
+        fits = [s for n in nodes if n.usable for s in n.slots if _eligible(d, s)]
+        times = sorted([s.free_at for s in fits] if plain else map(free_at, fits))
         t = times[d.gpus - 1] if len(times) >= d.gpus else INF
     elif d.named:
         by_id = {n.id: n for n in nodes}
@@ -383,8 +386,10 @@ def plan(
         if t == INF:
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
-        prefer = _reserve_order if free_at is _free_at else partial(_preempt_order, free_at=free_at)
-        at = choose(d, nodes, lambda s, t=t, free_at=free_at: free_at(s) <= t, prefer)
+        if free_at is _free_at:
+            at = choose(d, nodes, lambda s, t=t: s.free_at <= t, _reserve_order)
+        else:
+            at = choose(d, nodes, lambda s, t=t, f=free_at: f(s) <= t, partial(_preempt_order, free_at=free_at))
         if at is None:  # cannot happen: earliest() found the time from these slots
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
