@@ -192,11 +192,12 @@ def simulate(
         for d in decisions:
             for victim in d.preempt:
                 r = running[victim]
-                ran = now - started[victim] - (costs.restart_s if attempt[victim] else 0.0)
-                kept = max(0.0, math.floor(ran / costs.checkpoint_s) * costs.checkpoint_s)
+                # progress this attempt made (its reload, if resumed, was counted lost by the preemption before)
+                ran = max(0.0, now - started[victim] - (costs.restart_s if attempt[victim] else 0.0))
+                kept = math.floor(ran / costs.checkpoint_s) * costs.checkpoint_s
                 left[victim] -= kept
                 # lost: the work since the last checkpoint, the grace, and the next attempt's reload
-                lost_gpu_s += len(r.slots) * (now - started[victim] - kept + costs.grace_s + costs.restart_s)
+                lost_gpu_s += len(r.slots) * (ran - kept + costs.grace_s + costs.restart_s)
                 preemptions += 1
                 r.loan, r.ends_at = False, now + costs.grace_s
                 heapq.heappush(events, (now + costs.grace_s, 2, victim, attempt[victim]))
