@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._common import RESULTS, make_tmp, setup_django  # noqa: E402
-from jobs.placement import Demand, Limits, NodeView, Running, Slot, decayed_usage, plan  # noqa: E402
+from jobs.placement import Demand, Limits, NodeView, Running, Slot, choose, decayed_usage, plan  # noqa: E402
 
 # 8 nodes x 2 GPUs: three with 8 GB cards, three with 12 GB, two with 24 GB
 NODE_VRAM_GB = [8, 8, 8, 12, 12, 12, 24, 24]
@@ -152,6 +152,8 @@ def simulate(
     history: list[tuple[int | None, float, float, float]] = []
     waiting_gpu_s = idle_while_waiting_gpu_s = usable_idle_gpu_s = busy_gpu_s = reserved_idle_gpu_s = 0.0
     reserved_now: set[tuple[int, int]] = set()  # GPUs the last pass reserved for a waiting job
+    fits_free = False  # after the last pass, some waiting job fits the free GPUs if reservations are ignored
+    blocked_idle_gpu_s = 0.0
     vram = {(s.node, s.index): s.vram_mb for n in nodes for s in n.slots}
     passes, pass_s = 0, 0.0
     now = 0.0
@@ -167,6 +169,8 @@ def simulate(
             usable = {key for key, mb in vram.items() if key not in held and mb >= need}
             usable_idle_gpu_s += len(usable) * (t - now)
             reserved_idle_gpu_s += len(usable & reserved_now) * (t - now)
+            if fits_free:
+                blocked_idle_gpu_s += len(usable - reserved_now) * (t - now)
         busy_gpu_s += busy * (t - now)
         now = t
         while events and events[0][0] == now:
@@ -217,6 +221,12 @@ def simulate(
             started[d.job] = now
             del queued[d.job]
             heapq.heappush(events, (end, 0, d.job, attempt[d.job]))
+        # would a job still waiting fit the GPUs free now (what the policy actually started), reservations aside?
+        held_now = {key for r in running.values() for key in r.slots}
+        shapes = {(q.gpus, q.nodes, q.per_node, q.named, q.min_vram_mb): q for q in queued.values()}
+        fits_free = any(
+            choose(q, nodes, lambda s, held_now=held_now: (s.node, s.index) not in held_now) for q in shapes.values()
+        )
     waits = [waited[j.id] for j in trace]
     big = [waited[j.id] for j in trace if _size(j.demand) >= 8]
     small = [waited[j.id] for j in trace if _size(j.demand) == 1]
@@ -224,10 +234,13 @@ def simulate(
     return {
         "idle_while_waiting_pct": round(100 * idle_while_waiting_gpu_s / waiting_gpu_s, 2) if waiting_gpu_s else 0.0,
         "usable_idle_while_waiting_pct": round(100 * usable_idle_gpu_s / waiting_gpu_s, 2) if waiting_gpu_s else 0.0,
-        # of the usable idle: GPUs held empty for a reservation (the rest: free GPUs no waiting job's shape fits)
+        # of the usable idle: GPUs held empty for a reservation; the other usable idle GPUs while some waiting
+        # job would fit the free GPUs but for a reservation (blocked); the rest is fragmentation (no waiting
+        # job's size, shape and VRAM fits the free GPUs at all)
         "reserved_idle_while_waiting_pct": round(100 * reserved_idle_gpu_s / waiting_gpu_s, 2)
         if waiting_gpu_s
         else 0.0,
+        "blocked_idle_while_waiting_pct": round(100 * blocked_idle_gpu_s / waiting_gpu_s, 2) if waiting_gpu_s else 0.0,
         "utilization_pct": round(100 * busy_gpu_s / (TOTAL_GPUS * makespan), 2),
         "wait_mean_min": round(statistics.fmean(waits) / 60, 1),
         "wait_p95_min": round(_pct(waits, 95) / 60, 1),
@@ -438,6 +451,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "scheduler_sim.json").write_text(json.dumps(out, indent=2) + "\n")
     cols = ["idle_while_waiting_pct", "usable_idle_while_waiting_pct", "reserved_idle_while_waiting_pct",
+            "blocked_idle_while_waiting_pct",
             "utilization_pct", "wait_mean_min", "wait_p95_min", "wait_max_min", "wait_mean_8gpu_min",
             "wait_mean_1gpu_min", "preemptions", "lost_work_pct_of_busy"]  # fmt: skip
     print(f"{'policy':28}" + "".join(f"{c.removesuffix('_while_waiting_pct'):>16.16}" for c in cols))  # noqa: T201
@@ -454,6 +468,7 @@ def main() -> None:
 
 SEED_POLICIES = ("easy", "easy_preempt", "easy_exact_runtimes", "easy_preempt_exact_runtimes", "fifo")
 SEED_FIGURES = ("idle_while_waiting_pct", "usable_idle_while_waiting_pct", "reserved_idle_while_waiting_pct",
+                "blocked_idle_while_waiting_pct",
                 "utilization_pct", "wait_mean_min", "wait_p95_min", "wait_mean_8gpu_min", "wait_mean_1gpu_min",
                 "preemptions", "lost_work_pct_of_busy")  # fmt: skip
 
