@@ -50,9 +50,12 @@ def ugro_env(tmp: Path) -> dict[str, str]:
     }
 
 
-def setup_django(tmp: Path, migrate: bool = True) -> dict[str, str]:
-    """Point UGRO at a throwaway DB and data dir, then django.setup() (and migrate)."""
+def setup_django(tmp: Path, migrate: bool = True, database_url: str | None = None) -> dict[str, str]:
+    """Point UGRO at a throwaway DB (a SQLite file in tmp unless database_url names another) and data dir,
+    then django.setup() (and migrate)."""
     env = ugro_env(tmp)
+    if database_url:
+        env["DATABASE_URL"] = database_url
     os.environ.update(env)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))

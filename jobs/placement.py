@@ -18,6 +18,11 @@ The rules, in the manner of Slurm's backfill scheduler:
   waits with reason "quota".
 - A retry after a lost node (without --min-nodes, or too few nodes left) waits with reason "node" until
   that node answers again: it takes no GPUs and holds no reservation meanwhile.
+- With preemption on (Limits.preempt, off by default; Slurm's PreemptMode=REQUEUE): a job behind a
+  reservation may also start on reserved GPUs past the reservation's start, "on loan"; when the
+  reserved job could start if the loans were gone, the decision names the loans to requeue
+  (Decision.preempt). Only jobs started on loan are ever preempted, and only for a job ahead of them
+  in the queue's order (so a requeued job never starts again ahead of the job it made room for).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 INF = math.inf
 WHOLE_NODE = -1
@@ -36,6 +42,7 @@ class Reason:
     PRIORITY = "priority"  # jobs ahead of it come first and it does not fit beside them
     RESOURCES = "resources"  # it is next: waiting for GPUs to free up (holds a reservation)
     RESERVATION = "reservation"  # it would fit now but would delay a reserved job
+    PREEMPTING = "preempting"  # it is next and starts once the jobs on loan on its GPUs are requeued
     QUOTA = "quota"  # its owner's GPU quota, or its sweep's max concurrent trials
     DEPENDENCY = "dependency"  # it starts after another job succeeded (--after)
     NODE = "node"  # a retry after a lost node: it waits for that node to answer again
@@ -52,6 +59,7 @@ class Slot:
     free_at: float = 0.0  # when it is (or will be) free; the timeline estimates move it on
     busy: bool = False  # held right now
     reserved_from: float = INF  # the earliest binding reservation on it
+    loan: tuple[int, tuple] | None = None  # (job, its queue order key) of a job on loan here: preemptible
 
 
 @dataclass
@@ -100,6 +108,9 @@ class Running:
     ends_at: float
     owner: int | None = None
     group: int | None = None
+    priority: int = 0
+    submitted: float = 0.0
+    loan: bool = False  # started on reserved GPUs past the reservation: may be preempted (requeued)
 
 
 @dataclass
@@ -114,6 +125,8 @@ class Decision:
     detail: str = ""
     est_start: float | None = None
     reserved: bool = False
+    loan: bool = False  # starts on loan: preempted when the reservation it overlaps can start
+    preempt: list[int] = field(default_factory=list)  # running jobs on loan to requeue so that this one starts
 
 
 @dataclass
@@ -121,6 +134,8 @@ class Limits:
     """Cluster-wide scheduling settings."""
 
     reservations: int = 1
+    preempt: bool = False  # lend reserved GPUs to later jobs, and requeue them when the reservation can start
+    min_loan_s: float = 600.0  # lend only GPUs whose reservation starts at least this late (a loan must pay)
     quota_max_gpus: int = 0  # per owner at once; 0: none
     group_limits: dict[int, int] = field(default_factory=dict)  # sweep -> max concurrent trials
 
@@ -144,6 +159,10 @@ def decayed_usage(intervals: Iterable[tuple[int | None, float, float, float]], n
 def order(queued: Sequence[Demand], usage: dict) -> list[Demand]:
     """The order in which waiting jobs are considered."""
     return sorted(queued, key=lambda d: (-d.priority, usage.get(d.owner, 0.0), d.submitted, d.job))
+
+
+def _order_key(d: Demand | Running, usage: dict) -> tuple:  # as order() sorts
+    return (-d.priority, usage.get(d.owner, 0.0), d.submitted, d.job)
 
 
 def _eligible(d: Demand, s: Slot) -> bool:
@@ -226,19 +245,26 @@ def choose(d: Demand, nodes: Sequence[NodeView], ok, prefer=_now_order) -> list[
     return room[:want]
 
 
-def earliest(d: Demand, nodes: Sequence[NodeView], now: float) -> float:
-    """The earliest time the demand fits on the timeline (slots' free_at), INF if it never does."""
+def _free_at(s: Slot) -> float:
+    return s.free_at
+
+
+def earliest(d: Demand, nodes: Sequence[NodeView], now: float, free_at=_free_at) -> float:
+    """The earliest time the demand fits on the timeline (free_at(slot)), INF if it never does."""
+    plain = free_at is _free_at  # the common case reads the attribute: no call per slot
 
     def when(n: NodeView, count: int | None) -> float:
         if not n.usable:
             return INF
-        times = sorted(s.free_at for s in n.slots if _eligible(d, s))
+        fits = [s for s in n.slots if _eligible(d, s)]
+        times = sorted([s.free_at for s in fits] if plain else map(free_at, fits))
         if count is None:  # whole node
             return max(times) if times and len(times) == len(n.slots) else INF
         return times[count - 1] if len(times) >= count else INF
 
     if d.gpus is not None:
-        times = sorted(s.free_at for n in nodes if n.usable for s in n.slots if _eligible(d, s))
+        fits = [s for n in nodes if n.usable for s in n.slots if _eligible(d, s)]
+        times = sorted([s.free_at for s in fits] if plain else map(free_at, fits))
         t = times[d.gpus - 1] if len(times) >= d.gpus else INF
     elif d.named:
         by_id = {n.id: n for n in nodes}
@@ -257,13 +283,18 @@ def plan(
     queued: Sequence[Demand],
     usage: dict | None = None,
     limits: Limits | None = None,
+    estimates: bool = True,
 ) -> list[Decision]:
-    """Decide, for every waiting job in order, whether it starts now (and where) or why it waits."""
+    """Decide, for every waiting job in order, whether it starts now (and where) or why it waits.
+
+    estimates=False (a pass that only starts jobs): past the binding reservations, a job that cannot
+    start now gets no estimated start and no reason; what starts is the same either way.
+    """
     limits = limits or Limits()
     usage = usage or {}
     slots = {(s.node, s.index): s for n in nodes for s in n.slots}
     for s in slots.values():
-        s.free_at, s.busy, s.reserved_from = now, False, INF
+        s.free_at, s.busy, s.reserved_from, s.loan = now, False, INF, None
     held: dict[int | None, int] = {}
     group_running: dict[int, int] = {}
     for r in running:
@@ -271,6 +302,8 @@ def plan(
             s = slots.get(key)
             if s is not None:
                 s.busy, s.free_at = True, max(s.free_at, r.ends_at, now)
+                if limits.preempt and r.loan:
+                    s.loan = (r.job, _order_key(r, usage))
         held[r.owner] = held.get(r.owner, 0) + len(r.slots)
         if r.group is not None:
             group_running[r.group] = group_running.get(r.group, 0) + 1
@@ -283,6 +316,8 @@ def plan(
     free_now = sum(1 for n in nodes if n.usable for s in n.slots if not s.busy)
     no_fit_now: dict[tuple, float] = {}  # shape -> the shortest time limit that did not fit now
     not_free: set[tuple] = set()  # shapes that do not fit the free GPUs even ignoring reservations
+    no_loan: dict[tuple, float] = {}  # shape -> the shortest time limit that found no loan
+    lend_from = now + limits.min_loan_s  # GPUs reserved from this time on may be lent
     for position, d in enumerate(order(queued, usage), start=1):
         dec = Decision(job=d.job, position=position)
         decisions.append(dec)
@@ -301,10 +336,29 @@ def plan(
         end = now + d.time_limit
         shape = (d.gpus, d.nodes, d.per_node, d.named, d.min_vram_mb)
         fit = None
+        on_loan = False
         if free_now >= _count(d, nodes) and no_fit_now.get(shape, INF) > d.time_limit:
             fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
             if fit is None:
                 no_fit_now[shape] = d.time_limit
+        if (
+            fit is None
+            and limits.preempt
+            and reserved
+            and free_now >= _count(d, nodes)
+            and no_loan.get(shape, INF) > d.time_limit
+        ):
+            # behind a reservation: the reserved GPUs are lent until the reserved job can start
+            fit = choose(
+                d,
+                nodes,
+                lambda s, end=end, lend_from=lend_from: (
+                    not s.busy and (end <= s.reserved_from or lend_from <= s.reserved_from)
+                ),
+            )
+            on_loan = fit is not None and any(end > s.reserved_from for _, f in fit for s in f)
+            if fit is None:
+                no_loan[shape] = d.time_limit
         count = sum(len(f) for _, f in fit) if fit else _count(d, nodes)
         if limits.quota_max_gpus and held.get(d.owner, 0) + count > limits.quota_max_gpus:
             dec.reason = Reason.QUOTA
@@ -314,8 +368,14 @@ def plan(
             )
             continue
         if fit:
-            dec.start, dec.est_start = True, now
+            dec.start, dec.est_start, dec.loan = True, now, on_loan
             dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in fit]
+            if on_loan:
+                dec.detail = (
+                    "on loan: GPUs reserved for "
+                    + (f"job {first_waiting.job}" if first_waiting else "a job ahead")
+                    + "; requeued from its last checkpoint when that job can start"
+                )
             for _, f in fit:
                 for s in f:
                     s.busy, s.free_at = True, end
@@ -324,17 +384,31 @@ def plan(
             if d.group is not None:
                 group_running[d.group] = group_running.get(d.group, 0) + 1
             continue
-        t = earliest(d, nodes, now)
+        binding = reserved < limits.reservations
+        if not binding and not estimates:
+            continue  # starts depend only on what is busy and on the binding reservations
+        # a binding reservation counts GPUs on loan to jobs behind it in the queue as free now
+        free_at = _free_at
+        if binding and limits.preempt:
+            free_at = partial(_free_at_preempting, now=now, key=_order_key(d, usage))
+        t = earliest(d, nodes, now, free_at)
         if t == INF:
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
-        at = choose(d, nodes, lambda s, t=t: s.free_at <= t, _reserve_order)
+        if free_at is _free_at:
+            at = choose(d, nodes, lambda s, t=t: s.free_at <= t, _reserve_order)
+        else:
+            at = choose(d, nodes, lambda s, t=t, f=free_at: f(s) <= t, partial(_preempt_order, free_at=free_at))
         if at is None:  # cannot happen: earliest() found the time from these slots
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
         dec.est_start = t
         dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in at]
-        binding = reserved < limits.reservations
+        if free_at is not _free_at and t <= now:
+            dec.preempt = sorted({s.loan[0] for _, f in at for s in f if s.busy and s.loan})
+            for s in slots.values():  # requeued once: no other job of this pass counts on them
+                if s.loan and s.loan[0] in dec.preempt:
+                    s.loan = None
         for _, f in at:
             for s in f:
                 s.free_at = max(s.free_at, t + d.time_limit)
@@ -344,6 +418,9 @@ def plan(
             reserved += 1
             dec.reserved = True
             dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {_fmt_in(t - now)}"
+            if dec.preempt:
+                dec.reason = Reason.PREEMPTING
+                dec.detail = "next to start: requeueing job(s) on loan on its GPUs: " + ", ".join(map(str, dec.preempt))
             first_waiting = first_waiting or dec
         elif shape not in not_free and free_now >= _count(d, nodes) and choose(d, nodes, lambda s: not s.busy):
             dec.reason = Reason.RESERVATION
@@ -354,6 +431,15 @@ def plan(
             not_free.add(shape)
             dec.reason, dec.detail = Reason.PRIORITY, "jobs ahead of it take the GPUs it needs"
     return decisions
+
+
+def _free_at_preempting(s: Slot, now: float, key: tuple) -> float:
+    return now if s.loan is not None and s.loan[1] > key else s.free_at
+
+
+def _preempt_order(s: Slot, free_at) -> tuple:
+    # as _reserve_order by the time it frees (loans count as now), then idle GPUs before loaned ones
+    return (-free_at(s), s.loan is not None, s.vram_mb, s.index)
 
 
 def _count(d: Demand, nodes: Sequence[NodeView]) -> int:

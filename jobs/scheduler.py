@@ -39,7 +39,7 @@ def place_queued(only: list[int] | None = None) -> list[Job]:
     and their reservations.
     """
     snap = Snapshot()
-    starting = [d for d in snap.plan() if d.start and (only is None or d.job in only)]
+    starting = [d for d in snap.plan(estimates=False) if d.start and (only is None or d.job in only)]
     jobs = snap.jobs([d.job for d in starting])
     placed = []
     for decision in starting:

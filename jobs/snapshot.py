@@ -5,10 +5,12 @@ Shared by the scheduler (jobs/scheduler.py), the queue command and page, and the
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Q
+from django.db.models import Q, TextField
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from cluster.models import GPU, ClusterSettings, Node
@@ -21,6 +23,14 @@ DEMAND_FIELDS = (
     "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
     "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "wait_nodes",
 )  # fmt: skip
+AFTER = DEMAND_FIELDS.index("after_id")
+JSON_LISTS = ("requested_nodes", "wait_nodes")  # read as text: the usual "[]" needs no decoding
+
+
+def _json_list(value) -> list:
+    if isinstance(value, str):
+        return json.loads(value) if value != "[]" else []
+    return value or []
 
 
 def time_limit_s(job: Job, cs: ClusterSettings) -> int:
@@ -83,8 +93,10 @@ class Snapshot:
         self.by_name = {n.name: n.pk for n in self.node_rows.values()}
         # plain values, not model instances: a queue of thousands costs little; jobs() loads the few needed
         waiting = Job.objects.filter(state=Job.State.QUEUED).order_by("-priority", "created_at", "pk")
-        rows = [dict(zip(DEMAND_FIELDS, row, strict=True)) for row in waiting.values_list(*DEMAND_FIELDS)]
-        after = {r["after_id"] for r in rows if r["after_id"]}
+        # requested_nodes as text: almost always "[]", which needs no JSON decoding per row
+        fields = [Cast(f, TextField()) if f in JSON_LISTS else f for f in DEMAND_FIELDS]
+        rows = list(waiting.values_list(*fields))  # tuples in DEMAND_FIELDS order
+        after = {r[AFTER] for r in rows if r[AFTER]}
         self.after = {pk: (name, state) for pk, name, state in
                       Job.objects.filter(pk__in=after).values_list("pk", "name", "state")} if after else {}  # fmt: skip
         self.demands = [self._demand(r) for r in rows]
@@ -113,16 +125,18 @@ class Snapshot:
             else {},
         )
 
-    def _demand(self, job: dict) -> Demand:
-        """The planner's view of a queued job (its DEMAND_FIELDS)."""
-        requested = job["requested_nodes"] or []
+    def _demand(self, row: tuple) -> Demand:
+        """The planner's view of a queued job: row holds its DEMAND_FIELDS, in that order (a plain tuple
+        per job: the queue may hold thousands)."""
+        pk, priority, owner, created, limit, gpus, count, requested, per_node, vram, sweep, after, wait = row
+        requested = _json_list(requested)
         return Demand(
-            job=job["pk"], priority=job["priority"], owner=job["owner_id"], submitted=job["created_at"].timestamp(),
-            time_limit=float(job["time_limit_s"] or self.cs.default_time_limit_s), gpus=job["gpus"],
-            nodes=None if requested else (job["requested_count"] or 1), per_node=job["gpus_per_node"],
+            job=pk, priority=priority, owner=owner, submitted=created.timestamp(),
+            time_limit=float(limit or self.cs.default_time_limit_s), gpus=gpus,
+            nodes=None if requested else (count or 1), per_node=per_node,
             named=tuple(self.by_name.get(name, -1) for name in requested),
-            min_vram_mb=float(job["min_vram_mb"]) if job["min_vram_mb"] else None, group=job["sweep_id"],
-            waits_for=self._waits_for(job["after_id"]), waits_for_nodes=tuple(job["wait_nodes"] or ()),
+            min_vram_mb=float(vram) if vram else None, group=sweep, waits_for=self._waits_for(after) if after else "",
+            waits_for_nodes=tuple(_json_list(wait)),
         )  # fmt: skip
 
     def _waits_for(self, after_id: int | None) -> str:
@@ -139,10 +153,11 @@ class Snapshot:
         """The queued jobs with these ids, as model instances (one query)."""
         return Job.objects.select_related("owner").in_bulk(ids)
 
-    def plan(self, extra: list[Job] = ()) -> list[Decision]:
-        """The planner's decisions; extra: unsaved jobs to consider too (a dry run)."""
-        demands = self.demands + [self._demand({f: getattr(j, f) for f in DEMAND_FIELDS}) for j in extra]
-        return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits)
+    def plan(self, extra: list[Job] = (), estimates: bool = True) -> list[Decision]:
+        """The planner's decisions; extra: unsaved jobs to consider too (a dry run); estimates=False:
+        only what starts now (and the reservations) is decided, as a scheduling pass needs."""
+        demands = self.demands + [self._demand(tuple(getattr(j, f) for f in DEMAND_FIELDS)) for j in extra]
+        return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits, estimates)
 
 
 def queue(snapshot: Snapshot | None = None) -> list[Entry]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 from jobs.placement import Decision, Demand, Limits, NodeView, Reason, Running, Slot, decayed_usage, plan
 
@@ -160,3 +161,87 @@ def test_a_sweep_runs_at_most_its_max_concurrent_trials():
     d = plan(NOW, nodes, [], queued, limits=Limits(group_limits={5: 2}))
     assert [x.start for x in d] == [True, True, False, False]
     assert d[2].reason == Reason.QUOTA and "at most 2 trials" in d[2].detail
+
+
+def test_a_pass_that_only_starts_jobs_starts_what_a_pass_with_every_estimate_starts():
+    # given many seeded mixed queues on a partly busy cluster of 8, 12 and 24 GB cards
+    rng = random.Random(7)
+    for _ in range(60):
+        nodes = cluster((8, 8), (12, 12), (24, 24), (8, 12))
+        busy = rng.sample([(n, g) for n in range(1, 5) for g in range(2)], rng.randint(0, 6))
+        running = [
+            Running(job=100 + i, slots=[key], ends_at=NOW + rng.choice([60, 600, 6000])) for i, key in enumerate(busy)
+        ]
+        queued = []
+        for i in range(1, rng.randint(2, 40)):
+            shape = rng.choice([{"gpus": rng.choice([1, 1, 2, 3, 4, 8])}, {"nodes": rng.choice([1, 2]), "per_node": 2}])
+            vram = rng.choice([None, None, 10 * 1024, 20 * 1024])
+            limit = rng.choice([60, 600, 3600, 9000])
+            priority = rng.choice([0, 0, 10, 50])
+            queued.append(Demand(job=i, priority=priority, submitted=i, time_limit=limit, min_vram_mb=vram, **shape))
+        for depth in (0, 1, 3):
+            limits = Limits(reservations=depth)
+            # when one pass plans every estimate and the other only what starts now
+            full = plan(NOW, nodes, running, queued, limits=limits)
+            quick = plan(NOW, nodes, running, queued, limits=limits, estimates=False)
+            # then the same jobs start on the same GPUs
+            assert [(d.job, d.placement) for d in full if d.start] == [(d.job, d.placement) for d in quick if d.start]
+            assert [d.job for d in full if d.reserved] == [d.job for d in quick if d.reserved]
+
+
+def loan_setup(reserved_in: float = 3600.0):
+    """2 nodes x 2 GPUs; node 1 busy until reserved_in; a 4-GPU job (priority 50) waits, a long 2-GPU job behind."""
+    nodes = cluster((8, 8), (8, 8))
+    running = [Running(job=1, slots=[(1, 0), (1, 1)], ends_at=NOW + reserved_in)]
+    queued = [
+        Demand(job=10, priority=50, gpus=4, time_limit=3600, submitted=1),
+        Demand(job=11, priority=0, gpus=2, time_limit=7200, submitted=2),  # runs past the reservation
+    ]
+    return nodes, running, queued
+
+
+def test_without_preemption_a_job_that_would_run_past_a_reservation_waits():
+    nodes, running, queued = loan_setup()
+    d = by_job(plan(NOW, nodes, running, queued))
+    assert d[10].reserved and not d[11].start and d[11].reason == Reason.RESERVATION
+
+
+def test_with_preemption_a_later_job_runs_on_loan_on_reserved_gpus_and_is_preempted_when_the_reserved_job_can_start():
+    # given preemption on, and a 4-GPU job reserved from when node 1 frees up
+    nodes, running, queued = loan_setup()
+    limits = Limits(preempt=True)
+    d = by_job(plan(NOW, nodes, running, queued, limits=limits))
+    # then the long 2-GPU job starts now on node 2, on loan
+    assert d[10].reserved and d[10].est_start == NOW + 3600 and not d[10].preempt
+    assert d[11].start and d[11].loan and d[11].placement == [(2, [0, 1])]
+    assert "on loan: GPUs reserved for job 10" in d[11].detail
+    # when node 1's job ends early (before the reservation's estimate), the loan holds node 2
+    loaned = [Running(job=11, slots=[(2, 0), (2, 1)], ends_at=NOW + 7200, priority=0, submitted=2, loan=True)]
+    d = by_job(plan(NOW + 60, nodes, loaned, queued[:1], limits=limits))
+    # then the 4-GPU job does not wait for the loan's time limit: it preempts it (requeue), now
+    assert not d[10].start and d[10].reserved and d[10].preempt == [11]
+    assert d[10].reason == Reason.PREEMPTING and d[10].est_start == NOW + 60
+    assert "requeueing job(s) on loan on its GPUs: 11" in d[10].detail
+
+
+def test_only_jobs_on_loan_behind_the_reserved_job_are_preempted():
+    nodes, _, queued = loan_setup()
+
+    def preempted(**running) -> list[int]:
+        r = [Running(job=11, slots=[(2, 0), (2, 1)], ends_at=NOW + 7200, submitted=2, **running)]
+        return plan(NOW, nodes, r, queued[:1], limits=Limits(preempt=True))[0].preempt
+
+    assert preempted(loan=True) == [11]
+    assert preempted(loan=False) == []  # a job that started normally keeps its GPUs to its time limit
+    assert preempted(loan=True, priority=90) == []  # one ahead of the reserved job in the queue's order
+    # and with preemption off, loans are ordinary jobs
+    r = [Running(job=11, slots=[(2, 0), (2, 1)], ends_at=NOW + 7200, submitted=2, loan=True)]
+    assert plan(NOW, nodes, r, queued[:1])[0].preempt == []
+
+
+def test_gpus_reserved_to_start_soon_are_not_lent():
+    # given the reservation starts in 5 minutes (less than the minimum loan)
+    nodes, running, queued = loan_setup(reserved_in=300)
+    d = by_job(plan(NOW, nodes, running, queued, limits=Limits(preempt=True, min_loan_s=600)))
+    # then the long job waits: a loan that short would be requeued before it could checkpoint
+    assert not d[11].start and d[11].reason == Reason.RESERVATION

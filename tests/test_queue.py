@@ -59,6 +59,16 @@ def test_a_job_whose_nodes_are_busy_waits_and_later_jobs_do_not_overtake_it(thre
     assert [j.name for j in place_queued()] == ["third"]
 
 
+def test_a_job_naming_its_nodes_starts_on_exactly_those_nodes(three_nodes):
+    # (the scheduler reads the names as text and decodes them only when there are some)
+    named = create_job(LaunchRequest(name="named", nodes=["n2", "n0"], time_limit_s=600))
+    create_job(LaunchRequest(name="any", count=1, time_limit_s=600))
+    assert [j.name for j in place_queued()] == ["named", "any"]
+    named.refresh_from_db()
+    assert sorted(named.ranks.values_list("node__name", flat=True)) == ["n0", "n2"]
+    assert Job.objects.get(name="any").ranks.get().node.name == "n1"
+
+
 def test_higher_priority_starts_first(three_nodes):
     create_job(LaunchRequest(name="low", count=3))
     create_job(LaunchRequest(name="high", count=3, priority=5))
