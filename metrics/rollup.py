@@ -171,12 +171,40 @@ def rebuild(job_id: int) -> None:
     """The whole rollup of one job again, from its points on the curve (for points stored before the
     rollup existed, or written around ingestion, as the page-load benchmark does)."""
     MetricRollup.objects.filter(job_id=job_id).delete()
+    if connection.vendor == "postgresql":
+        _rebuild_in_sql(job_id)
+        return
     rows = (
         MetricPoint.objects.filter(job_id=job_id, superseded=False)
         .order_by("id")
         .values_list("job_id", "rank", "step", "name", "value", "time")
     )
     add(rows.iterator(chunk_size=20000))
+
+
+def _rebuild_in_sql(job_id: int) -> None:
+    """rebuild() on PostgreSQL: each level grouped by the database (3M points: seconds, not minutes),
+    the finest from the points, each coarser one from the level below; the last value is the one of
+    the greatest step (of the point stored last, on a tie), as ingestion keeps it."""
+    table = connection.ops.quote_name(MetricRollup._meta.db_table)
+    points = connection.ops.quote_name(MetricPoint._meta.db_table)
+    columns = ", ".join(COLUMNS)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({columns}) SELECT job_id, name, %s, rank, step >> %s, count(*), min(value),"
+            " max(value), sum(value), min(step), max(step), (array_agg(value ORDER BY step DESC, id DESC))[1],"
+            f" min(time), max(time) FROM {points} WHERE job_id = %s AND NOT superseded"
+            " GROUP BY job_id, name, rank, step >> %s",
+            [LEVELS[0], LEVELS[0], job_id, LEVELS[0]],
+        )
+        for level in LEVELS[1:]:
+            cursor.execute(
+                f"INSERT INTO {table} ({columns}) SELECT job_id, name, %s, rank, bucket >> 1, sum(n), min(v_min),"
+                " max(v_max), sum(v_sum), min(first_step), max(last_step),"
+                " (array_agg(last_value ORDER BY last_step DESC))[1], min(t_min), max(t_max)"
+                f" FROM {table} WHERE job_id = %s AND level = %s GROUP BY job_id, name, rank, bucket >> 1",
+                [level, job_id, level - 1],
+            )
 
 
 def _as_buckets(rollups) -> Buckets:
