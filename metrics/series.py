@@ -144,7 +144,7 @@ class Bucket(NamedTuple):
     n: int
     v_min: float
     v_max: float
-    v_avg: float
+    v_total: float  # the sum of the values
     first_step: int
     last_step: int
     last_value: float | None  # the value at last_step; None where the raw grouping does not know it
@@ -159,10 +159,11 @@ def _from_rollup(
     rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=level)
     if rank is not None:
         rows = rows.filter(rank=rank)
-    fields = ("rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value", "t_min",
-              "t_max")  # fmt: skip
-    rows = rows.order_by("rank", "bucket").values_list(*fields)
-    buckets = [Bucket(r, b, n, lo, hi, s / n, *rest) for r, b, n, lo, hi, s, *rest in rows]
+    fields = ["rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value"]
+    if times is not None:
+        fields += ["t_min", "t_max"]  # thousands of timestamps to decode: only for a time axis
+    # plain rows in Bucket's field order (v_sum for v_total): no object per row, on the page's hot path
+    buckets = list(rows.order_by("rank", "bucket").values_list(*fields))
     ranks, mean, _ = _envelope(buckets, 0, 1 << level, {}, times)
     return ranks, mean
 
@@ -183,8 +184,8 @@ def _bucketed(
         stats.update(t_min=Min("time"), t_max=Max("time"))
     rows = points.annotate(bucket=bucket).values("rank", "bucket").annotate(**stats).order_by("rank", "bucket")
     buckets = [
-        Bucket(r["rank"], r["bucket"], r["n"], r["v_min"], r["v_max"], r["v_avg"], r["s_min"], r["s_max"], None,
-               r.get("t_min"), r.get("t_max"))
+        Bucket(r["rank"], r["bucket"], r["n"], r["v_min"], r["v_max"], r["v_avg"] * r["n"], r["s_min"], r["s_max"],
+               None, r.get("t_min"), r.get("t_max"))
         for r in _grouped(rows)
     ]  # fmt: skip
     # each rank's exact last point: a short backward scan of the (job, name, step) index per rank
@@ -196,40 +197,51 @@ def _bucketed(
 
 
 def _envelope(
-    buckets: list[Bucket],
+    buckets: list[Bucket] | list[tuple],
     origin: int,
     width: int,
     last_values: dict[int, float | None],
     times: dict[int, list[float]] | None,
 ) -> tuple[dict[str, dict[str, list]], dict[str, list], int]:
-    """Buckets (sorted by rank, then index) as each rank's min/max envelope ending on its exact last
-    point, the mean across ranks per bucket, and the points they hold."""
+    """Buckets (or tuples in their field order; sorted by rank, then index) as each rank's min/max
+    envelope ending on its exact last point, the mean across ranks per bucket, and the points they hold."""
     per_rank: dict[int, dict[str, list]] = {}
     total = 0
     bucket_means: dict[int, list[float]] = defaultdict(list)
     half = width // 2
+    count = len(buckets)
     for i, b in enumerate(buckets):
-        total += b.n
-        final = i + 1 == len(buckets) or buckets[i + 1].rank != b.rank
-        xy = per_rank.setdefault(b.rank, {"x": [], "y": []})
-        t = times.setdefault(b.rank, []) if times is not None else None
-        drawn = [(b.first_step, b.v_min, b.t_min)]
+        rank, index, n, v_min, v_max, v_total, first, last_step, last_value = b[:9]
+        total += n
+        final = i + 1 == count or buckets[i + 1][0] != rank
+        xy = per_rank.get(rank)
+        if xy is None:
+            xy = per_rank[rank] = {"x": [], "y": []}
+        xs, ys = xy["x"], xy["y"]
+        t = times.setdefault(rank, []) if times is not None else None
+        xs.append(first)
+        ys.append(v_min)
+        if t is not None:
+            # the bucket's first and last times: monotone, like the steps they stand beside
+            t.append(round(b[9].timestamp(), 3))
         # the max at the bucket's middle, inside its steps, and before the last point of a final bucket
-        room = b.last_step - 1 if final else b.last_step
-        mid = min(max(origin + b.index * width + half, b.first_step), max(room, b.first_step))
-        if mid > b.first_step or b.v_max != b.v_min:
-            drawn.append((mid, b.v_max, b.t_max))
-        if final and b.last_step > drawn[-1][0]:
-            last = b.last_value if b.last_value is not None else last_values.get(b.rank)
-            if last is not None:
-                drawn.append((b.last_step, last, b.t_max))
-        for x, y, when in drawn:
-            xy["x"].append(x)
-            xy["y"].append(y)
+        room = last_step - 1 if final else last_step
+        mid = origin + index * width + half
+        mid = first if mid < first else mid
+        mid = mid if mid <= room else max(room, first)
+        if mid > first or v_max != v_min:
+            xs.append(mid)
+            ys.append(v_max)
             if t is not None:
-                # the bucket's first and last times: monotone, like the steps they stand beside
-                t.append(round(when.timestamp(), 3))
-        bucket_means[b.index].append(b.v_avg)
+                t.append(round(b[10].timestamp(), 3))
+        if final and last_step > xs[-1]:
+            last = last_value if last_value is not None else last_values.get(rank)
+            if last is not None:
+                xs.append(last_step)
+                ys.append(last)
+                if t is not None:
+                    t.append(round(b[10].timestamp(), 3))
+        bucket_means[index].append(v_total / n)
     order = sorted(bucket_means)
     mean = {
         "x": [origin + k * width + half for k in order],
