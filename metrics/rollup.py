@@ -1,10 +1,11 @@
 """A multi-resolution rollup of every metric, kept at ingestion, so a chart's query no longer grows with
 the points stored.
 
-For each job, metric and rank, and each level k in LEVELS, bucket b holds the steps
+For each job, metric and rank, and each level k in LEVELS (every other power of two), bucket b holds the steps
 [b * 2**k, (b + 1) * 2**k): how many points, their min, max and sum, the first and last step, the value
 at the last step and the first and last time. A chart of R steps wanting B buckets reads the coarsest
-level with at least B buckets (between B and 2B rows per rank) whatever the number of points stored.
+level k with at least B buckets (between B and 2B per rank; when k is not stored, the database groups
+pairs of the stored level below), whatever the number of points stored.
 
 Ingestion folds each batch into level LEVELS[0] buckets in Python, derives the coarser levels from
 those (a bucket of level k is buckets 2b and 2b + 1 of level k - 1), and upserts them in one
@@ -16,13 +17,17 @@ through from the points still on the curve (`cut`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from django.db import connection
-from django.db.models import Max, Min, Sum
 
 from .models import MetricPoint, MetricRollup
 
-LEVELS = tuple(range(4, 21))  # buckets of 16 steps up to 1,048,576 steps
+# Stored levels: buckets of 16 steps up to 1,048,576 steps, every other power of two (each level is one
+# more row to upsert per metric and rank at every ingestion batch); a query for the level between two
+# stored ones groups pairs of the finer one's rows (SPACING).
+SPACING = 2
+LEVELS = tuple(range(4, 21, SPACING))
 TOP = LEVELS[-1]
 UPSERT_CHUNK = 1000
 
@@ -74,11 +79,11 @@ def merge(a: list, b: list) -> None:
     a[8] = max(a[8], b[8])
 
 
-def coarser(buckets: Buckets) -> Buckets:
-    """The next level up: buckets 2b and 2b + 1 become bucket b."""
+def coarser(buckets: Buckets, shift: int = SPACING) -> Buckets:
+    """`shift` levels up: buckets b << shift .. (b + 1) << shift - 1 become bucket b."""
     up: Buckets = {}
     for (job_id, name, rank, bucket), v in buckets.items():  # children hold disjoint steps: any order
-        key = (job_id, name, rank, bucket >> 1)
+        key = (job_id, name, rank, bucket >> shift)
         a = up.get(key)
         if a is None:
             up[key] = list(v)
@@ -162,7 +167,7 @@ def cut(job_id: int, from_step: int | None) -> None:
             )
             kept = fold_points(rows, level)
         else:
-            below = rollups.filter(level=level - 1, bucket__gte=start << 1)
+            below = rollups.filter(level=level - SPACING, bucket__gte=start << SPACING)
             kept = coarser(_as_buckets(below))
         upsert(level, kept)
 
@@ -199,11 +204,11 @@ def _rebuild_in_sql(job_id: int) -> None:
         )
         for level in LEVELS[1:]:
             cursor.execute(
-                f"INSERT INTO {table} ({columns}) SELECT job_id, name, %s, rank, bucket >> 1, sum(n), min(v_min),"
+                f"INSERT INTO {table} ({columns}) SELECT job_id, name, %s, rank, bucket >> %s, sum(n), min(v_min),"
                 " max(v_max), sum(v_sum), min(first_step), max(last_step),"
                 " (array_agg(last_value ORDER BY last_step DESC))[1], min(t_min), max(t_max)"
-                f" FROM {table} WHERE job_id = %s AND level = %s GROUP BY job_id, name, rank, bucket >> 1",
-                [level, job_id, level - 1],
+                f" FROM {table} WHERE job_id = %s AND level = %s GROUP BY job_id, name, rank, bucket >> %s",
+                [level, SPACING, job_id, level - SPACING, SPACING],
             )
 
 
@@ -214,21 +219,37 @@ def _as_buckets(rollups) -> Buckets:
     return out
 
 
-def bounds(job_id: int, name: str, rank: int | None = None) -> tuple[int, int, int] | None:
-    """(first step, last step, points) of a metric from the rollup's coarsest level; None when it has none."""
+class Bounds(NamedTuple):
+    """What the rollup's coarsest level says of a whole series."""
+
+    lo: int  # first step
+    hi: int  # last step
+    points: int
+    last_values: dict[int, float]  # each rank's value at its last step
+
+
+def bounds(job_id: int, name: str, rank: int | None = None) -> Bounds | None:
+    """The series' extent from the rollup's coarsest level (a row or two per rank); None when it has none."""
     rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=TOP)
     if rank is not None:
         rows = rows.filter(rank=rank)
-    got = rows.aggregate(lo=Min("first_step"), hi=Max("last_step"), n=Sum("n"))
-    if got["n"] is None:
+    got = list(rows.order_by("rank", "bucket").values_list("rank", "n", "first_step", "last_step", "last_value"))
+    if not got:
         return None
-    return got["lo"], got["hi"], got["n"]
+    return Bounds(
+        min(r[2] for r in got), max(r[3] for r in got), sum(r[1] for r in got), {r[0]: r[4] for r in got}
+    )  # rows come in bucket order: each rank's last row is its latest
 
 
 def level_for(lo: int, hi: int, buckets: int) -> int | None:
-    """The coarsest level with at least `buckets` buckets over steps lo..hi; None if even the finest has
-    fewer (the raw points are few enough to group directly)."""
-    for level in reversed(LEVELS):
+    """The coarsest level (stored or between two stored ones) with at least `buckets` buckets over steps
+    lo..hi; None if even the finest has fewer (the raw points are few enough to group directly)."""
+    for level in range(TOP, LEVELS[0] - 1, -1):
         if (hi >> level) - (lo >> level) + 1 >= buckets:
             return level
     return None
+
+
+def stored_level(level: int) -> int:
+    """The stored level a query for `level` reads (itself, or the finer one just below it)."""
+    return level - (level - LEVELS[0]) % SPACING

@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from django.db import connections, transaction
-from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Value
+from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Sum, Value
 
 from metrics import rollup
 from metrics.models import MetricPoint, MetricRollup
@@ -86,12 +86,12 @@ def series(
         points = points.filter(rank=rank)
     known = rollup.bounds(job_id, name, rank) if step_min is None and step_max is None else None
     if known is not None:
-        lo, hi, total = known
+        lo, hi, total = known.lo, known.hi, known.points
         level = rollup.level_for(lo, hi, buckets)
         if total <= raw_limit:
             ranks, mean = _raw(points, want_times)
         elif level is not None:
-            ranks, mean = _from_rollup(job_id, name, rank, level, want_times)
+            ranks, mean = _from_rollup(job_id, name, rank, level, known.last_values, want_times)
         else:
             ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
     else:
@@ -153,18 +153,40 @@ class Bucket(NamedTuple):
 
 
 def _from_rollup(
-    job_id: int, name: str, rank: int | None, level: int, times: dict[int, list[float]] | None
+    job_id: int,
+    name: str,
+    rank: int | None,
+    level: int,
+    last_values: dict[int, float],
+    times: dict[int, list[float]] | None,
 ) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
-    """The envelope from the rollup's buckets of 2**level steps (one indexed range read)."""
-    rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=level)
+    """The envelope from the rollup's buckets of 2**level steps: one indexed range read of the stored
+    level, grouped by pairs in the database when `level` lies between two stored ones."""
+    stored = rollup.stored_level(level)
+    rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=stored)
     if rank is not None:
         rows = rows.filter(rank=rank)
-    fields = ["rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value"]
-    if times is not None:
-        fields += ["t_min", "t_max"]  # thousands of timestamps to decode: only for a time axis
-    # plain rows in Bucket's field order (v_sum for v_total): no object per row, on the page's hot path
-    buckets = list(rows.order_by("rank", "bucket").values_list(*fields))
-    ranks, mean, _ = _envelope(buckets, 0, 1 << level, {}, times)
+    if stored == level:
+        fields = ["rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value"]
+        if times is not None:
+            fields += ["t_min", "t_max"]  # thousands of timestamps to decode: only for a time axis
+        # plain rows in Bucket's field order (v_sum for v_total): no object per row, on the page's hot path
+        buckets = list(rows.order_by("rank", "bucket").values_list(*fields))
+    else:
+        stats = {"n_": Sum("n"), "lo": Min("v_min"), "hi": Max("v_max"), "total": Sum("v_sum"),
+                 "first": Min("first_step"), "last": Max("last_step")}  # fmt: skip
+        if times is not None:
+            stats.update(t0=Min("t_min"), t1=Max("t_max"))
+        grouped = (
+            rows.annotate(b=F("bucket").bitrightshift(level - stored))
+            .values("rank", "b")
+            .annotate(**stats)
+            .order_by("rank", "b")
+            .values_list("rank", "b", *stats)
+        )
+        # the last value only counts in each rank's final bucket: it comes from the bounds
+        buckets = [(*r[:8], None, *r[8:]) for r in grouped]
+    ranks, mean, _ = _envelope(buckets, 0, 1 << level, last_values, times)
     return ranks, mean
 
 

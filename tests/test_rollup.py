@@ -64,19 +64,20 @@ def raw_envelope(job: Job, level: int, name: str = "loss", with_time: bool = Fal
 
 
 @pytest.mark.django_db
-def test_the_rollup_answer_equals_the_raw_grouping_on_a_known_series(django_assert_num_queries):
+@pytest.mark.parametrize(("buckets", "level"), [(50, 5), (40, 6)])  # between two stored levels; a stored one
+def test_the_rollup_answer_equals_the_raw_grouping_on_a_known_series(django_assert_num_queries, buckets, level):
     job = make_job()
     ingest(job, range(STEPS))
     # a step logged twice by rank 0 at the end: the later value is the last point, as in the raw series
     ingest(job, [STEPS - 1], ranks=(0,), value=lambda r, s: 7.5)
-    lo, hi, total = rollup.bounds(job.pk, "loss")
-    assert (lo, hi, total) == (0, STEPS - 1, 2 * STEPS + 1)
-    level = rollup.level_for(lo, hi, BUCKETS)
-    assert level == 5
+    known = rollup.bounds(job.pk, "loss")
+    assert (known.lo, known.hi, known.points) == (0, STEPS - 1, 2 * STEPS + 1)
+    assert rollup.level_for(known.lo, known.hi, buckets) == level
+    assert rollup.stored_level(level) == (4 if level == 5 else 6)
 
     # when the whole series is asked: two queries (the bounds, one level's rows), whatever was stored
     with django_assert_num_queries(2):
-        got = series(job.pk, "loss", buckets=BUCKETS, with_time=True)
+        got = series(job.pk, "loss", buckets=buckets, with_time=True)
 
     want = raw_envelope(job, level, with_time=True)
     assert got["total_points"] == want["total_points"] == 2 * STEPS + 1
@@ -84,16 +85,16 @@ def test_the_rollup_answer_equals_the_raw_grouping_on_a_known_series(django_asse
     assert got["times"] == want["times"]
     assert got["mean"]["x"] == want["mean"]["x"]
     assert got["mean"]["y"] == pytest.approx(want["mean"]["y"])
-    # between BUCKETS and 2 * BUCKETS buckets: two points each, and the exact last point
+    # between `buckets` and twice that many buckets: two points each, and the exact last point
     for xy in got["ranks"].values():
-        assert 2 * BUCKETS <= len(xy["x"]) <= 4 * BUCKETS + 1
+        assert 2 * buckets <= len(xy["x"]) <= 4 * buckets + 1
         assert xy["x"] == sorted(xy["x"])
     # the spike and the dip survive; each rank ends on its last stored point
     assert max(got["ranks"]["1"]["y"]) == 50.0 and min(got["ranks"]["0"]["y"]) == -50.0
     assert (got["ranks"]["0"]["x"][-1], got["ranks"]["0"]["y"][-1]) == (STEPS - 1, 7.5)
     assert (got["ranks"]["1"]["x"][-1], got["ranks"]["1"]["y"][-1]) == (STEPS - 1, loss(1, STEPS - 1))
     # one rank alone reads the same rows
-    assert series(job.pk, "loss", rank=1, buckets=BUCKETS)["ranks"]["1"] == got["ranks"]["1"]
+    assert series(job.pk, "loss", rank=1, buckets=buckets)["ranks"]["1"] == got["ranks"]["1"]
 
 
 @pytest.mark.django_db
