@@ -363,9 +363,9 @@ def main_panels(args) -> None:
             if args.also_raw:
                 # the same page with the rollup gone: every answer groups its metric's raw points (the path
                 # before the rollup), timed in the same run
-                from metrics.models import MetricRollup
-
                 from concurrent.futures import ThreadPoolExecutor
+
+                from metrics.models import MetricRollup
 
                 with ThreadPoolExecutor(1) as pool:  # Playwright's loop runs here: the ORM goes to a thread
                     pool.submit(lambda: MetricRollup.objects.filter(job=job).delete()).result()
