@@ -3,11 +3,13 @@
 
     .venv/bin/python bench/page_load.py [--ranks 2] [--steps 500000] [--repeat 5] [--tb-venv /tmp/tbvenv]
                                         [--skip-tb] [--tb-python-loader] [--label L] [--keep]
-    .venv/bin/python bench/page_load.py --panels 10 --ranks 3 --steps 100000 --tb-venv .venv [--repeat 5]
+    .venv/bin/python bench/page_load.py --panels 10 --ranks 3 --steps 100000 --tb-venv .venv [--repeat 5] [--also-raw]
 
 With --panels N (issue 13): N metrics ("loss", "train/...", "eval/...") x ranks x steps points, the job
 page drawing a panel per metric; timed until every panel has its canvas and #panels says ready (set by
-static/js/job.js once every panel's series is drawn). TensorBoard gets the same N tags per run; its
+static/js/job.js once every panel's series is drawn); the points' rollup (metrics/rollup.py) is rebuilt after the
+insert, as ingestion would have kept it; --also-raw then deletes it and times the page again (every answer
+grouping its metric's raw points, as before the rollup). TensorBoard gets the same N tags per run; its
 sample ends when every run's line of every tag is drawn (2 SVG paths per run and tag), or, when its
 lazy card loading never draws them all, is reported with how many were drawn after 60 s. Memory: the
 page's JS heap (CDP Performance.getMetrics, JSHeapUsedSize) once drawn, and the PSS of every Chromium
@@ -296,6 +298,13 @@ def main_panels(args) -> None:
                                  started_at=now, running_at=now, finished_at=now)  # fmt: skip
         insert_s = insert_points(job.pk, args.ranks, args.steps, names)
         print(f"inserted {total:,} points ({len(names)} metrics) in {insert_s:.1f} s")
+        # the points went around ingestion (one INSERT ... SELECT): build the rollup ingestion would have kept
+        from metrics import rollup
+
+        t_rollup = time.monotonic()
+        rollup.rebuild(job.pk)
+        rollup_s = time.monotonic() - t_rollup
+        print(f"rollup rebuilt in {rollup_s:.1f} s")
         User.objects.create_user("bench", password="bench-pw-123")
         daphne, base = start_daphne(env, tmp)
         procs.append(daphne)
@@ -340,6 +349,7 @@ def main_panels(args) -> None:
                 "points": total,
                 "metrics": names,
                 "insert_s": round(insert_s, 2),
+                "rollup_rebuild_s": round(rollup_s, 2),
                 "warmup": warm,
                 "samples": samples,
                 "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in samples),
@@ -350,6 +360,31 @@ def main_panels(args) -> None:
                 "errors": errors[:20],
             }
             print("UGRO:", json.dumps({k: v for k, v in result["ugro"].items() if k not in ("samples", "warmup")}))
+            if args.also_raw:
+                # the same page with the rollup gone: every answer groups its metric's raw points (the path
+                # before the rollup), timed in the same run
+                from concurrent.futures import ThreadPoolExecutor
+
+                from metrics.models import MetricRollup
+
+                with ThreadPoolExecutor(1) as pool:  # Playwright's loop runs here: the ORM goes to a thread
+                    pool.submit(lambda: MetricRollup.objects.filter(job=job).delete()).result()
+                context = browser.new_context(viewport=VIEWPORT)
+                login = new_page(context, errors)
+                login.goto(base + "/accounts/login/")
+                login.fill("#id_username", "bench")
+                login.fill("#id_password", "bench-pw-123")
+                login.click("button[type=submit]")
+                login.wait_for_url(base + "/")
+                login.close()
+                time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors)
+                raw = [time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors) for _ in range(args.repeat)]
+                context.close()
+                result["ugro_without_rollup"] = {
+                    "samples": raw,
+                    "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in raw),
+                }
+                print("UGRO without the rollup:", result["ugro_without_rollup"]["median_drawn_ms"], "ms")
             if not args.skip_tb:
                 result["tensorboard"] = tensorboard_panels(args, tmp, browser, procs, names)
                 print("TB:", json.dumps({k: v for k, v in result["tensorboard"].items() if k != "samples"}))
@@ -467,6 +502,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tb-venv", default="/tmp/tbvenv")
     ap.add_argument("--skip-tb", action="store_true")
+    ap.add_argument("--also-raw", action="store_true", help="--panels: time the page again without the rollup")
     ap.add_argument(
         "--tb-python-loader",
         action="store_true",
@@ -501,6 +537,11 @@ def main() -> None:
                                  finished_at=now)  # fmt: skip
         insert_s = insert_points(job.pk, args.ranks, args.steps)
         print(f"inserted {total:,} points in {insert_s:.1f} s")
+        from metrics import rollup  # the points went around ingestion: the rollup it would have kept
+
+        t_rollup = time.monotonic()
+        rollup.rebuild(job.pk)
+        rollup_s = time.monotonic() - t_rollup
         User.objects.create_user("bench", password="bench-pw-123")
         client = Client()
         client.login(username="bench", password="bench-pw-123")
@@ -550,6 +591,7 @@ def main() -> None:
             result["ugro"] = {
                 "points": total,
                 "insert_s": round(insert_s, 2),
+                "rollup_rebuild_s": round(rollup_s, 2),
                 "warmup": warm,
                 "samples": samples,
                 "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in samples),

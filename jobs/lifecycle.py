@@ -31,6 +31,7 @@ from django.utils import timezone
 from cluster.alerts import job_ended_alerts, resolve_job_alerts
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
+from metrics import rollup
 from metrics.models import MetricPoint
 from ugro_site.celery import send_task, worker_alive
 
@@ -339,6 +340,7 @@ def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
     Rank.objects.filter(job=job).delete()
     cut = MetricPoint.objects.filter(job=job, superseded=False)
     (cut.filter(step__gt=from_step) if from_step is not None else cut).update(superseded=True)
+    rollup.cut(job.pk, from_step)  # the charts' rollup leaves them too
 
 
 def requeue(job: Job, nxt: NextAttempt) -> bool:

@@ -36,6 +36,7 @@ from jobs.events import publish_job
 from jobs.logs import write_at
 from jobs.models import Job, Rank
 
+from . import rollup
 from .models import JobMetrics, MetricFile, MetricPoint
 
 log = logging.getLogger(__name__)
@@ -303,6 +304,7 @@ def _save(
         if points:
             _append_jsonl(job, points, now)
             MetricPoint.objects.bulk_create(points, batch_size=2000)
+            rollup.add((p.job_id, p.rank, p.step, p.name, p.value, p.time) for p in points)
             Job.objects.filter(pk=job.pk).update(metrics_bytes=job.metrics_bytes)
         MetricFile.objects.filter(pk=f.pk).update(offset=offset, header=header, records=records)
     f.offset, f.header, f.records = offset, header, records

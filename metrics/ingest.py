@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from django.db import connection
 
+from . import rollup
 from .models import FinalMetric, JobMetrics, MetricPoint
 from .parsing import MAX_LINE_CHARS, LineParser, Point, compile_pattern
 
@@ -31,7 +32,8 @@ POINT_COLUMNS = ("job_id", "rank", "step", "name", "value", "time", "attempt")
 
 
 def save_points(points: Sequence[Sample]) -> None:
-    """Insert the points: PostgreSQL's COPY where the database is PostgreSQL, else one bulk INSERT."""
+    """Insert the points: PostgreSQL's COPY where the database is PostgreSQL, else one bulk INSERT; and
+    fold them into the rollup the charts read (call it in a transaction: both or neither)."""
     if not points:
         return
     if connection.vendor == "postgresql":
@@ -43,8 +45,9 @@ def save_points(points: Sequence[Sample]) -> None:
         ):
             for p in points:
                 copy.write_row(p)
-        return
-    MetricPoint.objects.bulk_create([MetricPoint(**p._asdict()) for p in points], batch_size=2000)
+    else:
+        MetricPoint.objects.bulk_create([MetricPoint(**p._asdict()) for p in points], batch_size=2000)
+    rollup.add(points)
 
 
 @dataclass

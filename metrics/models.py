@@ -85,3 +85,35 @@ class MetricFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.path}"
+
+
+class MetricRollup(models.Model):
+    """One bucket of 2**level steps of one metric of one rank: what a chart needs of the points in it.
+
+    Kept at ingestion (metrics/rollup.py) for every level in rollup.LEVELS, so a chart of any length asks
+    the coarsest level that still has enough buckets and reads a few thousand rows, not every point.
+    Superseded points are not in it (a resume rebuilds the buckets past the step it resumed from).
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_rollups")
+    name = models.CharField(max_length=100)
+    level = models.PositiveSmallIntegerField(help_text="Bucket b holds steps [b * 2**level, (b + 1) * 2**level).")
+    rank = models.IntegerField()
+    bucket = models.BigIntegerField()
+    n = models.BigIntegerField(help_text="Points in the bucket.")
+    v_min = models.FloatField()
+    v_max = models.FloatField()
+    v_sum = models.FloatField()
+    first_step = models.BigIntegerField()
+    last_step = models.BigIntegerField()
+    last_value = models.FloatField(help_text="The value at last_step (of the point stored last, on a tie).")
+    t_min = models.DateTimeField()
+    t_max = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "name", "level", "rank", "bucket"], name="metric_rollup_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.rank} {self.name} 2^{self.level} #{self.bucket}"

@@ -19,12 +19,14 @@ With ``with_time`` it also holds ``"times": {"0": [unix seconds...]}``, aligned 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from django.db import connections, transaction
-from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Value
+from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Sum, Value
 
-from metrics.models import MetricPoint
+from metrics import rollup
+from metrics.models import MetricPoint, MetricRollup
 
 # Up to this many points per requested bucket, raw points are cheaper than grouping.
 RAW_FACTOR = 4
@@ -60,41 +62,55 @@ def series(
     filters, whatever is returned.
 
     Up to ``4 * buckets`` matching points, every point is returned, and
-    ``mean`` is the mean across ranks at each step.  Beyond that the step range
-    actually present is cut into at most ``buckets`` equal-width integer
-    buckets, and each rank gets per non-empty bucket two points:
-    ``(bucket_start_step, min value)`` and ``(bucket_mid_step, max value)``.
-    The database knows each bucket's min and max but not the steps they were
-    at; placing the min at the bucket start and the max at its middle keeps
-    x monotone and draws an envelope in which every spike survives, at the cost
-    of up to half a bucket of error in a spike's x.  ``mean`` then holds, per
-    bucket (at its middle step), the mean across ranks of each rank's mean value
-    in that bucket.
+    ``mean`` is the mean across ranks at each step.  Beyond that the steps are
+    cut into buckets and each rank gets per non-empty bucket two points:
+    ``(first step in the bucket, min value)`` and ``(bucket middle, max value)``,
+    and after its last bucket its exact last point.  The min and max steps are
+    not known (the middle stands for the max: x stays monotone and every spike
+    survives, up to half a bucket off in x).  ``mean`` then holds, per bucket (at
+    its middle step), the mean across ranks of each rank's mean in that bucket.
+
+    The whole series (no step window) is read from the rollup kept at ingestion
+    (metrics/rollup.py): its coarsest level with at least ``buckets`` buckets of
+    2**k steps, between ``buckets`` and twice that many, whatever the points
+    stored. A window, a series short enough for the finest level, or one with no
+    rollup is grouped from the raw points in SQL (``buckets`` equal-width buckets
+    from the window's first step).
     """
     if buckets < 1:
         raise ValueError("buckets must be >= 1")
+    raw_limit = RAW_FACTOR * buckets
+    want_times: dict[int, list[float]] | None = {} if with_time else None
     points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
     if rank is not None:
         points = points.filter(rank=rank)
-    if step_min is not None:
-        points = points.filter(step__gte=step_min)
-    if step_max is not None:
-        points = points.filter(step__lte=step_max)
-
-    # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the
-    # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
-    raw_limit = RAW_FACTOR * buckets
-    probe = points.order_by()[: raw_limit + 1].count()
-    times: dict[int, list[float]] = {}
-    if probe <= raw_limit:
-        ranks, mean = _raw(points, times if with_time else None)
-        total = probe
+    known = rollup.bounds(job_id, name, rank) if step_min is None and step_max is None else None
+    if known is not None:
+        lo, hi, total = known.lo, known.hi, known.points
+        level = rollup.level_for(lo, hi, buckets)
+        if total <= raw_limit:
+            ranks, mean = _raw(points, want_times)
+        elif level is not None:
+            ranks, mean = _from_rollup(job_id, name, rank, level, known.last_values, want_times)
+        else:
+            ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
     else:
-        stats = points.aggregate(lo=Min("step"), hi=Max("step"))
-        ranks, mean, total = _bucketed(points, stats["lo"], stats["hi"], buckets, times if with_time else None)
+        if step_min is not None:
+            points = points.filter(step__gte=step_min)
+        if step_max is not None:
+            points = points.filter(step__lte=step_max)
+        # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the
+        # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
+        total = points.order_by()[: raw_limit + 1].count()
+        if total <= raw_limit:
+            ranks, mean = _raw(points, want_times)
+        else:
+            stats = points.aggregate(lo=Min("step"), hi=Max("step"))
+            lo, hi = stats["lo"], stats["hi"]
+            ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
     result = {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
-    if with_time:
-        result["times"] = _by_rank_key(times)
+    if want_times is not None:
+        result["times"] = _by_rank_key(want_times)
     return result
 
 
@@ -120,44 +136,138 @@ def _raw(
     return _by_rank_key(per_rank), mean
 
 
+class Bucket(NamedTuple):
+    """What a chart draws of one rank's bucket of steps, from the raw points or the rollup."""
+
+    rank: int
+    index: int  # the bucket covers steps [origin + index * width, origin + (index + 1) * width)
+    n: int
+    v_min: float
+    v_max: float
+    v_total: float  # the sum of the values
+    first_step: int
+    last_step: int
+    last_value: float | None  # the value at last_step; None where the raw grouping does not know it
+    t_min: datetime | None  # None where the times were not asked for
+    t_max: datetime | None
+
+
+def _from_rollup(
+    job_id: int,
+    name: str,
+    rank: int | None,
+    level: int,
+    last_values: dict[int, float],
+    times: dict[int, list[float]] | None,
+) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
+    """The envelope from the rollup's buckets of 2**level steps: one indexed range read of the stored
+    level, grouped by pairs in the database when `level` lies between two stored ones."""
+    stored = rollup.stored_level(level)
+    rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=stored)
+    if rank is not None:
+        rows = rows.filter(rank=rank)
+    if stored == level:
+        fields = ["rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value"]
+        if times is not None:
+            fields += ["t_min", "t_max"]  # thousands of timestamps to decode: only for a time axis
+        # plain rows in Bucket's field order (v_sum for v_total): no object per row, on the page's hot path
+        buckets = list(rows.order_by("rank", "bucket").values_list(*fields))
+    else:
+        stats = {"n_": Sum("n"), "lo": Min("v_min"), "hi": Max("v_max"), "total": Sum("v_sum"),
+                 "first": Min("first_step"), "last": Max("last_step")}  # fmt: skip
+        if times is not None:
+            stats.update(t0=Min("t_min"), t1=Max("t_max"))
+        grouped = (
+            rows.annotate(b=F("bucket").bitrightshift(level - stored))
+            .values("rank", "b")
+            .annotate(**stats)
+            .order_by("rank", "b")
+            .values_list("rank", "b", *stats)
+        )
+        # the last value only counts in each rank's final bucket: it comes from the bounds
+        buckets = [(*r[:8], None, *r[8:]) for r in grouped]
+    ranks, mean, _ = _envelope(buckets, 0, 1 << level, last_values, times)
+    return ranks, mean
+
+
 def _bucketed(
-    points: QuerySet[MetricPoint], lo: int, hi: int, buckets: int, times: dict[int, list[float]] | None = None
+    points: QuerySet[MetricPoint], origin: int, width: int, times: dict[int, list[float]] | None = None
 ) -> tuple[dict[str, dict[str, list]], dict[str, list], int]:
-    """Per rank and equal-width step bucket, min/max (and mean) computed by the database; and the
-    number of points they hold."""
-    width = -(-(hi - lo + 1) // buckets)  # ceil: at most `buckets` buckets cover [lo, hi]
-    # step and lo are integers, so '/' is integer division on SQLite and PostgreSQL alike;
-    # step - lo >= 0, so truncation equals floor.
-    bucket = ExpressionWrapper((F("step") - Value(lo)) / Value(width), output_field=BigIntegerField())
-    stats = {"v_min": Min("value"), "v_max": Max("value"), "v_avg": Avg("value"), "n": Count("id")}
+    """Per rank and step bucket [origin + i * width, origin + (i + 1) * width), min/max/mean computed by
+    the database from the raw points; and the number of points they hold."""
+    # step and origin are integers, so '/' is integer division on SQLite and PostgreSQL alike; buckets
+    # start at or below the first step, so step - origin >= 0 and truncation equals floor.
+    bucket = ExpressionWrapper((F("step") - Value(origin)) / Value(width), output_field=BigIntegerField())
+    stats = {
+        "v_min": Min("value"), "v_max": Max("value"), "v_avg": Avg("value"), "n": Count("id"),
+        "s_min": Min("step"), "s_max": Max("step"),
+    }  # fmt: skip
     if times is not None:
         stats.update(t_min=Min("time"), t_max=Max("time"))
     rows = points.annotate(bucket=bucket).values("rank", "bucket").annotate(**stats).order_by("rank", "bucket")
+    buckets = [
+        Bucket(r["rank"], r["bucket"], r["n"], r["v_min"], r["v_max"], r["v_avg"] * r["n"], r["s_min"], r["s_max"],
+               None, r.get("t_min"), r.get("t_max"))
+        for r in _grouped(rows)
+    ]  # fmt: skip
+    # each rank's exact last point: a short backward scan of the (job, name, step) index per rank
+    last_values = {
+        r: points.filter(rank=r).order_by("-step", "-id").values_list("value", flat=True).first()
+        for r in sorted({b.rank for b in buckets})
+    }
+    return _envelope(buckets, origin, width, last_values, times)
+
+
+def _envelope(
+    buckets: list[Bucket] | list[tuple],
+    origin: int,
+    width: int,
+    last_values: dict[int, float | None],
+    times: dict[int, list[float]] | None,
+) -> tuple[dict[str, dict[str, list]], dict[str, list], int]:
+    """Buckets (or tuples in their field order; sorted by rank, then index) as each rank's min/max
+    envelope ending on its exact last point, the mean across ranks per bucket, and the points they hold."""
     per_rank: dict[int, dict[str, list]] = {}
     total = 0
     bucket_means: dict[int, list[float]] = defaultdict(list)
     half = width // 2
-    for row in _grouped(rows):
-        total += row["n"]
-        start = lo + row["bucket"] * width
-        xy = per_rank.setdefault(row["rank"], {"x": [], "y": []})
-        xy["x"].append(start)
-        xy["y"].append(row["v_min"])
-        two = bool(half or row["v_max"] != row["v_min"])
-        if two:
-            xy["x"].append(start + half)
-            xy["y"].append(row["v_max"])
-        if times is not None:
+    count = len(buckets)
+    for i, b in enumerate(buckets):
+        rank, index, n, v_min, v_max, v_total, first, last_step, last_value = b[:9]
+        total += n
+        final = i + 1 == count or buckets[i + 1][0] != rank
+        xy = per_rank.get(rank)
+        if xy is None:
+            xy = per_rank[rank] = {"x": [], "y": []}
+        xs, ys = xy["x"], xy["y"]
+        t = times.setdefault(rank, []) if times is not None else None
+        xs.append(first)
+        ys.append(v_min)
+        if t is not None:
             # the bucket's first and last times: monotone, like the steps they stand beside
-            t = times.setdefault(row["rank"], [])
-            t.append(round(row["t_min"].timestamp(), 3))
-            if two:
-                t.append(round(row["t_max"].timestamp(), 3))
-        bucket_means[row["bucket"]].append(row["v_avg"])
+            t.append(round(b[9].timestamp(), 3))
+        # the max at the bucket's middle, inside its steps, and before the last point of a final bucket
+        room = last_step - 1 if final else last_step
+        mid = origin + index * width + half
+        mid = first if mid < first else mid
+        mid = mid if mid <= room else max(room, first)
+        if mid > first or v_max != v_min:
+            xs.append(mid)
+            ys.append(v_max)
+            if t is not None:
+                t.append(round(b[10].timestamp(), 3))
+        if final and last_step > xs[-1]:
+            last = last_value if last_value is not None else last_values.get(rank)
+            if last is not None:
+                xs.append(last_step)
+                ys.append(last)
+                if t is not None:
+                    t.append(round(b[10].timestamp(), 3))
+        bucket_means[index].append(v_total / n)
     order = sorted(bucket_means)
     mean = {
-        "x": [lo + b * width + half for b in order],
-        "y": [sum(bucket_means[b]) / len(bucket_means[b]) for b in order],
+        "x": [origin + k * width + half for k in order],
+        "y": [sum(bucket_means[k]) / len(bucket_means[k]) for k in order],
     }
     return _by_rank_key(per_rank), mean, total
 

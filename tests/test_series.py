@@ -97,12 +97,13 @@ def test_bucketed_path_is_exact_on_a_small_case() -> None:
     values = [5.0, 1.0, 9.0, 3.0, 4.0, 8.0, 2.0, 7.0, 6.0, 0.0, 3.0, 3.5]
     add_points(job, [(0, step, v) for step, v in enumerate(values)])
     add_points(job, [(1, step, 10.0) for step in range(12)])
-    # 24 points > 4 * 2 buckets: steps 0..11 in two buckets of width 6 (starts 0 and 6, middles 3 and 9).
+    # 24 points > 4 * 2 buckets: steps 0..11 in two buckets of width 6 (starts 0 and 6, middles 3 and 9),
+    # then each rank's exact last point (step 11).
     result = series(job.pk, "loss", buckets=2)
     assert result["total_points"] == 24
     assert result["ranks"] == {
-        "0": {"x": [0, 3, 6, 9], "y": [1.0, 9.0, 0.0, 7.0]},
-        "1": {"x": [0, 3, 6, 9], "y": [10.0, 10.0, 10.0, 10.0]},
+        "0": {"x": [0, 3, 6, 9, 11], "y": [1.0, 9.0, 0.0, 7.0, 3.5]},
+        "1": {"x": [0, 3, 6, 9, 11], "y": [10.0, 10.0, 10.0, 10.0, 10.0]},
     }
     mean_0 = (sum(values[:6]) / 6 + 10.0) / 2
     mean_1 = (sum(values[6:]) / 6 + 10.0) / 2
