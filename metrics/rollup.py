@@ -96,18 +96,20 @@ def add(rows: Iterable[Sequence]) -> int:
     """Fold newly stored points (job_id, rank, step, name, value, time) into every level; the number of
     bucket rows written. Call it in the transaction that stores the points."""
     buckets = fold_points(rows)
-    written = 0
+    by_level = {}
     for level in LEVELS:
         if level != LEVELS[0]:
             buckets = coarser(buckets)
-        written += upsert(level, buckets)
-    return written
+        by_level[level] = buckets
+    return upsert(by_level)
 
 
-def upsert(level: int, buckets: Buckets) -> int:
-    """INSERT the buckets of one level, merged into the rows already there (ON CONFLICT: PostgreSQL and
-    SQLite alike). Keys go in sorted order, so two writers lock shared rows in the same order."""
-    if not buckets:
+def upsert(by_level: dict[int, Buckets]) -> int:
+    """INSERT the buckets of every level given, merged into the rows already there (ON CONFLICT: PostgreSQL
+    and SQLite alike), in one statement per UPSERT_CHUNK rows: every level of a batch is one round trip,
+    not one each. Keys go in sorted order, so two writers lock shared rows in the same order."""
+    items = sorted((level, *key, v) for level, buckets in by_level.items() for key, v in buckets.items())
+    if not items:
         return 0
     qn = connection.ops.quote_name
     table = qn(MetricRollup._meta.db_table)
@@ -135,12 +137,11 @@ def upsert(level: int, buckets: Buckets) -> int:
     row_sql = "(" + ", ".join(["%s"] * len(COLUMNS)) + ")"
     head = f"INSERT INTO {table} ({', '.join(qn(c) for c in COLUMNS)}) VALUES "
     tail = f" ON CONFLICT (job_id, name, level, rank, bucket) DO UPDATE SET {', '.join(sets)}"
-    items = sorted(buckets.items())
     with connection.cursor() as cursor:
         for i in range(0, len(items), UPSERT_CHUNK):
             chunk = items[i : i + UPSERT_CHUNK]
             params: list = []
-            for (job_id, name, rank, bucket), v in chunk:
+            for level, job_id, name, rank, bucket, v in chunk:
                 params += [job_id, name, level, rank, bucket, *v[:7], adapt(v[7]), adapt(v[8])]
             cursor.execute(head + ", ".join([row_sql] * len(chunk)) + tail, params)
     return len(items)
@@ -169,7 +170,7 @@ def cut(job_id: int, from_step: int | None) -> None:
         else:
             below = rollups.filter(level=level - SPACING, bucket__gte=start << SPACING)
             kept = coarser(_as_buckets(below))
-        upsert(level, kept)
+        upsert({level: kept})
 
 
 def rebuild(job_id: int) -> None:
