@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -105,6 +106,14 @@ def release(job_id: int, owner: str) -> None:
     Job.objects.filter(pk=job_id, follower=owner).update(follower="", follower_until=None)
 
 
+def tail_bytes(item: dict) -> bytes:
+    """The bytes of one file of a `tail` answer (zlib-compressed by the agent when asked and worth it)."""
+    raw = base64.b64decode(item["data"])
+    if not item.get("zlib"):
+        return raw
+    return zlib.decompressobj().decompress(raw, TAIL_BYTES)  # never more than was asked for
+
+
 def split_lines(data: bytes) -> list[str]:
     """Lines as the log file has them: split at b"\n" only (a tqdm bar's \r stays inside its line),
     and pieces of at most LINE_CUT bytes (the log view reads the file the same way)."""
@@ -181,6 +190,7 @@ class JobFollower:
                     "wait_above": self.seen.get(r.pk, 0),
                     "exit_file": r.remote_exit,
                     "max_bytes": TAIL_BYTES,
+                    "zlib": True,
                 }
                 for r in group
             ]
@@ -234,7 +244,7 @@ class JobFollower:
                 item = node_request(
                     rank.node, "tail", timeout=_lease_s() / 2,
                     files=[{"key": rank.pk, "path": rank.remote_log, "offset": rank.log_offset,
-                            "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES}],
+                            "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES, "zlib": True}],
                 )["files"][0]  # fmt: skip
             except (LinkError, AgentRequestError, OSError):
                 continue  # still away
@@ -245,7 +255,7 @@ class JobFollower:
         return taken
 
     def _take(self, rank: Rank, item: dict, now: datetime, final: bool = False) -> int:
-        raw = base64.b64decode(item["data"])
+        raw = tail_bytes(item)
         exited = item["exit"] is not None
         final = final or (exited and item["eof"])
         data = takeable(raw, final)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -139,19 +140,46 @@ def parse_lines(
         parsed.extend(stream.parser.feed(line))
     if end:
         parsed.extend(stream.parser.flush())
+    stamp = _json_number(when.timestamp())
     for p in parsed:
         rank = p.rank if p.rank is not None else rank_index
-        record = {"rank": rank, "step": p.step, "name": p.name, "value": p.value, "time": when.timestamp()}
+        # json.dumps of {"rank", "step", "name", "value", "time"[, "final"]}, byte for byte, without
+        # building a dict and an encoder per point (it was a sixth of the follower's CPU at 30k lines/s)
+        head = f'{{"rank": {rank}, "step": {_json_number(p.step)}, "name": {_json_name(p.name)}, '
+        tail = f'"value": {_json_number(p.value)}, "time": {stamp}'
         if p.final:
             finals.append(p)
-            record["final"] = True
+            jsonl.append(f'{head}{tail}, "final": true}}')
         else:
             points.append(Sample(job_id, rank, p.step, p.name[:100], p.value, when, attempt))
-        jsonl.append(json.dumps(record))
+            jsonl.append(f"{head}{tail}}}")
     if finals:
         save_final_metrics(job_id, rank_index, finals, when)
     _save_progress(job_id, stream)
     return points, jsonl
+
+
+_NAMES: dict[str, str] = {}
+
+
+def _json_name(name: str) -> str:
+    """json.dumps(name), remembered (a run logs the same few names over and over)."""
+    quoted = _NAMES.get(name)
+    if quoted is None:
+        quoted = json.dumps(name)
+        if len(_NAMES) < 10_000:
+            _NAMES[name] = quoted
+    return quoted
+
+
+def _json_number(value) -> str:
+    """json.dumps of an int, a float (NaN and infinities as json writes them) or None."""
+    kind = type(value)
+    if kind is float:
+        return float.__repr__(value) if value == value and value not in (math.inf, -math.inf) else json.dumps(value)
+    if kind is int:
+        return int.__repr__(value)
+    return json.dumps(value)
 
 
 def save_final_metrics(job_id: int, rank_index: int, finals: list[Point], when: datetime) -> None:
