@@ -12,8 +12,8 @@ def job_group(job_id: int) -> str:
 
 
 def publish_job(job, kind: str, payload: dict[str, Any]) -> None:
-    """Queue an event for the job's group and a state summary for the cluster group; never raises nor
-    waits for Redis (ugro_site/publish.py sends them in order from one event loop per process)."""
+    """Send an event to the job's group and a state summary to the cluster group; never raises
+    (ugro_site/publish.py: one event loop per thread, kept)."""
     send(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
     if kind == "state":
         send("cluster", {"type": "cluster.event", "kind": "job", "data": {"job": job.name, "state": job.state}})
