@@ -198,6 +198,19 @@ def new_page(context, errors: list[str]):
     return page
 
 
+def logged_in_context(browser, base: str, errors: list[str]):
+    """A fresh browser context logged in as the bench user (a fresh one: nothing cached)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    login = new_page(context, errors)
+    login.goto(base + "/accounts/login/")
+    login.fill("#id_username", "bench")
+    login.fill("#id_password", "bench-pw-123")
+    login.click("button[type=submit]")
+    login.wait_for_url(base + "/")
+    login.close()
+    return context
+
+
 def time_page(context, url: str, predicate: str, arg, errors: list[str]) -> dict:
     page = new_page(context, errors)
     series_timing = {}
@@ -313,15 +326,8 @@ def main_panels(args) -> None:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             info["chromium"] = browser.version
-            context = browser.new_context(viewport=VIEWPORT)
             errors: list[str] = []
-            login = new_page(context, errors)
-            login.goto(base + "/accounts/login/")
-            login.fill("#id_username", "bench")
-            login.fill("#id_password", "bench-pw-123")
-            login.click("button[type=submit]")
-            login.wait_for_url(base + "/")
-            login.close()
+            context = logged_in_context(browser, base, errors)
             url = f"{base}/jobs/{job.pk}/"
             warm = time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors)
             samples = [time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors) for _ in range(args.repeat)]
@@ -369,14 +375,7 @@ def main_panels(args) -> None:
 
                 with ThreadPoolExecutor(1) as pool:  # Playwright's loop runs here: the ORM goes to a thread
                     pool.submit(lambda: MetricRollup.objects.filter(job=job).delete()).result()
-                context = browser.new_context(viewport=VIEWPORT)
-                login = new_page(context, errors)
-                login.goto(base + "/accounts/login/")
-                login.fill("#id_username", "bench")
-                login.fill("#id_password", "bench-pw-123")
-                login.click("button[type=submit]")
-                login.wait_for_url(base + "/")
-                login.close()
+                context = logged_in_context(browser, base, errors)
                 time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors)
                 raw = [time_page(context, url, UGRO_PANELS_DRAWN, len(names), errors) for _ in range(args.repeat)]
                 context.close()
