@@ -193,7 +193,9 @@ class UgroRun:
             self.pump(lambda: checkpoints.offered(self.job()))
             keeper = checkpoints.offered(self.job())[0].node.name
             gone = next(n for n in self.cluster.nodes if n.name == keeper)
-            frozen = node_pids(job.tag, keeper)
+            from cluster.loopback import on_node
+
+            frozen = on_node(tagged_pids(job.tag), keeper)
             t_inject = time.time()
             gone.stop()
             for pid in frozen:
@@ -365,7 +367,9 @@ class TorchrunRun:
     def freeze_and_thaw(self, n_seen: int) -> dict:
         """node_wait: node rank 1's agent and worker stop (SIGSTOP) as if the node fell off, and go on
         (SIGCONT) AWAY_S + 20 s later (about when UGRO's node comes back). The caller cleans up."""
-        frozen = node_pids(self.tag, self.cluster.nodes[1].name)
+        from cluster.loopback import on_node
+
+        frozen = on_node(tagged_pids(self.tag), self.cluster.nodes[1].name)
         failed_at = self.last_step()
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
@@ -388,18 +392,6 @@ class TorchrunRun:
         self.row["outcome"] = (f"nothing noticed while frozen {away:g}s ({len(self.events)} restart events); "
                                f"after SIGCONT it {how}")  # fmt: skip
         return self.row
-
-
-def node_pids(tag: str, node: str) -> list[int]:
-    """Every process (wrapper, agent, workers) carrying a tag on a node."""
-    out = []
-    for pid in tagged_pids(tag):
-        try:
-            if f"UGRO_NODE={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                out.append(pid)
-        except OSError:
-            continue
-    return out
 
 
 def main() -> int:

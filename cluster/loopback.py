@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,20 @@ class LoopbackNode:
         # sshd's per-connection children outlive the listener; end the ones serving this node.
         _kill_session_children(self.address, self.port)
         self.proc = None
+
+
+def on_node(pids: Iterable[int], node: str) -> list[int]:
+    """Those of `pids` that run on loopback node `node` (their environment says UGRO_NODE=<node>): the
+    nodes share one machine, so a job's processes on every node are all here."""
+    want = f"UGRO_NODE={node}".encode()
+    out = []
+    for pid in pids:
+        try:
+            if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
 
 
 def _kill_session_children(address: str, port: int) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from cluster.loopback import on_node
 from jobs import checkpoints
 from jobs.follow import follow
 from jobs.models import Attempt, Checkpoint, Job, Rank
@@ -345,18 +346,6 @@ def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recov
              what="the lost node's leftovers to be gone")  # fmt: skip
 
 
-def node_pids(tag: str, node: str) -> list[int]:
-    """Every process of an attempt (wrapper, torchrun, workers) on one loopback node."""
-    out = []
-    for pid in job_pids(tag):
-        try:
-            if f"UGRO_NODE={node}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
 def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_from_its_checkpoint(
     recovery_settings,
 ):
@@ -374,7 +363,7 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
     kept = next(n for n in job.ranks.values_list("node__name", flat=True) if n != gone)
     cut = lab.nodes[int(gone[-1]) - 1]
     tag = job.tag
-    frozen = node_pids(tag, gone)
+    frozen = on_node(job_pids(tag), gone)
     assert frozen
     try:
         # when that node falls off the network: its sshd stops and its ranks freeze (they never answer again)
@@ -414,7 +403,7 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
     job.refresh_from_db()
     # then attempt 1's frozen processes there were stopped before anything started, and attempt 2 ran on the
     # same two nodes from the checkpoint that lived only on the lost node, copied (sha256) to the other
-    assert node_pids(tag, gone) == []
+    assert on_node(job_pids(tag), gone) == []
     assert job.state == Job.State.SUCCEEDED and job.attempt == 2, job.failure_reason
     assert sorted(job.ranks.values_list("node__name", flat=True)) == sorted([gone, kept])
     ckpt = job.resume_checkpoint
