@@ -562,14 +562,8 @@ def main() -> None:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             info["chromium"] = browser.version
-            context = browser.new_context(viewport=VIEWPORT)
             errors: list[str] = []
-            login = new_page(context, errors)
-            login.goto(base + "/accounts/login/")
-            login.fill("#id_username", "bench")
-            login.fill("#id_password", "bench-pw-123")
-            login.click("button[type=submit]")
-            login.wait_for_url(base + "/")
+            context = logged_in_context(browser, base, errors)
             url = f"{base}/jobs/{job.pk}/"
             warm = time_page(context, url, UGRO_DRAWN, None, errors)
             samples = [time_page(context, url, UGRO_DRAWN, None, errors) for _ in range(args.repeat)]
