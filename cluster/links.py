@@ -552,6 +552,7 @@ class LinkPool:
                     else:
                         old.close()
                 link = self._links[ep] = link or NodeLink(ep, connect_timeout)
+            link.connect_timeout = connect_timeout  # the caller's current setting, not the first caller's
             return link
 
     def close_all(self) -> None:

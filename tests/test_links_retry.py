@@ -165,3 +165,16 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
         return s.getsockname()[1]
+
+
+def test_a_warm_link_from_the_pool_takes_the_connect_timeout_its_caller_passes_now():
+    from cluster.links import LinkPool
+
+    pool = LinkPool()
+    ep = Endpoint(name="n", address="127.0.0.1", port=1, user="nobody", key_path="")
+    # a link made under one CONNECT_TIMEOUT_S, then asked for under another (a setting changed)
+    first = pool.get(ep, 5.0)
+    again = pool.get(ep, 1.5)
+    # then it is the same link, and its next connection waits the new timeout, not the first caller's
+    assert again is first and again.connect_timeout == 1.5
+    pool.close_all()
