@@ -340,6 +340,7 @@ def follow(
     exit_when_idle: bool = False,
     max_jobs: int | None = None,
     more_wanted: Callable[[], object] | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> None:
     """Follow jobs with output to copy (all, or the given ones) until none is left or max_seconds pass.
 
@@ -349,13 +350,15 @@ def follow(
     max_jobs: follow at most this many jobs at once; when jobs nobody follows are left over, call
     more_wanted (at most every MORE_WANTED_EVERY_S) so that another follower takes them: each job's
     pass then waits only for its own nodes and writes, not for every other job's (R10: 10 jobs).
+    stopping: checked between passes; once it says so, the jobs are handed back (leases released) at
+    once, for the next follower to take without waiting for a lease to lapse.
     """
     owner = owner or follower_id()
     followers: dict[int, JobFollower] = {}
     deadline = time.monotonic() + max_seconds
     asked_more = 0.0
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stopping is not None and stopping()):
             started = time.monotonic()
             qs = Job.objects.filter(lifecycle.followable()).distinct()
             if job_ids is not None:

@@ -6,8 +6,10 @@ All are safe to run twice (acks_late: a task lost with its worker is delivered a
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import shared_task
+from celery.signals import worker_shutting_down
 from django.conf import settings
 
 from ugro_site.celery import send_task
@@ -19,6 +21,15 @@ from .reconcile import reconcile
 from .scheduler import schedule
 
 log = logging.getLogger(__name__)
+_shutting_down = threading.Event()
+
+
+@worker_shutting_down.connect
+def _hand_back_on_shutdown(**_kwargs) -> None:
+    """A warm shutdown (SIGTERM, Ctrl-C) waits for the tasks running: a follow task would go on for up
+    to FOLLOW_SECONDS. Told here, follow tasks hand their jobs back within a pass and queue a successor
+    for the next worker, so a worker stops in seconds and no job waits for a lease to lapse."""
+    _shutting_down.set()
 
 
 @shared_task(ignore_result=True, acks_late=True)
@@ -44,8 +55,9 @@ def follow_jobs() -> None:
     """Follow jobs for up to a minute, then hand over to a fresh task (never a long-held one)."""
     follow(
         settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True, max_jobs=settings.UGRO["FOLLOW_JOBS_PER_TASK"],
-        more_wanted=lambda: send_task("jobs.tasks.follow_jobs"),
+        more_wanted=lambda: send_task("jobs.tasks.follow_jobs"), stopping=_shutting_down.is_set,
     )  # fmt: skip
     if Job.objects.filter(lifecycle.followable(), follower="").exists():
-        # Redis away: no successor now; beat queues a follow task every few seconds anyway.
+        # handed back at shutdown (for the next worker), or Redis away: no successor was queued
+        # then; beat queues a follow task every few seconds anyway.
         send_task("jobs.tasks.follow_jobs")

@@ -1,4 +1,4 @@
-"""A Celery worker killed and restarted mid-run loses no log line and repeats none."""
+"""A Celery worker killed, or stopped, and another started mid-run loses no log line and repeats none."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from metrics.models import MetricPoint
 from .conftest import REPO, wait_for
 
 pytestmark = pytest.mark.e2e
-TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.1"]
+TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.2"]
 
 
 def start_worker(env: dict, tmp_path, name: str) -> subprocess.Popen:
@@ -35,23 +35,36 @@ def kill_worker(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def test_worker_killed_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
+def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
     call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
     job = Job.objects.get(name="durable")
     assert job.state == Job.State.RUNNING
-    first = start_worker(controller_env, tmp_path, "w1")
+    env = {**controller_env, "UGRO_FOLLOW_SECONDS": "600"}  # follow tasks that would run ten minutes
+    first = start_worker(env, tmp_path, "w1")
     try:
         # given the worker is following the job; when it is killed without warning
         wait_for(lambda: all(r.log_lines >= 10 for r in job.ranks.all()), timeout=90, what="w1 to follow")
     finally:
         kill_worker(first)
     seen = {r.index: r.log_lines for r in job.ranks.all()}
-    second = start_worker(controller_env, tmp_path, "w2")
+    second = start_worker(env, tmp_path, "w2")
     try:
-        # then a new worker picks up where the DB says and the job finishes
-        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=150, what="the job to end under w2")
+        # then a new worker picks up where the DB says; when it is stopped as bin/start's Ctrl-C does
+        wait_for(lambda: all(r.log_lines >= seen[r.index] + 10 for r in job.ranks.all()), timeout=90, what="w2")
+        os.killpg(second.pid, signal.SIGTERM)
+        # then its follow task hands the job back (its lease released, not left to lapse) and the
+        # worker exits, long before the task's 600 s were up
+        second.wait(timeout=60)
+        assert Job.objects.get(pk=job.pk).follower == "" and not Job.objects.get(pk=job.pk).is_ended
     finally:
-        kill_worker(second)
+        if second.poll() is None:
+            kill_worker(second)
+    third = start_worker(env, tmp_path, "w3")
+    try:
+        # and the next worker takes it at once and follows it to its end
+        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=150, what="the job to end under w3")
+    finally:
+        kill_worker(third)
     job.refresh_from_db()
     assert job.state == Job.State.SUCCEEDED, job.failure_reason
     for r in job.ranks.all():
