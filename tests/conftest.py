@@ -17,11 +17,22 @@ SLOW_TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--
               "--step-sleep", "0.2"]  # fmt: skip
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fast_password_hashing():
+def pytest_collection_modifyitems(config, items):
+    """Modules with end-to-end or browser tests first (each module kept whole, in its order): under
+    pytest-xdist the long tests start while the other worker has quick ones left to take, instead of
+    one of them running alone at the end of the run."""
+    slow = {item.module for item in items if item.get_closest_marker("e2e") or item.get_closest_marker("browser")}
+    items.sort(key=lambda item: item.module not in slow)
+
+
+@pytest.fixture(autouse=True)
+def fast_password_hashing(request):
     """MD5 for passwords made and checked in the test process, as Django's testing docs suggest: the
     real hasher (PBKDF2 at Django's iteration count) costs half a second of CPU per user made or login
-    here. Servers that tests start in processes of their own (daphne, workers) keep the real one."""
+    here. Not in browser tests: their users log in to a daphne of their own, which keeps the real one."""
+    if request.node.get_closest_marker("browser"):
+        yield
+        return
     from django.test import override_settings
 
     with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
