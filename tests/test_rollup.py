@@ -480,3 +480,25 @@ def test_a_catch_up_committing_while_a_series_is_read_counts_nothing_twice():
     # then the answer is the one read before the fold (one snapshot), which is the one read after it
     assert got["total_points"] == 2 * STEPS
     assert_same_series(got, series(job.pk, "loss", buckets=BUCKETS))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_catch_up_during_a_resume_waits_for_it_without_a_deadlock():
+    job = make_job()
+    ingest(job, range(1000))
+    ingest(job, range(1000, 2000), fold_every=None)
+    with transaction.atomic():
+        # given a resume holding the job's row (requeue locks it before it supersedes points and cuts)
+        Job.objects.select_for_update().get(pk=job.pk)
+        MetricPoint.objects.filter(job=job, step__gt=1500).update(superseded=True)
+        # when the follower's catch_up starts meanwhile, then it waits
+        folding = in_a_thread(rollup.catch_up, job.pk)
+        folding.thread.join(1.0)
+        assert folding.thread.is_alive()
+        rollup.cut(job.pk, 1500)
+    # and once the resume committed it finds the points folded by the cut (no deadlock either way round)
+    assert folding() == 0
+    assert mark(job) == last_id(job)
+    cut = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == cut
