@@ -6,6 +6,11 @@ renewed before each round of node reads, no node read may outlast half the lease
 first renews the lease with an UPDATE (a row lock), so a follower that lost its lease writes nothing
 and a new one waits for the old one's last commit.
 
+The charts' rollup is not written in those transactions (its upserts held the job's row lock as long
+as the points' COPY did): after a pass, at most every ROLLUP_INTERVAL_S and always after a rank's last
+lines, the follower folds the points stored since into it in a short transaction of its own
+(metrics/rollup.py catch_up; the charts fold the points not yet in it themselves).
+
 Exactly once across controller restarts: the central copy of a rank's log is truncated to the
 offset stored in the DB before new bytes are appended, and the offset advances in the same
 transaction as the metric points taken from those bytes. Only whole lines are taken while a rank
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import math
 import os
 import socket
 import threading
@@ -26,11 +32,12 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
+from metrics import rollup
 from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
 from metrics.models import MetricPoint
@@ -62,6 +69,10 @@ MORE_WANTED_EVERY_S = 2.0
 
 def _lease_s() -> float:
     return float(settings.UGRO["FOLLOW_LEASE_S"])
+
+
+def _rollup_interval_s() -> float:
+    return float(settings.UGRO["ROLLUP_INTERVAL_S"])
 
 
 def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
@@ -149,6 +160,10 @@ class JobFollower:
         self.hot_node: int | None = None  # the node whose ranks last had new lines
         self.scanned: dict[int, float] = {}  # rank pk -> monotonic time its checkpoints were last listed
         self.changed = True  # a rank ended or was lost since the job was last judged (judge on the first pass)
+        # points stored since the rollup last caught up (at first too: a follower before this one may have
+        # stopped before it folded its last points)
+        self.unfolded = True
+        self.folded_at = -math.inf  # monotonic time of the last catch_up
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -215,8 +230,23 @@ class JobFollower:
                 taken += got
                 self._scan_checkpoints(rank)
         # metrics.csv / TensorBoard files the job named, written under the same lease as the logs
-        follow_metric_files(job, ranks, node_request, guard=lambda: renew(job.pk, self.owner))
+        if follow_metric_files(job, ranks, node_request, guard=lambda: renew(job.pk, self.owner)):
+            self.unfolded = True
         return taken
+
+    def fold(self, *, now: bool = False) -> None:
+        """Fold the points stored since the last fold into the charts' rollup: at most every
+        ROLLUP_INTERVAL_S, or at once (a rank's last lines are in, the follower stops). Outside the lease's
+        transaction, in one of its own; a database error leaves the points for the next fold."""
+        if not self.unfolded or (not now and time.monotonic() - self.folded_at < _rollup_interval_s()):
+            return
+        self.folded_at = time.monotonic()
+        try:
+            rollup.catch_up(self.job.pk)
+        except DatabaseError as exc:
+            log.warning("rollup of %s: %s", self.job.name, exc)
+            return
+        self.unfolded = False
 
     def _scan_checkpoints(self, rank: Rank) -> None:
         """Record the rank's checkpoints every CHECKPOINT_SCAN_S while it runs, and once when it ends
@@ -279,6 +309,7 @@ class JobFollower:
                 size = self._append_jsonl(committed, jsonl)
                 save_points(points)
                 Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
+                self.unfolded = True
             if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
                 raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
         self.changed = self.changed or final
@@ -324,11 +355,13 @@ def recover_output(job: Job, owner: str) -> bool:
     """Fetch the rest of a lost rank's output (an ended job's); True if anything was taken."""
     if not claim(job.pk, owner, any_state=True):
         return False
+    follower = JobFollower(job, owner)
     try:
-        return JobFollower(job, owner).recover() > 0
+        return follower.recover() > 0
     except LeaseLost:
         return False
     finally:
+        follower.fold(now=True)
         release(job.pk, owner)
 
 
@@ -385,10 +418,12 @@ def follow(
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:
                     taken += f.step(wait=wait)
+                    ended = f.changed
                     if f.changed:  # only a rank's end or loss can end the job: not every pass
                         f.changed = False
                         f.job.refresh_from_db()
                         lifecycle.judge(f.job)
+                    f.fold(now=ended)  # after a rank's last lines at once: an ended job's rollup is whole
                 except LeaseLost as exc:
                     log.info("following %s: %s", job.name, exc)
                     followers.pop(job.pk, None)
@@ -407,5 +442,6 @@ def follow(
                 # also guards against a node answering early without new whole lines).
                 time.sleep(max(0.0, min(idle_sleep - (time.monotonic() - started), deadline - time.monotonic())))
     finally:
-        for job_id in list(followers):
+        for job_id, f in list(followers.items()):
+            f.fold(now=True)
             release(job_id, owner)

@@ -36,7 +36,6 @@ from jobs.events import publish_job
 from jobs.logs import write_at
 from jobs.models import Job, Rank
 
-from . import rollup
 from .models import JobMetrics, MetricFile, MetricPoint
 
 log = logging.getLogger(__name__)
@@ -303,8 +302,7 @@ def _save(
             guard()
         if points:
             _append_jsonl(job, points, now)
-            MetricPoint.objects.bulk_create(points, batch_size=2000)
-            rollup.add((p.job_id, p.rank, p.step, p.name, p.value, p.time) for p in points)
+            MetricPoint.objects.bulk_create(points, batch_size=2000)  # the follower folds them into the rollup
             Job.objects.filter(pk=job.pk).update(metrics_bytes=job.metrics_bytes)
         MetricFile.objects.filter(pk=f.pk).update(offset=offset, header=header, records=records)
     f.offset, f.header, f.records = offset, header, records

@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from . import rollup
 from .models import FinalMetric, JobMetrics, MetricPoint
 from .parsing import MAX_LINE_CHARS, LineParser, Point, compile_pattern
 
@@ -33,8 +32,9 @@ POINT_COLUMNS = ("job_id", "rank", "step", "name", "value", "time", "attempt")
 
 
 def save_points(points: Sequence[Sample]) -> None:
-    """Insert the points: PostgreSQL's COPY where the database is PostgreSQL, else one bulk INSERT; and
-    fold them into the rollup the charts read (call it in a transaction: both or neither)."""
+    """Insert the points: PostgreSQL's COPY where the database is PostgreSQL, else one bulk INSERT. The
+    rollup the charts read is not touched: rollup.catch_up() folds them in later (the follower calls it
+    about once a second, outside the transaction that holds the job's row lock)."""
     if not points:
         return
     if connection.vendor == "postgresql":
@@ -48,7 +48,6 @@ def save_points(points: Sequence[Sample]) -> None:
                 copy.write_row(p)
     else:
         MetricPoint.objects.bulk_create([MetricPoint(**p._asdict()) for p in points], batch_size=2000)
-    rollup.add(points)
 
 
 @dataclass

@@ -10,7 +10,8 @@ from jobs.models import Job
 class MetricPoint(models.Model):
     """One value of one named metric at one step, as printed by one rank."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_points")
+    # indexed by (job, id) below: the rollup's catch_up and the charts read a job's points past its mark
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_points", db_index=False)
     rank = models.IntegerField(help_text="Node rank whose log carried the line (the line's own 'rank' wins).")
     step = models.BigIntegerField()
     name = models.CharField(max_length=100)
@@ -24,7 +25,11 @@ class MetricPoint(models.Model):
     )  # fmt: skip
 
     class Meta:
-        indexes = [models.Index(fields=["job", "name", "step"], name="metric_job_name_step")]
+        indexes = [
+            models.Index(fields=["job", "name", "step"], name="metric_job_name_step"),
+            # replaces the foreign key's own index (job alone), so COPY still maintains three indexes
+            models.Index(fields=["job", "id"], name="metric_job_id"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.name}@{self.step}={self.value}"
@@ -92,7 +97,9 @@ class MetricRollup(models.Model):
 
     Kept at ingestion (metrics/rollup.py) for every level in rollup.LEVELS, so a chart of any length asks
     the coarsest level that still has enough buckets and reads a few thousand rows, not every point.
-    Superseded points are not in it (a resume rebuilds the buckets past the step it resumed from).
+    Superseded points are not in it (a resume rebuilds the buckets past the step it resumed from). It holds
+    exactly the job's points up to its RollupMark; the points past the mark are folded in by the next
+    rollup.catch_up() (the charts fold them in themselves meanwhile).
     """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metric_rollups")
@@ -117,3 +124,19 @@ class MetricRollup(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}/{self.rank} {self.name} 2^{self.level} #{self.bucket}"
+
+
+class RollupMark(models.Model):
+    """How far the job's rollup goes: every point of the job with id <= upto is folded into MetricRollup
+    (or superseded), none past it.
+
+    The follower stores points with COPY in its lease's transaction and folds them later, in a
+    transaction of its own (metrics/rollup.py catch_up), so the fold no longer holds the job's row lock.
+    A job with no mark has no rollup yet: all its points are past the mark.
+    """
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, primary_key=True, related_name="rollup_mark")
+    upto = models.BigIntegerField(default=0, help_text="The id of the last MetricPoint folded into the rollup.")
+
+    def __str__(self) -> str:
+        return f"rollup of {self.job_id} up to point {self.upto}"

@@ -19,10 +19,12 @@ With ``with_time`` it also holds ``"times": {"0": [unix seconds...]}``, aligned 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Sum, Value
 
 from metrics import rollup
@@ -30,6 +32,9 @@ from metrics.models import MetricPoint, MetricRollup
 
 # Up to this many points per requested bucket, raw points are cheaper than grouping.
 RAW_FACTOR = 4
+# Points past the rollup's mark folded here at most (the follower leaves about a second's worth); more, and
+# the series is grouped from the raw points as if it had no rollup.
+PENDING_MAX = 50_000
 
 
 def metric_names(job_id: int, limit: int = 50) -> list[str]:
@@ -70,12 +75,15 @@ def series(
     survives, up to half a bucket off in x).  ``mean`` then holds, per bucket (at
     its middle step), the mean across ranks of each rank's mean in that bucket.
 
-    The whole series (no step window) is read from the rollup kept at ingestion
-    (metrics/rollup.py): its coarsest level with at least ``buckets`` buckets of
-    2**k steps, between ``buckets`` and twice that many, whatever the points
-    stored. A window, a series short enough for the finest level, or one with no
-    rollup is grouped from the raw points in SQL (``buckets`` equal-width buckets
-    from the window's first step).
+    The whole series (no step window) is read from the rollup (metrics/rollup.py):
+    its coarsest level with at least ``buckets`` buckets of 2**k steps, between
+    ``buckets`` and twice that many, whatever the points stored. The points stored
+    since the rollup last caught up (past the job's mark: a second's worth while
+    the follower runs) are folded in here, so the answer holds every stored point;
+    the rollup, its mark and those points are read in one snapshot. A window, a
+    series short enough for the finest level, or one with no rollup (or more
+    points past the mark than PENDING_MAX) is grouped from the raw points in SQL
+    (``buckets`` equal-width buckets from the window's first step).
     """
     if buckets < 1:
         raise ValueError("buckets must be >= 1")
@@ -84,34 +92,62 @@ def series(
     points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
     if rank is not None:
         points = points.filter(rank=rank)
-    known = rollup.bounds(job_id, name, rank) if step_min is None and step_max is None else None
-    if known is not None:
-        lo, hi, total = known.lo, known.hi, known.points
-        level = rollup.level_for(lo, hi, buckets)
-        if total <= raw_limit:
-            ranks, mean = _raw(points, want_times)
-        elif level is not None:
-            ranks, mean = _from_rollup(job_id, name, rank, level, known.last_values, want_times)
+    whole = step_min is None and step_max is None
+    with _one_snapshot() if whole else nullcontext():
+        known = rollup.bounds(job_id, name, rank) if whole else None
+        pending: rollup.Buckets = {}
+        if known is not None and known.past_mark is not None:
+            first, last = known.past_mark
+            rows = points.filter(id__gte=first, id__lte=last).order_by("id")
+            rows = list(rows.values_list("job_id", "rank", "step", "name", "value", "time")[: PENDING_MAX + 1])
+            if len(rows) > PENDING_MAX:
+                known = None  # the rollup is far behind: the raw points, as with none
+            else:
+                pending = rollup.fold_points(rows)
+                known = rollup.with_pending(known, pending)
+        if known is not None:
+            lo, hi, total = known.lo, known.hi, known.points
+            level = rollup.level_for(lo, hi, buckets)
+            if total <= raw_limit:
+                ranks, mean = _raw(points, want_times)
+            elif level is not None:
+                ranks, mean = _from_rollup(job_id, name, rank, level, known, pending, want_times)
+            else:
+                ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
         else:
-            ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
-    else:
-        if step_min is not None:
-            points = points.filter(step__gte=step_min)
-        if step_max is not None:
-            points = points.filter(step__lte=step_max)
-        # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the
-        # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
-        total = points.order_by()[: raw_limit + 1].count()
-        if total <= raw_limit:
-            ranks, mean = _raw(points, want_times)
-        else:
-            stats = points.aggregate(lo=Min("step"), hi=Max("step"))
-            lo, hi = stats["lo"], stats["hi"]
-            ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
+            if step_min is not None:
+                points = points.filter(step__gte=step_min)
+            if step_max is not None:
+                points = points.filter(step__lte=step_max)
+            # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the
+            # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
+            total = points.order_by()[: raw_limit + 1].count()
+            if total <= raw_limit:
+                ranks, mean = _raw(points, want_times)
+            else:
+                stats = points.aggregate(lo=Min("step"), hi=Max("step"))
+                lo, hi = stats["lo"], stats["hi"]
+                ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
     result = {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
     if want_times is not None:
         result["times"] = _by_rank_key(want_times)
     return result
+
+
+@contextmanager
+def _one_snapshot() -> Iterator[None]:
+    """The rollup, its mark and the points past the mark read as of one moment: read apart, a catch_up
+    committing in between would count its points twice (or not at all). On PostgreSQL a REPEATABLE READ
+    transaction (read-only: it can never fail to serialize); SQLite's transaction is a snapshot itself.
+    Inside a caller's transaction, that transaction's isolation holds (it cannot be changed there)."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        yield
 
 
 def _raw(
@@ -157,11 +193,13 @@ def _from_rollup(
     name: str,
     rank: int | None,
     level: int,
-    last_values: dict[int, float],
+    known: rollup.Bounds,
+    pending: rollup.Buckets,
     times: dict[int, list[float]] | None,
 ) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
     """The envelope from the rollup's buckets of 2**level steps: one indexed range read of the stored
-    level, grouped by pairs in the database when `level` lies between two stored ones."""
+    level, grouped by pairs in the database when `level` lies between two stored ones; with the points
+    past the mark (`pending`, finest-level buckets) merged in."""
     stored = rollup.stored_level(level)
     rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=stored)
     if rank is not None:
@@ -186,8 +224,34 @@ def _from_rollup(
         )
         # the last value only counts in each rank's final bucket: it comes from the bounds
         buckets = [(*r[:8], None, *r[8:]) for r in grouped]
+    if pending:
+        buckets = _with_pending(buckets, rollup.coarser(pending, level - rollup.LEVELS[0]), times is not None)
+    last_values = {r: value for r, (_, value) in known.last.items()}
     ranks, mean, _ = _envelope(buckets, 0, 1 << level, last_values, times)
     return ranks, mean
+
+
+def _with_pending(buckets: list[tuple], pending: rollup.Buckets, with_times: bool) -> list[tuple]:
+    """Rows in Bucket's field order (sorted by rank and index) with the buckets of the points past the mark
+    merged in, by the rollup's rules (they were stored later: on an equal last step their value wins)."""
+    at = {(b[0], b[1]): i for i, b in enumerate(buckets)}
+    merged = list(buckets)
+    added = False
+    for (_, _, rank, index), v in pending.items():
+        extra = (v[7], v[8]) if with_times else ()
+        i = at.get((rank, index))
+        if i is None:
+            merged.append((rank, index, *v[:7], *extra))
+            added = True
+            continue
+        b = merged[i]
+        last = (v[5], v[6]) if v[5] >= b[7] else (b[7], b[8])
+        times = (min(b[9], v[7]), max(b[10], v[8])) if with_times else ()
+        merged[i] = (rank, index, b[2] + v[0], min(b[3], v[1]), max(b[4], v[2]), b[5] + v[3], min(b[6], v[4]),
+                     *last, *times)  # fmt: skip
+    if added:
+        merged.sort(key=lambda b: (b[0], b[1]))
+    return merged
 
 
 def _bucketed(

@@ -11,12 +11,14 @@ import io
 import json
 import logging
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Group
 from django.core.management import CommandError, call_command
+from django.db import connection
 from django.utils import timezone
 
 from cluster.links import LinkError
@@ -28,6 +30,9 @@ from jobs.failure import Failure, FailureKind
 from jobs.follow import JobFollower, LeaseLost, claim, follow
 from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
 from jobs.models import Job, Rank
+from metrics import rollup
+from metrics.models import MetricPoint, MetricRollup, RollupMark
+from metrics.series import series
 
 from .conftest import REPO, wait_for
 
@@ -147,6 +152,81 @@ def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings
         a.step()
     rank = job.ranks.get()
     assert rank.log_offset == 4 and rank.local_log.read_bytes() == b"one\n"
+
+
+def test_the_follower_folds_the_rollup_outside_its_lease_at_most_every_interval_and_after_the_end(
+    local_node, fast_settings, monkeypatch
+):
+    """The rollup's upserts no longer hold the job's row lock while points are stored: the follower folds
+    them in a transaction of its own, at most every ROLLUP_INTERVAL_S, and at once after the last lines."""
+    fast_settings.UGRO = {**fast_settings.UGRO, "ROLLUP_INTERVAL_S": 3600.0}
+    job = running_job(local_node)
+    folds, batches = [], []
+    real_catch_up, real_save_points = rollup.catch_up, follow_module.save_points
+
+    def catch_up(job_id: int) -> int:
+        folds.append((connection.in_atomic_block, Job.objects.get(pk=job_id).state))
+        return real_catch_up(job_id)
+
+    def save_points(points) -> None:
+        batches.append(len(points))
+        real_save_points(points)
+
+    monkeypatch.setattr(rollup, "catch_up", catch_up)
+    monkeypatch.setattr(follow_module, "save_points", save_points)
+    # given a rank logging a point per pass, the follower folding after each pass as follow() does
+    f = JobFollower(job, "f")
+    assert claim(job.pk, "f")
+    for step in range(5):
+        write_log(job, b'{"step": %d, "loss": %d.5}\n' % (step, step))
+        assert f.step() > 0
+        f.fold()
+    # then five batches were stored and folded once (the first pass), outside any transaction
+    assert batches == [1] * 5 and folds == [(False, Job.State.RUNNING)]
+    # and the chart shows every point all the same, the four not folded yet included
+    assert RollupMark.objects.get(job=job).upto < MetricPoint.objects.filter(job=job).latest("id").id
+    assert series(job.pk, "loss")["ranks"]["0"]["y"] == [0.5, 1.5, 2.5, 3.5, 4.5]
+    f.fold(now=True)
+    assert len(folds) == 2
+    assert RollupMark.objects.get(job=job).upto == MetricPoint.objects.filter(job=job).latest("id").id
+
+
+def test_the_follower_folds_a_jobs_rollup_right_after_its_last_pass(local_node, fast_settings, tmp_path, monkeypatch):
+    fast_settings.UGRO = {**fast_settings.UGRO, "ROLLUP_INTERVAL_S": 3600.0}
+    other = Node.objects.create(
+        name="box2", address="127.0.0.1", transport="local", role="worker", workdir=str(tmp_path / "n2"),
+        agent_python=sys.executable,
+    )  # fmt: skip
+    ending, quiet = running_job(local_node, "ending"), running_job(other, "quiet")  # quiet: followed on and on
+    write_log(quiet, b"")
+    write_log(ending, b'{"step": 0, "loss": 0.5}\n')
+    events = []
+    real_step, real_catch_up = JobFollower.step, rollup.catch_up
+
+    def step(self, wait: float = 0.0) -> int:
+        taken = real_step(self, wait)
+        events.append(("pass", self.job.name))
+        return taken
+
+    def catch_up(job_id: int) -> int:
+        events.append(("fold", Job.objects.get(pk=job_id).name))
+        return real_catch_up(job_id)
+
+    monkeypatch.setattr(JobFollower, "step", step)
+    monkeypatch.setattr(rollup, "catch_up", catch_up)
+    # given a follower following both jobs (its first passes fold at once)
+    following = threading.Thread(target=lambda: (follow(8.0), connection.close()))
+    following.start()
+    wait_for(lambda: ("fold", "ending") in events and ("pass", "quiet") in events, what="the first passes")
+    # when the ending job's rank prints its last point and exits
+    write_log(ending, b'{"step": 1, "loss": 1.5}\n', rc=0)
+    wait_for(lambda: Job.objects.get(pk=ending.pk).state == Job.State.SUCCEEDED, what="the job's end")
+    following.join(30)
+    # then its rollup was folded right after its last pass, not when the follower stopped following the other
+    last_pass = max(i for i, e in enumerate(events) if e == ("pass", "ending"))
+    assert events[last_pass + 1] == ("fold", "ending")
+    assert RollupMark.objects.get(job=ending).upto == MetricPoint.objects.filter(job=ending).latest("id").id
+    assert MetricRollup.objects.get(job=ending, level=rollup.TOP).n == 2
 
 
 @pytest.mark.parametrize("where", ["follower", "reconciler"])

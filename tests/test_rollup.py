@@ -1,13 +1,19 @@
-"""The metric rollup kept at ingestion (metrics/rollup.py) and the series the charts read from it."""
+"""The metric rollup (metrics/rollup.py): folded behind ingestion up to a per-job mark, and the series the
+charts read from it with the points past the mark folded in."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
+import threading
 from datetime import timedelta
 
 import pytest
+from django.apps import apps as django_apps
 from django.contrib.auth.models import User
+from django.db import connection, transaction
+from django.db.models import Max
 from django.test import Client
 from django.utils import timezone
 
@@ -16,10 +22,11 @@ from jobs import lifecycle
 from jobs.models import Checkpoint, Job, Rank
 from metrics import rollup
 from metrics.ingest import Sample, save_points
-from metrics.models import MetricPoint, MetricRollup
+from metrics.models import MetricPoint, MetricRollup, RollupMark
 from metrics.series import _bucketed, series
 
 STEPS = 3000
+START = timezone.now() - timedelta(hours=1)  # step s is stored as logged at START + s seconds
 BUCKETS = 50  # 3000 steps / 50 -> level 5 (94 buckets of 32 steps); level 6 would give 47
 
 
@@ -35,14 +42,22 @@ def loss(rank: int, step: int) -> float:
     return 2.0 + math.exp(-step / 700) + 0.05 * math.sin(step * 0.37 + rank)
 
 
-def ingest(job: Job, steps, ranks=(0, 1), name: str = "loss", chunk: int = 700, attempt: int = 1, value=loss):
-    """Points as the follower stores them: batches of Samples through save_points, ranks interleaved."""
-    start = timezone.now() - timedelta(hours=1)
+def ingest(
+    job: Job, steps, ranks=(0, 1), name: str = "loss", chunk: int = 700, attempt: int = 1, value=loss,
+    fold_every: int | None = 1,
+):  # fmt: skip
+    """Points as the follower stores them: batches of Samples through save_points, ranks interleaved, the
+    rollup caught up after every `fold_every` batches and after the last (None: never, they stay pending)."""
+    start = START
     rows = [
         Sample(job.pk, r, s, name, value(r, s), start + timedelta(seconds=s), attempt) for s in steps for r in ranks
     ]
-    for i in range(0, len(rows), chunk):
-        save_points(rows[i : i + chunk])
+    batches = range(0, len(rows), chunk)
+    for n, i in enumerate(batches, 1):
+        with transaction.atomic():
+            save_points(rows[i : i + chunk])
+        if fold_every is not None and (n % fold_every == 0 or n == len(batches)):
+            rollup.catch_up(job.pk)
 
 
 def table(job: Job) -> list[tuple]:
@@ -50,6 +65,13 @@ def table(job: Job) -> list[tuple]:
               "last_value", "t_min", "t_max")  # fmt: skip
     rows = MetricRollup.objects.filter(job=job).order_by("name", "level", "rank", "bucket").values_list(*fields)
     return [(*r[:7], round(r[7], 6), *r[8:]) for r in rows]
+
+
+def assert_same_series(got: dict, want: dict) -> None:
+    """Equal answers: every drawn point exactly, the means up to the order their sums were added in."""
+    assert {k: v for k, v in got.items() if k != "mean"} == {k: v for k, v in want.items() if k != "mean"}
+    assert got["mean"]["x"] == want["mean"]["x"]
+    assert got["mean"]["y"] == pytest.approx(want["mean"]["y"], rel=1e-12)
 
 
 def raw_envelope(job: Job, level: int, name: str = "loss", with_time: bool = False) -> dict:
@@ -75,7 +97,8 @@ def test_the_rollup_answer_equals_the_raw_grouping_on_a_known_series(django_asse
     assert rollup.level_for(known.lo, known.hi, buckets) == level
     assert rollup.stored_level(level) == (4 if level == 5 else 6)
 
-    # when the whole series is asked: two queries (the bounds, one level's rows), whatever was stored
+    # when the whole series is asked, all of it folded: two queries (the bounds and where the points past the
+    # mark lie, one level's rows), whatever was stored
     with django_assert_num_queries(2):
         got = series(job.pk, "loss", buckets=buckets, with_time=True)
 
@@ -105,13 +128,15 @@ def test_incremental_rollup_equals_a_rebuild_and_live_appends_show(django_assert
     first = series(job.pk, "loss", buckets=BUCKETS)
     assert first["ranks"]["0"]["x"][-1] == 1999
 
-    # when live points arrive after the page loaded (the follower's next batches)
-    ingest(job, range(2000, STEPS), chunk=97)
+    # when live points arrive after the page loaded (the follower's next batches), not yet folded
+    ingest(job, range(2000, STEPS), chunk=97, fold_every=None)
     later = series(job.pk, "loss", buckets=BUCKETS)
     # then the next answer has them, up to the new last step, and counts them
     assert later["total_points"] == 2 * STEPS
     assert later["ranks"]["0"]["x"][-1] == STEPS - 1 and later["ranks"]["0"]["y"][-1] == loss(0, STEPS - 1)
-    # and the rollup built batch by batch is the one a rebuild from the points makes
+    # and once folded, the rollup built batch by batch is the one a rebuild from the points makes
+    assert rollup.catch_up(job.pk) == 2 * (STEPS - 2000)
+    assert_same_series(series(job.pk, "loss", buckets=BUCKETS), later)
     incremental = table(job)
     rollup.rebuild(job.pk)
     assert table(job) == incremental
@@ -195,3 +220,285 @@ def test_the_series_endpoint_asks_the_same_few_queries_whatever_is_stored(django
             answers.append(client.get(f"/api/jobs/{job.pk}/series?name=loss&buckets={BUCKETS}").json())
     assert answers[0]["total_points"] == 2 * STEPS and answers[1]["total_points"] == 12 * STEPS
     assert answers[1]["ranks"]["2"]["x"][-1] == 4 * STEPS - 1
+
+
+# -- folding behind ingestion: the mark --------------------------------------------------------------
+
+
+def mark(job: Job) -> int | None:
+    return RollupMark.objects.filter(job=job).values_list("upto", flat=True).first()
+
+
+def last_id(job: Job) -> int:
+    return MetricPoint.objects.filter(job=job).aggregate(top=Max("id"))["top"]
+
+
+def in_a_thread(fn, *args):
+    """fn(*args) on a thread of its own (its own database connection); a handle whose join() gives the result."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # handed to the test thread
+            out["error"] = exc
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+
+    def join(timeout: float = 60.0):
+        thread.join(timeout)
+        assert not thread.is_alive(), f"{fn.__name__} still running after {timeout} s"
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    join.thread = thread
+    return join
+
+
+@pytest.mark.django_db
+def test_points_are_stored_without_the_rollup_and_catch_up_folds_each_one_once():
+    job, other = make_job(), make_job("other")
+    # the follower's batches for two jobs, interleaved: ids of one job run through the other's
+    for start in range(0, 1000, 100):
+        ingest(job, range(start, start + 100), fold_every=None)
+        ingest(other, range(start, start + 100), ranks=(0,), fold_every=None)
+    assert not MetricRollup.objects.exists() and not RollupMark.objects.exists()
+
+    # when the rollup catches up, then every point of the job is folded, and only the job's
+    assert rollup.catch_up(job.pk) == 2000
+    assert mark(job) == last_id(job) and mark(other) is None
+    folded = table(job)
+    assert sum(r[4] for r in folded if r[1] == rollup.TOP) == 2000
+    # and a second catch_up folds nothing more: the same rows
+    assert rollup.catch_up(job.pk) == 0
+    assert table(job) == folded
+    # new points are folded once, on top
+    ingest(job, range(1000, 1100), fold_every=None)
+    assert rollup.catch_up(job.pk) == 200 and rollup.catch_up(job.pk) == 0
+    assert mark(job) == last_id(job)
+    caught_up = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == caught_up and mark(job) == last_id(job)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_catch_ups_at_once_never_fold_a_point_twice():
+    job = make_job()
+    ingest(job, range(500), fold_every=None)
+    for more in (None, range(500, 700)):  # the first time the job has no mark yet: both try to make it
+        if more is not None:
+            ingest(job, more, fold_every=None)
+        pending = MetricPoint.objects.filter(job=job, id__gt=mark(job) or 0).count()
+        # given a catch_up that has folded but not committed yet
+        with transaction.atomic():
+            assert rollup.catch_up(job.pk) == pending
+            # when a second one starts meanwhile (another connection), then it waits for the mark
+            second = in_a_thread(rollup.catch_up, job.pk)
+            second.thread.join(1.0)
+            assert second.thread.is_alive()
+        # and once the first committed, it finds nothing left to fold
+        assert second() == 0
+        assert mark(job) == last_id(job)
+    folded = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == folded
+
+
+@pytest.mark.django_db(transaction=True)
+def test_catch_ups_racing_each_other_and_the_writer_count_every_point_once():
+    job = make_job()
+    start = timezone.now()
+    stop = threading.Event()
+
+    def write() -> int:
+        for b in range(30):
+            with transaction.atomic():
+                # the lock the follower's lease renewal takes on the job's row before it stores points
+                Job.objects.select_for_update(no_key=True).get(pk=job.pk)
+                save_points([Sample(job.pk, r, b * 20 + s, "loss", loss(r, b * 20 + s), start, 1)
+                             for s in range(20) for r in (0, 1)])  # fmt: skip
+        return 30 * 40
+
+    def fold() -> int:
+        folded = 0
+        while not stop.is_set():
+            folded += rollup.catch_up(job.pk)
+        return folded
+
+    folders = [in_a_thread(fold), in_a_thread(fold)]
+    written = in_a_thread(write)()
+    stop.set()
+    folded = sum(f() for f in folders) + rollup.catch_up(job.pk)
+    assert folded == written == MetricPoint.objects.filter(job=job).count()
+    assert mark(job) == last_id(job)
+    caught_up = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == caught_up
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("buckets", "rank"),
+    [(50, None), (40, None), (50, 1), (2000, None)],  # between stored levels, a stored one, one rank, raw points
+)
+def test_a_series_with_points_past_the_mark_equals_the_one_read_after_catch_up(
+    django_assert_num_queries, buckets, rank
+):
+    job = make_job()
+    ingest(job, range(2000))  # folded
+    # past the mark: the curve goes on, a new rank shows up, a folded step is logged again (a new minimum),
+    # and the last step is logged twice (the later value is the last point)
+    ingest(job, range(2000, STEPS), fold_every=None)
+    ingest(job, range(0, STEPS, 7), ranks=(2,), fold_every=None, value=lambda r, s: 1.5 + s / 1e4)
+    ingest(job, [1999], ranks=(0,), fold_every=None, value=lambda r, s: -7.0)
+    ingest(job, [STEPS - 1], ranks=(1,), fold_every=None, value=lambda r, s: 4.25)
+    pending = MetricPoint.objects.filter(job=job, id__gt=mark(job)).count()
+    assert pending > 0
+
+    # when the whole series is read before the rollup caught up: three queries (the bounds and where the
+    # points past the mark lie, those points, one level's rows)
+    with django_assert_num_queries(3):
+        before = series(job.pk, "loss", rank=rank, buckets=buckets, with_time=True)
+    assert rollup.catch_up(job.pk) == pending
+    after = series(job.pk, "loss", rank=rank, buckets=buckets, with_time=True)
+
+    # then it shows every stored point, as the answer after the fold does
+    assert_same_series(before, after)
+    assert before["total_points"] == (2 * STEPS + len(range(0, STEPS, 7)) + 2 if rank is None else STEPS + 1)
+    assert (before["ranks"]["1"]["x"][-1], before["ranks"]["1"]["y"][-1]) == (STEPS - 1, 4.25)
+    if rank is None:
+        assert -7.0 in before["ranks"]["0"]["y"]
+        assert before["ranks"]["2"]["x"][-1] == STEPS - 1 - (STEPS - 1) % 7
+
+
+@pytest.mark.django_db
+def test_the_fold_in_sql_equals_the_fold_in_python(monkeypatch):
+    in_sql, in_python = make_job("in-sql"), make_job("in-python")
+
+    def store(steps, value, ranks=(0, 1)):
+        for job in (in_sql, in_python):
+            ingest(job, steps, ranks=ranks, fold_every=None, value=value, chunk=50)
+
+    def catch_up_both() -> None:
+        assert rollup.catch_up(in_sql.pk) > 0
+        with monkeypatch.context() as m:
+            m.setattr(rollup, "_fold_in_sql", rollup._fold_in_python)
+            assert rollup.catch_up(in_python.pk) > 0
+
+    store(range(100), loss)
+    store([40, 40, 99], lambda r, s: 10.0 * r + s)  # steps again, one of them twice in a batch
+    catch_up_both()
+    # folded onto stored buckets: an equal last step (the new value wins), a step inside, new steps
+    store([99, 57], lambda r, s: -1.0 - r)
+    store(range(100, 300), lambda r, s: math.cos(s))
+    store([299], lambda r, s: 3.5, ranks=(1,))
+    catch_up_both()
+    assert table(in_sql) == table(in_python)
+    last = {row[2]: row[10] for row in table(in_sql) if row[1] == rollup.TOP}
+    assert last == {0: math.cos(299), 1: 3.5}
+
+
+@pytest.mark.django_db
+def test_a_cut_with_points_past_the_mark_equals_a_rebuild():
+    job = make_job()
+    ingest(job, range(2000))  # folded
+    ingest(job, range(2000, STEPS), fold_every=None)  # past the mark, some of them before the cut too
+    ingest(job, range(1200, 1300), fold_every=None, value=lambda r, s: 0.5)
+    # when a resume from step 1500 supersedes what follows it and cuts the rollup there
+    MetricPoint.objects.filter(job=job, step__gt=1500).update(superseded=True)
+    rollup.cut(job.pk, 1500)
+    # then the rollup holds every point on the curve once, up to the job's last point
+    assert mark(job) == last_id(job)
+    cut = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == cut
+    assert sum(r[4] for r in cut if r[1] == rollup.TOP) == 2 * 1501 + 200
+    assert rollup.catch_up(job.pk) == 0
+    # and a cut of everything leaves no row and nothing to fold
+    ingest(job, range(1501, 1600), attempt=2, fold_every=None)
+    MetricPoint.objects.filter(job=job).update(superseded=True)
+    rollup.cut(job.pk, None)
+    assert table(job) == [] and mark(job) == last_id(job)
+
+
+@pytest.mark.django_db
+def test_a_job_without_a_mark_reads_its_raw_points_and_gets_one_when_first_folded():
+    job = make_job()
+    ingest(job, range(STEPS), fold_every=None)  # as a job whose points came before any fold
+    assert mark(job) is None
+    # the series comes from the raw points, every one of them counted
+    raw = series(job.pk, "loss", buckets=BUCKETS)
+    assert raw["total_points"] == 2 * STEPS and raw["ranks"]["0"]["x"][-1] == STEPS - 1
+    # the first catch_up makes the mark and folds everything: the rollup a rebuild makes
+    assert rollup.catch_up(job.pk) == 2 * STEPS and mark(job) == last_id(job)
+    folded = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == folded
+    assert series(job.pk, "loss", buckets=BUCKETS)["total_points"] == 2 * STEPS
+    # a cut and a rebuild make the mark of a job that has none
+    cut, rebuilt = make_job("cut"), make_job("rebuilt")
+    for other in (cut, rebuilt):
+        ingest(other, range(100), fold_every=None)
+    rollup.cut(cut.pk, 49)
+    rollup.rebuild(rebuilt.pk)
+    assert (mark(cut), mark(rebuilt)) == (last_id(cut), last_id(rebuilt))
+    # and a job that is gone is left alone
+    assert rollup.catch_up(10**9) == 0
+
+
+@pytest.mark.django_db
+def test_the_migration_marks_every_job_with_points_as_folded():
+    migration = importlib.import_module("metrics.migrations.0006_rollup_mark")
+    job, empty = make_job(), make_job("empty")
+    ingest(job, range(100))
+    RollupMark.objects.all().delete()
+    migration.mark_folded(django_apps, None)
+    assert mark(job) == last_id(job) and mark(empty) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_catch_up_committing_while_a_series_is_read_counts_nothing_twice():
+    job = make_job()
+    ingest(job, range(2000))
+    ingest(job, range(2000, STEPS), fold_every=None, value=lambda r, s: 100.0 + s)  # past the mark
+    folded_midway = []
+
+    def fold_after_the_bounds(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if not folded_midway and "metrics_metricrollup" in sql:
+            folded_midway.append(in_a_thread(rollup.catch_up, job.pk)())
+        return result
+
+    # when the points past the mark are folded (and committed) right after the series read its bounds
+    with connection.execute_wrapper(fold_after_the_bounds):
+        got = series(job.pk, "loss", buckets=BUCKETS)
+    assert folded_midway == [2 * (STEPS - 2000)] and mark(job) == last_id(job)
+    # then the answer is the one read before the fold (one snapshot), which is the one read after it
+    assert got["total_points"] == 2 * STEPS
+    assert_same_series(got, series(job.pk, "loss", buckets=BUCKETS))
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_catch_up_during_a_resume_waits_for_it_without_a_deadlock():
+    job = make_job()
+    ingest(job, range(1000))
+    ingest(job, range(1000, 2000), fold_every=None)
+    with transaction.atomic():
+        # given a resume holding the job's row (requeue locks it before it supersedes points and cuts)
+        Job.objects.select_for_update().get(pk=job.pk)
+        MetricPoint.objects.filter(job=job, step__gt=1500).update(superseded=True)
+        # when the follower's catch_up starts meanwhile, then it waits
+        folding = in_a_thread(rollup.catch_up, job.pk)
+        folding.thread.join(1.0)
+        assert folding.thread.is_alive()
+        rollup.cut(job.pk, 1500)
+    # and once the resume committed it finds the points folded by the cut (no deadlock either way round)
+    assert folding() == 0
+    assert mark(job) == last_id(job)
+    cut = table(job)
+    rollup.rebuild(job.pk)
+    assert table(job) == cut

@@ -207,6 +207,8 @@ UGRO = {
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0, maximum=86400.0),
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 55.0, minimum=1.0, maximum=86400.0),
     "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0, maximum=3600.0),
+    # how often the follower folds a job's new metric points into the charts' rollup (metrics/rollup.py)
+    "ROLLUP_INTERVAL_S": env_float("UGRO_ROLLUP_INTERVAL_S", 1.0, minimum=0.0, maximum=3600.0),
     # SSH host keys (cluster/links.py): an entry here for a node is honoured as its expected key.
     "KNOWN_HOSTS": env_str("UGRO_KNOWN_HOSTS", "~/.ssh/known_hosts"),
     # a follow task follows at most this many jobs; more jobs, more follow tasks (worker threads)

@@ -10,7 +10,7 @@ def build_rollups(apps, schema_editor):
 
     MetricPoint = apps.get_model("metrics", "MetricPoint")
     for job_id in MetricPoint.objects.order_by().values_list("job_id", flat=True).distinct():
-        rollup.rebuild(job_id)
+        rollup.build(job_id, None)  # not rebuild(): the marks come in 0006, which sets them
 
 
 class Migration(migrations.Migration):
