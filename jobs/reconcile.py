@@ -30,11 +30,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from cluster.alerts import record_event
 from cluster.models import Alert, Node
+from metrics import rollup
+from metrics.models import MetricPoint
 
 from . import lifecycle, recovery
 from .failure import Failure, FailureKind
@@ -49,6 +52,7 @@ log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
 LOST_OUTPUT_DAYS = 7
+LEFTOVERS_S = 3600  # how long after its end a job's unfolded points are still looked for
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Report:
     stragglers: list[str] = field(default_factory=list)
     retried: list[str] = field(default_factory=list)
     node_back: list[str] = field(default_factory=list)
+    folded: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
@@ -120,6 +125,7 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
         if recover_output(job, follower_id() + ":reconcile"):
             report.recovered.append(job.name)
 
+    report.folded += fold_leftovers(jobs, now)
     report.retried += recovery.retry_pass(job_ids)
     report.node_back += recovery.release_waits(job_ids)
 
@@ -128,6 +134,17 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
     if report:
         log.warning("reconcile: %s", report)
     return report
+
+
+def fold_leftovers(jobs, now) -> list[str]:
+    """Recently ended jobs with points past their rollup's mark, folded: a follower that was killed
+    before its last fold leaves them, and an ended job is not followed again (the charts fold such
+    points themselves meanwhile, at a cost on every read)."""
+    recent = jobs.filter(state__in=Job.ENDED_STATES, finished_at__gt=now - timedelta(seconds=LEFTOVERS_S))
+    behind = recent.annotate(upto=Coalesce("rollup_mark__upto", 0)).filter(
+        Exists(MetricPoint.objects.filter(job=OuterRef("pk"), id__gt=OuterRef("upto")))
+    )
+    return [name for pk, name in behind.values_list("pk", "name") if rollup.catch_up(pk)]
 
 
 def check_ranks(job: Job) -> list[str]:

@@ -502,3 +502,23 @@ def test_a_catch_up_during_a_resume_waits_for_it_without_a_deadlock():
     cut = table(job)
     rollup.rebuild(job.pk)
     assert table(job) == cut
+
+
+@pytest.mark.django_db
+def test_the_reconciler_folds_what_a_killed_follower_left_of_a_recently_ended_job():
+    from jobs.reconcile import reconcile
+
+    # given two ended jobs whose followers died before their last fold: one just ended, one long ago
+    recent, old = make_job("ended-now"), make_job("ended-long-ago")
+    for job, ended in ((recent, timezone.now()), (old, timezone.now() - timedelta(hours=2))):
+        Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=ended)
+        ingest(job, range(1, 201), fold_every=None)
+    # when the reconciler passes
+    report = reconcile([recent.pk, old.pk], orphans=False)
+    # then the recent one's points are folded, each once; the old one is left to the charts' own fold
+    assert report.folded == ["ended-now"]
+    assert RollupMark.objects.get(job=recent).upto == MetricPoint.objects.filter(job=recent).latest("id").id
+    assert MetricRollup.objects.get(job=recent, level=rollup.TOP, rank=0).n == 200
+    assert not RollupMark.objects.filter(job=old).exists()
+    # and a second pass finds nothing left
+    assert reconcile([recent.pk, old.pk], orphans=False).folded == []
