@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import time
@@ -15,14 +16,6 @@ NODE_ENV = Path(os.environ.get("UGRO_NODE_ENV", REPO / ".venv-node"))
 FAST_TRAIN = ["--max-steps", "12", "--seq-len", "32", "--batch-size", "8", "--log-every", "2", "--save-every", "6"]
 SLOW_TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--log-every", "1",
               "--step-sleep", "0.2"]  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    """Modules with end-to-end or browser tests first (each module kept whole, in its order): under
-    pytest-xdist the long tests start while the other worker has quick ones left to take, instead of
-    one of them running alone at the end of the run."""
-    slow = {item.module for item in items if item.get_closest_marker("e2e") or item.get_closest_marker("browser")}
-    items.sort(key=lambda item: item.module not in slow)
 
 
 @pytest.fixture(autouse=True)
@@ -47,8 +40,8 @@ def loopback(tmp_path_factory):
     if not (NODE_ENV / "bin" / "torchrun").exists():
         pytest.fail(f"node training env missing: {NODE_ENV} (run .ci/run or see README)")
     cluster = LoopbackCluster(tmp_path_factory.mktemp("nodes"), count=4).start()
-    # c10d's store listens on every address: a port of our own keeps overlapping runs apart
-    cluster.rdzv_port = free_port()
+    # c10d's store listens on every address: ports of our own keep overlapping runs apart
+    cluster.rdzv_port = rendezvous_ports()
     for node in cluster.nodes:
         shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
     yield cluster
@@ -144,6 +137,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def rendezvous_ports(count: int = 8) -> int:
+    """The first of `count` free ports outside (below) the ephemeral range: a job's rendezvous port is the cluster's
+    plus its first GPU (jobs/launch.py rendezvous_port), so the ports after the first must stay free too.
+    free_port()'s come from the ephemeral range, where any outgoing connection (an SSH link) may take
+    the next one; below it only a program asking for that very port can."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        ephemeral_low, ephemeral_high = (int(x) for x in fh.read().split())
+    span = (10000, ephemeral_low - count) if ephemeral_low - count > 10000 else (ephemeral_high + 1, 65536 - count)
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(*span)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} free ports in a row outside the ephemeral range {ephemeral_low}-{ephemeral_high}")
 
 
 def two_launch_nodes(**cluster_settings) -> list:
