@@ -419,7 +419,7 @@ def follow(
                 try:
                     taken += f.step(wait=wait)
                     ended = f.changed
-                    if f.changed:  # only a rank's end or loss can end the job: not every pass
+                    if ended:  # only a rank's end or loss can end the job: not every pass
                         f.changed = False
                         f.job.refresh_from_db()
                         lifecycle.judge(f.job)

@@ -245,10 +245,10 @@ def _with_pending(buckets: list[tuple], pending: rollup.Buckets, with_times: boo
             added = True
             continue
         b = merged[i]
-        last = (v[5], v[6]) if v[5] >= b[7] else (b[7], b[8])
-        times = (min(b[9], v[7]), max(b[10], v[8])) if with_times else ()
-        merged[i] = (rank, index, b[2] + v[0], min(b[3], v[1]), max(b[4], v[2]), b[5] + v[3], min(b[6], v[4]),
-                     *last, *times)  # fmt: skip
+        # the row's fields after (rank, index) are a rollup bucket's; without times, the pending one's stand in
+        acc = [*b[2:9], *(b[9:11] if with_times else v[7:9])]
+        rollup.merge(acc, v)
+        merged[i] = (rank, index, *acc[:7], *(acc[7:9] if with_times else ()))
     if added:
         merged.sort(key=lambda b: (b[0], b[1]))
     return merged
