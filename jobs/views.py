@@ -202,16 +202,17 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
     prog = progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
-    # The series each panel asks for first, named in the page's head so that the browser fetches them
-    # while it loads the scripts (static/js/job.js asks for these exact URLs).
-    query = {"buckets": FIRST_BUCKETS, **({"time": 1} if request.GET.get("x", "step") != "step" else {})}
-    base = reverse("api-job-series", args=[job.pk])
-    series_urls = [(name, f"{base}?{urlencode({'name': name, **query})}") for name in chart_names]
+    # Every panel's series in one answer, named in the page's head so that the browser fetches it while it
+    # loads the scripts (static/js/job.js asks for this exact URL first).
+    query = [("buckets", FIRST_BUCKETS), *[("name", name) for name in chart_names]]
+    query += [("ranks", "first")] if request.GET.get("ranks") != "all" else []
+    query += [("time", 1)] if request.GET.get("x", "step") != "step" else []
+    panels_url = f"{reverse('api-job-panels', args=[job.pk])}?{urlencode(query)}" if chart_names else ""
     context = {
         "job": job,
         "ranks": list(job.ranks.all()),
         "metric_names": chart_names,
-        "series_urls": series_urls,
+        "panels_url": panels_url,
         "progress": prog,
         "elapsed": human_duration(elapsed) or "—",
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",

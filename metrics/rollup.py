@@ -396,21 +396,32 @@ def bounds(job_id: int, name: str, rank: int | None = None) -> Bounds | None:
     """The series' extent from the rollup's coarsest level (a row or two per rank), and where the job's
     points past its mark lie, read in one statement (one snapshot); None when the rollup has no row of the
     series."""
-    rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=TOP)
+    return bounds_of(job_id, [name], rank).get(name)
+
+
+def bounds_of(job_id: int, names: Sequence[str], rank: int | None = None) -> dict[str, Bounds]:
+    """`bounds` of several series of a job in one statement: the names the rollup holds rows of."""
+    rows = MetricRollup.objects.filter(job_id=job_id, name__in=list(names), level=TOP)
     if rank is not None:
         rows = rows.filter(rank=rank)
     past = {"first_past": RawSQL(*past_mark_query(job_id)), "last_past": RawSQL(*past_mark_query(job_id, last=True))}
-    got = list(
+    by_name: dict[str, list[tuple]] = {}
+    for row in (
         rows.annotate(**past)
-        .order_by("rank", "bucket")
-        .values_list("rank", "n", "first_step", "last_step", "last_value", "first_past", "last_past")
-    )
-    if not got:
-        return None
-    return Bounds(
-        min(r[2] for r in got), max(r[3] for r in got), sum(r[1] for r in got),
-        {r[0]: (r[3], r[4]) for r in got}, got[0][5:7] if got[0][5] is not None else None,
-    )  # fmt: skip  # rows come in bucket order: each rank's last row is its latest
+        .order_by("name", "rank", "bucket")
+        .values_list("name", "rank", "n", "first_step", "last_step", "last_value", "first_past", "last_past")
+    ):
+        by_name.setdefault(row[0], []).append(row[1:])
+    return {
+        name: Bounds(
+            min(r[2] for r in got),
+            max(r[3] for r in got),
+            sum(r[1] for r in got),
+            {r[0]: (r[3], r[4]) for r in got},
+            got[0][5:7] if got[0][5] is not None else None,
+        )  # fmt: skip  # rows come in bucket order: each rank's last row is its latest
+        for name, got in by_name.items()
+    }
 
 
 def with_pending(known: Bounds, pending: Buckets) -> Bounds:

@@ -19,13 +19,13 @@ With ``with_time`` it also holds ``"times": {"0": [unix seconds...]}``, aligned 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, NamedTuple
 
 from django.db import connection, connections, transaction
-from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Sum, Value
+from django.db.models import Avg, BigIntegerField, Count, ExpressionWrapper, F, Max, Min, QuerySet, Value
 
 from metrics import rollup
 from metrics.models import MetricPoint, MetricRollup
@@ -88,50 +88,131 @@ def series(
     if buckets < 1:
         raise ValueError("buckets must be >= 1")
     raw_limit = RAW_FACTOR * buckets
+    if step_min is None and step_max is None:
+        return series_of(job_id, [name], rank=rank, buckets=buckets, with_time=with_time)[name]
     want_times: dict[int, list[float]] | None = {} if with_time else None
+    points = _points(job_id, name, rank)
+    if step_min is not None:
+        points = points.filter(step__gte=step_min)
+    if step_max is not None:
+        points = points.filter(step__lte=step_max)
+    # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the step range
+    # comes from the (job, name, step) index, and the buckets' counts sum to the total.
+    total = points.order_by()[: raw_limit + 1].count()
+    if total <= raw_limit:
+        ranks, mean = _raw(points, want_times)
+    else:
+        stats = points.aggregate(lo=Min("step"), hi=Max("step"))
+        lo, hi = stats["lo"], stats["hi"]
+        ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
+    return _result(name, ranks, mean, total, want_times)
+
+
+def series_of(
+    job_id: int,
+    names: Sequence[str],
+    *,
+    rank: int | None = None,
+    first_rank: bool = False,
+    buckets: int = 1000,
+    with_time: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """`series` of several whole metrics of a job (a page's panels), as one read: one snapshot, one
+    statement for their bounds, one for the points past the mark, and one per rollup level for their
+    buckets (read with a plain cursor: no per-row converters on the page's hot path). A name with no
+    rollup, or short enough for the raw points, is read as `series` reads it, in the same snapshot.
+
+    ``first_rank``: of each metric read from the rollup, only the lowest rank that logged it (what a chart
+    shows until every rank is asked for: a third of the rows and bytes with three ranks), marked
+    ``"only_rank": R`` in its answer; ``total_points`` still counts every rank's points. Short series come
+    whole (every rank: they cost little)."""
+    if buckets < 1:
+        raise ValueError("buckets must be >= 1")
+    names = list(dict.fromkeys(names))
+    out: dict[str, dict[str, Any]] = {}
+    by_level: dict[int, list[tuple[str, rollup.Bounds]]] = {}
+    with _one_snapshot():
+        known = rollup.bounds_of(job_id, names, rank) if names else {}
+        pending = _past_mark(job_id, known, rank)
+        for name in names:
+            bounds = known.get(name) if pending is not None else None  # None: the rollup is far behind
+            if bounds is not None and name in pending:
+                bounds = rollup.with_pending(bounds, pending[name])
+            level = rollup.level_for(bounds.lo, bounds.hi, buckets) if bounds is not None else None
+            if bounds is None or level is None or bounds.points <= RAW_FACTOR * buckets:
+                out[name] = _without_rollup(job_id, name, rank, bounds, buckets, with_time)
+            else:
+                by_level.setdefault(level, []).append((name, bounds))
+        for level, group in by_level.items():
+            only = {name: min(bounds.last) for name, bounds in group} if first_rank else None
+            rows = _rollup_rows(job_id, [name for name, _ in group], rank, level, with_time, only)
+            for name, bounds in group:
+                times: dict[int, list[float]] | None = {} if with_time else None
+                buckets_of = rows.get(name, [])
+                if pending and name in pending:
+                    more = rollup.coarser(pending[name], level - rollup.LEVELS[0])
+                    if only is not None:
+                        more = {key: v for key, v in more.items() if key[2] == only[name]}
+                    buckets_of = _with_pending(buckets_of, more, with_time)
+                last_values = {r: value for r, (_, value) in bounds.last.items()}
+                ranks, mean, _ = _envelope(buckets_of, 0, 1 << level, last_values, times)
+                out[name] = _result(name, ranks, mean, bounds.points, times)
+                if only is not None:
+                    out[name]["only_rank"] = only[name]
+    return {name: out[name] for name in names}
+
+
+def _points(job_id: int, name: str, rank: int | None) -> QuerySet[MetricPoint]:
     points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
-    if rank is not None:
-        points = points.filter(rank=rank)
-    whole = step_min is None and step_max is None
-    with _one_snapshot() if whole else nullcontext():
-        known = rollup.bounds(job_id, name, rank) if whole else None
-        pending: rollup.Buckets = {}
-        if known is not None and known.past_mark is not None:
-            first, last = known.past_mark
-            rows = points.filter(id__gte=first, id__lte=last).order_by("id")
-            rows = list(rows.values_list("job_id", "rank", "step", "name", "value", "time")[: PENDING_MAX + 1])
-            if len(rows) > PENDING_MAX:
-                known = None  # the rollup is far behind: the raw points, as with none
-            else:
-                pending = rollup.fold_points(rows)
-                known = rollup.with_pending(known, pending)
-        if known is not None:
-            lo, hi, total = known.lo, known.hi, known.points
-            level = rollup.level_for(lo, hi, buckets)
-            if total <= raw_limit:
-                ranks, mean = _raw(points, want_times)
-            elif level is not None:
-                ranks, mean = _from_rollup(job_id, name, rank, level, known, pending, want_times)
-            else:
-                ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
-        else:
-            if step_min is not None:
-                points = points.filter(step__gte=step_min)
-            if step_max is not None:
-                points = points.filter(step__lte=step_max)
-            # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the
-            # step range comes from the (job, name, step) index, and the buckets' counts sum to the total.
-            total = points.order_by()[: raw_limit + 1].count()
-            if total <= raw_limit:
-                ranks, mean = _raw(points, want_times)
-            else:
-                stats = points.aggregate(lo=Min("step"), hi=Max("step"))
-                lo, hi = stats["lo"], stats["hi"]
-                ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
+    return points if rank is None else points.filter(rank=rank)
+
+
+def _result(name: str, ranks: dict, mean: dict, total: int, times: dict[int, list[float]] | None) -> dict[str, Any]:
     result = {"name": name, "ranks": ranks, "mean": mean, "total_points": total}
-    if want_times is not None:
-        result["times"] = _by_rank_key(want_times)
+    if times is not None:
+        result["times"] = _by_rank_key(times)
     return result
+
+
+def _past_mark(job_id: int, known: dict[str, rollup.Bounds], rank: int | None) -> dict[str, rollup.Buckets] | None:
+    """The points of these series stored since the rollup last caught up, as finest-level buckets per name;
+    None when there are more than PENDING_MAX (the rollup is far behind: read the raw points)."""
+    past = next((b.past_mark for b in known.values() if b.past_mark is not None), None)
+    if past is None:
+        return {}
+    rows = MetricPoint.objects.filter(
+        job_id=job_id, name__in=list(known), superseded=False, id__gte=past[0], id__lte=past[1]
+    )
+    if rank is not None:
+        rows = rows.filter(rank=rank)
+    got = list(rows.order_by("id").values_list("job_id", "rank", "step", "name", "value", "time")[: PENDING_MAX + 1])
+    if len(got) > PENDING_MAX:
+        return None
+    by_name: dict[str, rollup.Buckets] = {}
+    for key, acc in rollup.fold_points(got).items():
+        by_name.setdefault(key[1], {})[key] = acc
+    return by_name
+
+
+def _without_rollup(
+    job_id: int, name: str, rank: int | None, known: rollup.Bounds | None, buckets: int, with_time: bool
+) -> dict[str, Any]:
+    """A whole series from its raw points: every point when few, else grouped in SQL."""
+    times: dict[int, list[float]] | None = {} if with_time else None
+    points = _points(job_id, name, rank)
+    if known is not None:
+        lo, hi, total = known.lo, known.hi, known.points
+    else:
+        total = points.order_by()[: RAW_FACTOR * buckets + 1].count()
+        lo = hi = None
+    if total <= RAW_FACTOR * buckets:
+        ranks, mean = _raw(points, times)
+    else:
+        if lo is None:
+            stats = points.aggregate(lo=Min("step"), hi=Max("step"))
+            lo, hi = stats["lo"], stats["hi"]
+        ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), times)
+    return _result(name, ranks, mean, total, times)
 
 
 @contextmanager
@@ -188,47 +269,57 @@ class Bucket(NamedTuple):
     t_max: datetime | None
 
 
-def _from_rollup(
+def _rollup_rows(
     job_id: int,
-    name: str,
+    names: list[str],
     rank: int | None,
     level: int,
-    known: rollup.Bounds,
-    pending: rollup.Buckets,
-    times: dict[int, list[float]] | None,
-) -> tuple[dict[str, dict[str, list]], dict[str, list]]:
-    """The envelope from the rollup's buckets of 2**level steps: one indexed range read of the stored
-    level, grouped by pairs in the database when `level` lies between two stored ones; with the points
-    past the mark (`pending`, finest-level buckets) merged in."""
+    with_time: bool,
+    only: dict[str, int] | None = None,
+) -> dict[str, list[tuple]]:
+    """Each name's buckets of 2**level steps (of its rank in `only`, if given), as rows in Bucket's field
+    order sorted by rank and index: one indexed range read of the stored level, grouped by pairs in the
+    database when `level` lies between two stored ones (the last value then only counts in each rank's
+    final bucket: it comes from the bounds). A plain cursor: Django's per-row converters cost more than
+    the query here."""
     stored = rollup.stored_level(level)
-    rows = MetricRollup.objects.filter(job_id=job_id, name=name, level=stored)
-    if rank is not None:
-        rows = rows.filter(rank=rank)
-    if stored == level:
-        fields = ["rank", "bucket", "n", "v_min", "v_max", "v_sum", "first_step", "last_step", "last_value"]
-        if times is not None:
-            fields += ["t_min", "t_max"]  # thousands of timestamps to decode: only for a time axis
-        # plain rows in Bucket's field order (v_sum for v_total): no object per row, on the page's hot path
-        buckets = list(rows.order_by("rank", "bucket").values_list(*fields))
+    table = connection.ops.quote_name(MetricRollup._meta.db_table)
+    params: list = [job_id, stored]
+    if only is None:
+        where = f"job_id = %s AND level = %s AND name IN ({', '.join(['%s'] * len(names))})"
+        params += names
     else:
-        stats = {"n_": Sum("n"), "lo": Min("v_min"), "hi": Max("v_max"), "total": Sum("v_sum"),
-                 "first": Min("first_step"), "last": Max("last_step")}  # fmt: skip
-        if times is not None:
-            stats.update(t0=Min("t_min"), t1=Max("t_max"))
-        grouped = (
-            rows.annotate(b=F("bucket").bitrightshift(level - stored))
-            .values("rank", "b")
-            .annotate(**stats)
-            .order_by("rank", "b")
-            .values_list("rank", "b", *stats)
+        where = f"job_id = %s AND level = %s AND (name, rank) IN (VALUES {', '.join(['(%s, %s)'] * len(names))})"
+        params += [value for name in names for value in (name, only[name])]
+    if rank is not None:
+        where += " AND rank = %s"
+        params.append(rank)
+    times = ", t_min, t_max" if with_time else ""  # thousands of timestamps to decode: only for a time axis
+    if stored == level:
+        sql = (
+            f"SELECT name, rank, bucket, n, v_min, v_max, v_sum, first_step, last_step, last_value{times}"
+            f" FROM {table} WHERE {where} ORDER BY name, rank, bucket"
         )
-        # the last value only counts in each rank's final bucket: it comes from the bounds
-        buckets = [(*r[:8], None, *r[8:]) for r in grouped]
-    if pending:
-        buckets = _with_pending(buckets, rollup.coarser(pending, level - rollup.LEVELS[0]), times is not None)
-    last_values = {r: value for r, (_, value) in known.last.items()}
-    ranks, mean, _ = _envelope(buckets, 0, 1 << level, last_values, times)
-    return ranks, mean
+    else:
+        shift = level - stored
+        times = ", MIN(t_min), MAX(t_max)" if with_time else ""
+        sql = (
+            f"SELECT name, rank, bucket >> {shift} AS b, CAST(SUM(n) AS bigint), MIN(v_min), MAX(v_max),"
+            f" SUM(v_sum), MIN(first_step), MAX(last_step), NULL{times}"
+            f" FROM {table} WHERE {where} GROUP BY name, rank, b ORDER BY name, rank, b"
+        )
+    by_name: dict[str, list[tuple]] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    convert = None
+    if with_time and connection.vendor != "postgresql":  # SQLite hands timestamps back as text
+        convert = connection.ops.convert_datetimefield_value
+    for row in rows:
+        if convert is not None:
+            row = (*row[:10], convert(row[10], None, connection), convert(row[11], None, connection))
+        by_name.setdefault(row[0], []).append(row[1:])
+    return by_name
 
 
 def _with_pending(buckets: list[tuple], pending: rollup.Buckets, with_times: bool) -> list[tuple]:

@@ -9,4 +9,5 @@ from . import views
 urlpatterns = [
     path("compare/", views.compare, name="compare"),
     path("api/jobs/<int:pk>/series", views.api_series, name="api-job-series"),
+    path("api/jobs/<int:pk>/panels", views.api_panels, name="api-job-panels"),
 ]

@@ -12,9 +12,10 @@ from jobs.models import Job
 from jobs.report import human_duration
 
 from .final import final_value, format_value
-from .series import metric_names, series
+from .series import metric_names, series, series_of
 
 MAX_BUCKETS = 4000
+PANELS_MAX = 50  # metrics in one /panels answer (metric_names' own limit)
 COMPARE_MAX = 8
 COMPARE_CHOICES = 100
 
@@ -26,20 +27,47 @@ def api_series(request: HttpRequest, pk: int) -> JsonResponse:
     job = get_object_or_404(Job, pk=pk)
     name = request.GET.get("name", "loss")[:100]
     try:
-        buckets = min(MAX_BUCKETS, max(1, int(request.GET.get("buckets", 1000))))
-        rank = int(request.GET["rank"]) if request.GET.get("rank", "") != "" else None
+        buckets, rank = _buckets_and_rank(request)
     except ValueError:
         return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
     data = series(job.pk, name, rank=rank, buckets=buckets, with_time=request.GET.get("time") == "1")
-    data["job"] = job.pk
-    # where each later attempt joined the curve: the chart marks them
-    data["attempts"] = [
+    return JsonResponse({**data, **_curve_facts(job)})
+
+
+@require_GET
+def api_panels(request: HttpRequest, pk: int) -> JsonResponse:
+    """`/api/jobs/<id>/panels?buckets=N[&name=a&name=b...][&rank=R|&ranks=first][&time=1]`: several metrics
+    (every one the job logged when no name is given, up to PANELS_MAX) in one answer, `{"series": {name:
+    <what /series answers>}}`: what the job page asks for first, one request and one read instead of one
+    per panel. `ranks=first`: each long metric's lowest rank only (marked `only_rank`), what its chart
+    shows until all ranks are asked for."""
+    job = get_object_or_404(Job, pk=pk)
+    names = [n[:100] for n in request.GET.getlist("name")][:PANELS_MAX] or metric_names(job.pk, PANELS_MAX)
+    try:
+        buckets, rank = _buckets_and_rank(request)
+    except ValueError:
+        return JsonResponse({"error": "buckets and rank must be integers"}, status=400)
+    first = request.GET.get("ranks") == "first" and rank is None
+    data = series_of(
+        job.pk, names, rank=rank, first_rank=first, buckets=buckets, with_time=request.GET.get("time") == "1"
+    )
+    return JsonResponse({"series": data, **_curve_facts(job)})
+
+
+def _buckets_and_rank(request: HttpRequest) -> tuple[int, int | None]:
+    buckets = min(MAX_BUCKETS, max(1, int(request.GET.get("buckets", 1000))))
+    rank = int(request.GET["rank"]) if request.GET.get("rank", "") != "" else None
+    return buckets, rank
+
+
+def _curve_facts(job: Job) -> dict:
+    """The job's id and state, and where each later attempt joined the curve (the charts mark them)."""
+    attempts = [
         {"attempt": n, "step": step or 0}
         for n, step in job.attempts.order_by("number").values_list("number", "from_step")
         if n > 1
     ] + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
-    data["state"] = job.state
-    return JsonResponse(data)
+    return {"job": job.pk, "attempts": attempts, "state": job.state}
 
 
 def metric_facts(job: Job, name: str) -> dict:

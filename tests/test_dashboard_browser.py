@@ -12,10 +12,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
 from cluster.models import HealthSample, Node
 from jobs.models import Checkpoint, Job, Rank
+from metrics import rollup
+from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
 
 from .conftest import wait_for
@@ -137,10 +140,10 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     page.goto(f"{web}/jobs/{job.pk}/")
     ready(page, "#panels[data-ready]", errors)
 
-    # each panel's series was fetched once: the page's preload is what the panel's first load used
+    # every panel's series came in one answer, fetched once: the page's preload is what the first load used
     resources = "performance.getEntriesByType('resource').map(e => e.name)"
-    fetched = [url for url in page.evaluate(resources) if "/series" in url]
-    assert len(fetched) == len(set(fetched)) == 5, fetched
+    fetched = [url for url in page.evaluate(resources) if "/series" in url or "/panels" in url]
+    assert len(fetched) == 1 and "/panels?" in fetched[0], fetched
 
     # a panel per metric, grouped by prefix: the loss group first, loss first in it
     assert panel_order(page) == ["loss", "lr", "eval/loss", "eval/accuracy", "train/grad_norm"]
@@ -246,6 +249,43 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     clip = {"x": 0, "y": 0, "width": 1440, "height": bottom}
     page.screenshot(path=tmp_path / "job-full.png", full_page=True, clip=clip)
     keep_shots(tmp_path, "job-full.png", "job-hover.png")
+    assert not errors, errors
+
+
+def test_a_long_run_draws_rank_0_from_one_request_and_loads_the_other_ranks_when_asked(web, chromium):  # noqa: F811
+    nodes = list(Node.objects.order_by("name"))[:3]
+    job = ran_job("long-run", nodes)
+    # 3 ranks x 12,000 steps, stored as the follower stores them and folded: the charts read the rollup
+    start = job.running_at
+    rows = [Sample(job.pk, r, s, "loss", loss(r, s), start + timedelta(milliseconds=s), 1)
+            for s in range(12_000) for r in range(3)]  # fmt: skip
+    with transaction.atomic():
+        save_points(rows)
+    rollup.catch_up(job.pk)
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    page.goto(f"{web}/jobs/{job.pk}/")
+    ready(page, "#panels[data-ready]", errors)
+    asked = "performance.getEntriesByType('resource').map(e => e.name).filter(u => u.includes('/panels?'))"
+    first = page.evaluate(asked)
+    assert len(first) == 1 and "ranks=first" in first[0], first
+    assert page.evaluate("Array.from(UGRO.jobBoard.panels.get('loss').lines.keys())") == ["0"]
+    assert page.get_attribute('.panel[data-name="loss"] .panel-chart', "data-keys") == "0"
+
+    # the CSV holds every rank's line: the panel loads them first
+    with page.expect_download() as dl:
+        page.click('.panel[data-name="loss"] .panel-csv')
+    ranks = {line.split(",")[0] for line in Path(dl.value.path()).read_text().splitlines()[1:]}
+    assert ranks == {"0", "1", "2"}
+
+    # every rank shown: asked for once more, whole
+    page.reload()
+    ready(page, "#panels[data-ready]", errors)
+    page.check("#all-ranks")
+    wait_for(lambda: page.get_attribute('.panel[data-name="loss"] .panel-chart', "data-keys") == "0,1,2", timeout=5)
+    again = page.evaluate(asked)
+    assert len(again) == 2 and "ranks=first" not in again[1], again
     assert not errors, errors
 
 

@@ -67,6 +67,7 @@ def page_urls(job: Job) -> list[str]:
 def api_urls(job: Job) -> list[str]:
     return [
         f"/api/jobs/{job.pk}/series?name=loss",
+        f"/api/jobs/{job.pk}/panels?name=loss",
         f"/api/jobs/{job.pk}/logs?tail=10",
         f"/api/jobs/{job.pk}/checkpoints",
         f"/api/jobs/{job.pk}/system",

@@ -8,6 +8,7 @@ import math
 import sys
 import threading
 from datetime import timedelta
+from urllib.parse import quote
 
 import pytest
 from django.apps import apps as django_apps
@@ -15,6 +16,7 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.db.models import Max
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from cluster.models import Node
@@ -23,7 +25,7 @@ from jobs.models import Checkpoint, Job, Rank
 from metrics import rollup
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint, MetricRollup, RollupMark
-from metrics.series import _bucketed, series
+from metrics.series import _bucketed, metric_names, series
 
 STEPS = 3000
 START = timezone.now() - timedelta(hours=1)  # step s is stored as logged at START + s seconds
@@ -220,6 +222,61 @@ def test_the_series_endpoint_asks_the_same_few_queries_whatever_is_stored(django
             answers.append(client.get(f"/api/jobs/{job.pk}/series?name=loss&buckets={BUCKETS}").json())
     assert answers[0]["total_points"] == 2 * STEPS and answers[1]["total_points"] == 12 * STEPS
     assert answers[1]["ranks"]["2"]["x"][-1] == 4 * STEPS - 1
+
+
+@pytest.mark.django_db
+def test_the_panels_endpoint_answers_every_metric_as_series_does_in_the_same_queries_for_2_or_6(
+    django_assert_num_queries,
+):
+    user = User.objects.create_user("alice", password="pw-alice-123")
+    client = Client()
+    client.force_login(user)
+    two, six = make_job("two"), make_job("six")
+    for job, names in ((two, ["loss", "lr"]), (six, ["loss", "lr", "eval/loss", "grad_norm", "a", "b"])):
+        for i, name in enumerate(names):
+            # steps of each metric differ (so levels may too), all past 4 x BUCKETS: read from the rollup
+            ingest(job, range(STEPS + 500 * i), name=name, value=lambda r, s, i=i: loss(r, s) + i)
+    # points past the mark (of one metric of two, of two of six): folded in on read
+    ingest(two, range(STEPS + 500, STEPS + 520), name="lr", fold_every=None)
+    ingest(six, range(STEPS + 2500, STEPS + 2600), name="b", fold_every=None)
+    ingest(six, range(STEPS, STEPS + 40), ranks=(2,), name="lr", fold_every=None)
+    client.get(f"/api/jobs/{two.pk}/panels?buckets={BUCKETS}")  # the session is loaded once
+    counts = []
+    for job in (two, six):
+        names = metric_names(job.pk)
+        with CaptureQueriesContext(connection) as queries:
+            got = client.get(f"/api/jobs/{job.pk}/panels?buckets={BUCKETS}").json()
+        counts.append(len(queries))
+        assert list(got["series"]) == names and got["job"] == job.pk
+        for name in names:  # each one as the one-metric answer has it
+            assert_same_series(got["series"][name], series(job.pk, name, buckets=BUCKETS))
+        # asked by name, in the page's order: the same, in that order
+        query = "&".join(f"name={quote(n)}" for n in reversed(names))
+        again = client.get(f"/api/jobs/{job.pk}/panels?buckets={BUCKETS}&{query}").json()["series"]
+        assert list(again) == names[::-1] and again == got["series"]
+    # one read of every metric, not one per metric: six metrics cost what two do, plus the name lookups
+    # (metric_names' index seeks, one per name and one to find the end)
+    assert counts[1] - counts[0] == 4, counts
+    assert got["series"]["b"]["ranks"]["0"]["x"][-1] == STEPS + 2599
+    assert got["series"]["lr"]["ranks"]["2"]["x"][-1] == STEPS + 39
+    # ranks=first (what a chart shows until all ranks are asked for): each metric's lowest rank alone, the
+    # same line as in the whole answer, the whole metric's point count
+    first = client.get(f"/api/jobs/{six.pk}/panels?buckets={BUCKETS}&ranks=first").json()["series"]
+    for name, whole in got["series"].items():
+        assert first[name]["only_rank"] == 0 and list(first[name]["ranks"]) == ["0"]
+        assert first[name]["ranks"]["0"] == whole["ranks"]["0"]
+        assert first[name]["total_points"] == whole["total_points"]
+    later = make_job("later-ranks")
+    ingest(later, range(STEPS), ranks=(1, 2))
+    ingest(later, range(STEPS, STEPS + 30), ranks=(2,), fold_every=None)
+    got = client.get(f"/api/jobs/{later.pk}/panels?buckets={BUCKETS}&ranks=first").json()["series"]["loss"]
+    assert got["only_rank"] == 1 and list(got["ranks"]) == ["1"]
+    assert got["ranks"]["1"] == series(later.pk, "loss", buckets=BUCKETS)["ranks"]["1"]
+    # what no job logged is simply absent; a bad bucket count is one clear error
+    assert client.get(f"/api/jobs/{two.pk}/panels?name=nope").json()["series"] == {"nope": {
+        "name": "nope", "ranks": {}, "mean": {"x": [], "y": []}, "total_points": 0}}  # fmt: skip
+    bad = client.get(f"/api/jobs/{two.pk}/panels?buckets=x")
+    assert bad.status_code == 400 and bad.json() == {"error": "buckets and rank must be integers"}
 
 
 # -- folding behind ingestion: the mark --------------------------------------------------------------

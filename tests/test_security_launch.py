@@ -162,7 +162,8 @@ def test_the_launch_form_answers_a_huge_number_with_a_field_error_not_a_500(node
     "url",
     ["/api/jobs/{pk}/logs?rank=10000000000000000000000", "/api/jobs/{pk}/logs?tail=10000000000000000000000",
      "/compare/?jobs=10000000000000000000000", "/jobs/10000000000000000000000/",
-     "/api/jobs/{pk}/series?rank=10000000000000000000000", "/api/jobs/10000000000000000000000/logs"],
+     "/api/jobs/{pk}/series?rank=10000000000000000000000", "/api/jobs/10000000000000000000000/logs",
+     "/api/jobs/{pk}/panels?rank=10000000000000000000000&name=loss"],
 )  # fmt: skip
 def test_huge_integers_in_query_strings_are_not_a_500(nodes, url):
     job = Job.objects.create(name="q", script="s.py")

@@ -81,7 +81,8 @@
 
   /**
    * One metric's panel. Lines are keyed (a rank, a job, a GPU) and hold x (step), y and t (unix s).
-   * options: {name, title, key (line key -> label), primary (keys shown by default), xModes (allowed),
+   * options: {name, title, key (line key -> label), primary (keys shown by default), complete (a promise
+   *   that every line is loaded, before a CSV), xModes (allowed),
    *           syncKey, height, timeOnly (x is always t, wall clock)}
    * view (shared by every panel of a page): {smoothing, xMode, log, allLines}
    */
@@ -116,7 +117,12 @@
 
     const self = this;
     this.csvButton.addEventListener("click", function () {
-      self.downloadCSV();
+      // options.complete(): a promise of every line's points, where the panel holds only those it shows
+      Promise.resolve(self.options.complete ? self.options.complete() : null)
+        .catch(function () {})
+        .then(function () {
+          self.downloadCSV();
+        });
     });
     this.pngButton.addEventListener("click", function () {
       self.downloadPNG();

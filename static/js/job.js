@@ -18,6 +18,7 @@
   const totals = new Map(); // panel name -> points stored on the server when last loaded
   const loading = new Map(); // panel name -> promise of its load
   const timed = new Set(); // panels loaded with each point's time
+  const partial = new Set(); // panels loaded with their first rank only (rank 0 is all a panel shows by default)
 
   function saveView() {
     UGRO.writeView(view, DEFAULTS);
@@ -40,6 +41,7 @@
         syncKey: "job-" + root.dataset.job,
         filePrefix: root.dataset.name + "_",
         markers: attemptMarks,
+        complete: () => (partial.has(name) ? loadPanel(name) : null),
       },
       view
     );
@@ -58,61 +60,104 @@
   }
   const updateInfoSoon = UGRO.throttle(updateInfo, 250);
 
-  function loadPanel(name, first) {
-    const buckets = Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
-    // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
-    const withTime = view.xMode !== "step";
-    // the first load takes the URL the page preloaded (same URL: the browser answers from its preload)
-    const url =
-      first && first.includes("time=1") === withTime
-        ? first
-        : root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + buckets + (withTime ? "&time=1" : "");
-    const promise = UGRO.getJSON(url).then(function (json) {
-      const panel = board.panel(name);
-      const live = new Map(panel.lines); // points that arrived while loading
-      const byKey = {};
-      for (const [rank, xy] of Object.entries(json.ranks || {})) {
-        byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
-      }
-      panel.load(byKey);
-      for (const [key, line] of live) {
-        const loaded = panel.lines.get(key);
-        const last = loaded && loaded.x.length ? loaded.x[loaded.x.length - 1] : -Infinity;
-        for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
-      }
-      totals.set(name, json.total_points);
-      if (withTime) timed.add(name);
-      document.getElementById("chart-empty")?.remove();
-      panel.draw();
-      updateInfo();
-    });
-    loading.set(name, promise);
+  function bucketsWanted() {
+    return Math.max(200, Math.min(2000, Math.floor(panelsBox.clientWidth / 2) || 600));
+  }
+
+  // one panel's answer (/series, or its entry in /panels) drawn, with the live points that came meanwhile
+  function applySeries(name, json, withTime) {
+    const panel = board.panel(name);
+    const live = new Map(panel.lines); // points that arrived while loading
+    const byKey = {};
+    for (const [rank, xy] of Object.entries(json.ranks || {})) {
+      byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
+    }
+    panel.load(byKey);
+    for (const [key, line] of live) {
+      const loaded = panel.lines.get(key);
+      const last = loaded && loaded.x.length ? loaded.x[loaded.x.length - 1] : -Infinity;
+      for (let i = 0; i < line.x.length; i++) if (line.x[i] > last) panel.add(key, line.x[i], line.y[i], line.t[i]);
+    }
+    totals.set(name, json.total_points);
+    if (withTime) timed.add(name);
+    else timed.delete(name);
+    // only its first rank came (the others are asked for once every rank is shown)
+    if (json.only_rank !== undefined) partial.add(name);
+    else partial.delete(name);
+    document.getElementById("chart-empty")?.remove();
+    panel.draw();
+  }
+
+  function track(names, promise) {
+    for (const name of names) loading.set(name, promise);
     return promise.finally(function () {
-      loading.delete(name);
+      for (const name of names) if (loading.get(name) === promise) loading.delete(name);
     });
   }
 
-  let preloaded = new Map(Array.from(document.querySelectorAll("#metric-names li"), (li) => [li.dataset.name, li.dataset.url]));
+  // one panel again (it was fed too many live points): its own, smaller answer
+  function loadPanel(name) {
+    // each point's time only for a time axis: it costs the query two aggregates and the reply a third array
+    const withTime = view.xMode !== "step";
+    const url =
+      root.dataset.seriesUrl + "?name=" + encodeURIComponent(name) + "&buckets=" + bucketsWanted() + (withTime ? "&time=1" : "");
+    return track(
+      [name],
+      UGRO.getJSON(url).then(function (json) {
+        applySeries(name, json, withTime);
+        updateInfo();
+      })
+    );
+  }
 
+  let firstPanels = root.dataset.firstPanels || ""; // the URL the page preloaded (the browser answers from it)
+  const listed = Array.from(document.querySelectorAll("#metric-names li"), (li) => li.dataset.name);
+
+  function sameAsked(a, b) {
+    const skip = (q) => Array.from(q.entries()).filter(([k]) => k !== "buckets").map((e) => e.join("=")).join("&");
+    return skip(a) === skip(b);
+  }
+
+  // every panel in one request: one answer and one read on the server, instead of one per panel
   function loadPanels() {
-    const names = new Set(preloaded.keys());
+    const names = new Set(listed);
     for (const name of board.panels.keys()) names.add(name);
-    // every panel's place first, in one pass: each answer then only draws its own chart
+    // every panel's place first, in one pass: the answer then only draws the charts
     for (const name of names) board.panel(name, true);
     board.apply();
-    const first = preloaded;
-    preloaded = new Map(); // a preload answers once
-    return Promise.allSettled(Array.from(names, (name) => loadPanel(name, first.get(name)))).then(function () {
-      board.apply();
-      panelsBox.dataset.ready = "1";
-      if (!window.__ugroPanelsDrawnAt) window.__ugroPanelsDrawnAt = performance.now();
-    });
+    const withTime = view.xMode !== "step";
+    const query = new URLSearchParams({ buckets: String(bucketsWanted()) });
+    for (const name of names) query.append("name", name);
+    if (!view.allLines) query.set("ranks", "first");
+    if (withTime) query.set("time", "1");
+    let url = root.dataset.panelsUrl + "?" + query.toString();
+    // the first load takes the URL the page preloaded when it asks the same (the browser answers from it)
+    const first = firstPanels ? new URLSearchParams(firstPanels.split("?")[1]) : null;
+    if (first && sameAsked(first, query)) url = firstPanels;
+    firstPanels = ""; // a preload answers once
+    const request = names.size
+      ? UGRO.getJSON(url).then(function (json) {
+          for (const name of names) if (json.series && json.series[name]) applySeries(name, json.series[name], withTime);
+          updateInfo();
+        })
+      : Promise.resolve();
+    return track(names, request)
+      .catch(function () {})
+      .then(function () {
+        board.apply();
+        panelsBox.dataset.ready = "1";
+        if (!window.__ugroPanelsDrawnAt) window.__ugroPanelsDrawnAt = performance.now();
+      });
   }
 
   UGRO.bindControls(view, function (what) {
     saveView();
+    const names = Array.from(board.panels.keys());
     if (what === "query") board.apply();
-    else if (what === "x" && view.xMode !== "step" && Array.from(board.panels.keys()).some((n) => !timed.has(n))) {
+    else if (
+      (what === "x" && view.xMode !== "step" && names.some((n) => !timed.has(n))) ||
+      (what === "ranks" && view.allLines && names.some((n) => partial.has(n)))
+    ) {
       loadPanels().then(function () {
         board.drawAll();
       });
