@@ -7,8 +7,9 @@
 
 With --panels N (issue 13): N metrics ("loss", "train/...", "eval/...") x ranks x steps points, the job
 page drawing a panel per metric; timed until every panel has its canvas and #panels says ready (set by
-static/js/job.js once every panel's series is drawn); the points' rollup (metrics/rollup.py) is rebuilt after the
-insert, as ingestion would have kept it; --also-raw then deletes it and times the page again (every answer
+static/js/job.js once every panel's series is drawn: one /panels answer, rank 0's lines, the page's default
+view), and again with ?ranks=all (every rank's line); the points' rollup (metrics/rollup.py) is rebuilt after
+the insert, as ingestion would have kept it; --also-raw then deletes it and times the page again (every answer
 grouping its metric's raw points, as before the rollup). TensorBoard gets the same N tags per run; its
 sample ends when every run's line of every tag is drawn (2 SVG paths per run and tag), or, when its
 lazy card loading never draws them all, is reported with how many were drawn after 60 s. Memory: the
@@ -366,6 +367,18 @@ def main_panels(args) -> None:
                 "errors": errors[:20],
             }
             print("UGRO:", json.dumps({k: v for k, v in result["ugro"].items() if k not in ("samples", "warmup")}))
+            # the page shows rank 0 by default (and loads only it); TensorBoard draws every run: the view
+            # with every rank's line too, in the same run
+            context = logged_in_context(browser, base, errors)
+            time_page(context, url + "?ranks=all", UGRO_PANELS_DRAWN, len(names), errors)
+            every = [time_page(context, url + "?ranks=all", UGRO_PANELS_DRAWN, len(names), errors)
+                     for _ in range(args.repeat)]  # fmt: skip
+            context.close()
+            result["ugro_all_ranks"] = {
+                "samples": every,
+                "median_drawn_ms": statistics.median(s["drawn_ms_from_navigation_start"] for s in every),
+            }
+            print("UGRO, every rank drawn (?ranks=all):", result["ugro_all_ranks"]["median_drawn_ms"], "ms")
             if args.also_raw:
                 # the same page with the rollup gone: every answer groups its metric's raw points (the path
                 # before the rollup), timed in the same run
