@@ -391,6 +391,10 @@ def _rank_verdict(facts: RankFacts) -> _Verdict | None:
         if said is not None:
             return failure(said[0], said[1], best.line)
         if worker_signal is not None:
+            # gloo aborts the process (SIGABRT) once a peer goes away: then the cause is that peer's
+            peer_gone = next((c for c in found if c.priority == _CONSEQUENCE), None)
+            if peer_gone is not None and (gone := _said(peer_gone)) is not None:
+                return failure(gone[0], gone[1], peer_gone.line)
             line = table_line or _first_line(found, _WORKER_SIGNAL) or f"worker killed by signal {worker_signal}"
             return failure(_TIER_CAUSE, FailureKind.KILLED, line)
         return failure(_TIER_CAUSE, FailureKind.SCRIPT_ERROR, best.line if best and best.priority == _GENERIC else None)

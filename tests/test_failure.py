@@ -146,6 +146,42 @@ def test_consequences_on_a_lower_rank_do_not_hide_the_cause():
     assert (failure.kind, failure.rank) == (FailureKind.SCRIPT_ERROR, 1)
 
 
+def table(rank: int, code: int, name: str) -> list[str]:
+    """torchrun's closing table for a worker that died of a signal."""
+    return ["Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-24_01:05:30",
+            "  host      : localhost", f"  rank      : {rank} (local_rank: 0)",
+            f"  exitcode  : -{code} (pid: 31581)  ({name})", "  error_file: <N/A>",
+            f"  traceback : Signal {code} ({name}) received by PID 31581", "=" * 60]  # fmt: skip
+
+
+def test_a_rank_that_aborts_after_its_peer_was_killed_does_not_hide_the_kill():
+    # given rank 1's worker was killed (SIGKILL), and rank 0, whose gloo saw the peer go, aborted (SIGABRT:
+    # gloo's std::terminate), as seen on loopback nodes
+    gone = (
+        "RuntimeError: Got the following error when running the callback: RuntimeError: [/__w/pytorch/pytorch/"
+        "third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:17092."
+    )
+    survivor = RankFacts(index=0, node="node1", state="exited", torchrun_rc=1, signal=None, error_file=None,
+                         log_tail=["error on rank 0:", "Traceback (most recent call last):",
+                                   '  File "train.py", line 686, in train', "    loss.backward()", gone, "",
+                                   "terminate called without an active exception", *table(0, 6, "SIGABRT")],
+                         lost_reason=None)  # fmt: skip
+    killed = RankFacts(index=1, node="node2", state="exited", torchrun_rc=1, signal=None, error_file=None,
+                       log_tail=table(1, 9, "SIGKILL"), lost_reason=None)  # fmt: skip
+
+    # when explained, whichever torchrun reported first, then the killed rank is the cause
+    for ranks in ([survivor, killed], [killed, survivor]):
+        failure = explain(ranks)
+        assert (failure.kind, failure.rank, failure.node, failure.signal) == (FailureKind.KILLED, 1, "node2", 9)
+    # alone, the aborted rank says its peer went away, with its own signal
+    alone = explain([survivor])
+    assert (alone.kind, alone.signal, alone.line) == (FailureKind.NCCL, 6, gone)
+    # a rank that aborted on its own (no peer gone) is still a crash by that signal
+    crashed = explain([RankFacts(index=0, node="node1", state="exited", torchrun_rc=1, signal=None, error_file=None,
+                                 log_tail=table(0, 6, "SIGABRT"), lost_reason=None)])  # fmt: skip
+    assert (crashed.kind, crashed.signal) == (FailureKind.KILLED, 6)
+
+
 def test_store_host_exiting_first_is_not_blamed_on_the_rank_that_printed_the_trace():
     # given the node hosting the c10d store failed first; the other printed RendezvousConnectionError, exited 0
     other = one_rank("store_host_first", "node-b")
