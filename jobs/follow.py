@@ -215,8 +215,8 @@ class JobFollower:
             )
 
         renew(job.pk, self.owner)
-        taken = 0
         now = None
+        answered: list[tuple[Rank, dict, bool]] = []
         for group, result, err in on_each(list(by_node.values()), tail):
             now = now or timezone.now()  # after the answers: a long poll may have waited
             if err is not None:
@@ -224,11 +224,13 @@ class JobFollower:
                 continue
             for rank, item in zip(group, result["files"], strict=True):
                 self.seen[rank.pk] = item.get("size") or 0
-                got = self._take(rank, item, now)
-                if got:
-                    self.hot_node = rank.node_id
-                taken += got
-                self._scan_checkpoints(rank)
+                answered.append((rank, item, False))
+        got = self._take_all(answered, now) if answered else {}
+        for rank, _, _ in answered:
+            if got.get(rank.pk):
+                self.hot_node = rank.node_id
+            self._scan_checkpoints(rank)
+        taken = sum(got.values())
         # metrics.csv / TensorBoard files the job named, written under the same lease as the logs
         if follow_metric_files(job, ranks, node_request, guard=lambda: renew(job.pk, self.owner)):
             self.unfolded = True
@@ -285,36 +287,61 @@ class JobFollower:
         return taken
 
     def _take(self, rank: Rank, item: dict, now: datetime, final: bool = False) -> int:
-        raw = tail_bytes(item)
-        exited = item["exit"] is not None
-        final = final or (exited and item["eof"])
-        data = takeable(raw, final)
-        if not data and not final:
-            Rank.objects.filter(pk=rank.pk).update(last_contact=now)
-            return 0
-        lines = split_lines(data)
-        stream = self._stream(rank)
-        points, jsonl = parse_lines(self.job.pk, rank.index, lines, stream, now, end=final, attempt=self.job.attempt)
-        old = rank.log_offset
-        fields = {"log_offset": old + len(data), "log_lines": rank.log_lines + len(lines), "last_contact": now}
-        with transaction.atomic():
-            relaxed_commit()
-            renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
-            if data:
-                write_at(rank.local_log, old, data)
-                with open(times_path(rank), "a") as fh:  # when each chunk arrived, for merged views
-                    fh.write(f"{old + len(data)} {now.timestamp():.3f}\n")
-            if points:
-                committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
-                size = self._append_jsonl(committed, jsonl)
-                save_points(points)
-                Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
-                self.unfolded = True
-            if not lifecycle.rank_progress(rank, old, fields, item["exit"] if final and exited else None):
-                raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
-        self.changed = self.changed or final
-        self._publish(rank, old, len(data), lines, points)
-        return len(data)
+        return self._take_all([(rank, item, final)], now)[rank.pk]
+
+    def _take_all(self, answered: list[tuple[Rank, dict, bool]], now: datetime) -> dict[int, int]:
+        """Store what the nodes answered for these ranks (rank, tail item, final: nothing more will come) in
+        one transaction under the lease: every rank's log bytes, the job's metric points and metrics.jsonl
+        lines, each rank's new offset (compare-and-set); then publish them. Bytes taken, per rank pk."""
+        taken: list[tuple[Rank, bytes, list[str], list[Sample], dict, dict | None, bool]] = []
+        jsonl: list[str] = []
+        quiet: list[int] = []
+        for rank, item, final in answered:
+            raw = tail_bytes(item)
+            exited = item["exit"] is not None
+            final = final or (exited and item["eof"])
+            data = takeable(raw, final)
+            if not data and not final:
+                quiet.append(rank.pk)
+                continue
+            lines = split_lines(data)
+            points, rank_jsonl = parse_lines(
+                self.job.pk, rank.index, lines, self._stream(rank), now, end=final, attempt=self.job.attempt
+            )
+            if points:  # a rank's metrics.jsonl lines go with its points (a final summary alone is not written)
+                jsonl += rank_jsonl
+            fields = {"log_offset": rank.log_offset + len(data), "log_lines": rank.log_lines + len(lines),
+                      "last_contact": now}  # fmt: skip
+            taken.append((rank, data, lines, points, fields, item["exit"] if final and exited else None, final))
+        if quiet:
+            Rank.objects.filter(pk__in=quiet).update(last_contact=now)
+        if taken:
+            points = [p for t in taken for p in t[3]]
+            olds = {rank.pk: rank.log_offset for rank, *_ in taken}
+            with transaction.atomic():
+                relaxed_commit()
+                renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
+                for rank, data, *_ in taken:
+                    if data:
+                        old = olds[rank.pk]
+                        write_at(rank.local_log, old, data)
+                        with open(times_path(rank), "a") as fh:  # when each chunk arrived, for merged views
+                            fh.write(f"{old + len(data)} {now.timestamp():.3f}\n")
+                if points:
+                    committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
+                    size = self._append_jsonl(committed, jsonl)
+                    save_points(points)
+                    Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
+                    self.unfolded = True
+                for rank, _, _, _, fields, exit_info, _ in taken:
+                    if not lifecycle.rank_progress(rank, olds[rank.pk], fields, exit_info):
+                        raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
+            for rank, data, lines, rank_points, _, _, final in taken:
+                self.changed = self.changed or final
+                self._publish(rank, olds[rank.pk], len(data), lines, rank_points)
+        sizes = {rank.pk: 0 for rank, _, _ in answered}
+        sizes.update({t[0].pk: len(t[1]) for t in taken})
+        return sizes
 
     def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
