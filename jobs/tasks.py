@@ -52,7 +52,9 @@ def reconcile_jobs() -> None:
 
 @shared_task(ignore_result=True, acks_late=True)
 def follow_jobs() -> None:
-    """Follow jobs for up to a minute, then hand over to a fresh task (never a long-held one)."""
+    """Follow jobs for up to FOLLOW_SECONDS (10 minutes), then hand over to a fresh task. Bounded, so a task
+    is never held for good, and under the broker's visibility timeout (an hour: acks_late); long, because
+    each hand-over delays the lines of that moment (a fresh follower and its first pass)."""
     follow(
         settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True, max_jobs=settings.UGRO["FOLLOW_JOBS_PER_TASK"],
         more_wanted=lambda: send_task("jobs.tasks.follow_jobs"), stopping=_shutting_down.is_set,
