@@ -206,8 +206,10 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing accepted connections on 127.0.0.1:{port} within {timeout:g}s")
 
 
-def job_pids(tag: str) -> list[int]:
-    """Every process on this machine (all loopback nodes are this machine) carrying the job's tag."""
+def job_pids(tag: str, node: str | None = None, not_node: str | None = None) -> list[int]:
+    """Every process on this machine (all loopback nodes are this machine) carrying the job's tag; only
+    those of loopback node `node`, or of every node but `not_node`. Each environment is read once: a
+    process that exits meanwhile is simply not listed."""
     want = f"UGRO_JOB={tag}".encode()
     pids = []
     for name in os.listdir("/proc"):
@@ -217,8 +219,13 @@ def job_pids(tag: str) -> list[int]:
             env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if want in env:
-            pids.append(int(name))
+        if want not in env:
+            continue
+        if node is not None and f"UGRO_NODE={node}".encode() not in env:
+            continue
+        if not_node is not None and f"UGRO_NODE={not_node}".encode() in env:
+            continue
+        pids.append(int(name))
     return pids
 
 

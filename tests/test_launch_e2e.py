@@ -104,10 +104,11 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("killme")
     # when the training worker (torchrun's child) on node2 is killed
-    victims = [p for p in job_pids(job.tag)
-               if b"UGRO_NODE=node2" in Path(f"/proc/{p}/environ").read_bytes()
-               and b"train_production" in Path(f"/proc/{p}/cmdline").read_bytes()
-               and b"torchrun" not in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+    victims = []
+    for p in job_pids(job.tag, node="node2"):
+        cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        if b"train_production" in cmd and b"torchrun" not in cmd:
+            victims.append(p)
     assert victims
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
@@ -176,7 +177,7 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
         assert job.failure_kind == "NODE_LOST" and job.failure_rank == 2
         assert "node node3 stopped answering: " in job.failure_reason
         assert "no contact" not in job.failure_reason  # the link's own error says why
-        reachable = [p for p in job_pids(job.tag) if b"UGRO_NODE=node3" not in Path(f"/proc/{p}/environ").read_bytes()]
+        reachable = job_pids(job.tag, not_node="node3")
         assert reachable == []
     finally:
         for pid in job_pids(job.tag):  # node3's ranks live on this machine; a real lost node's would not

@@ -40,7 +40,7 @@ def run(*args: str) -> str:
 
 
 def pids_on(tag: str, node: str) -> list[int]:
-    return [p for p in job_pids(tag) if f"UGRO_NODE={node}".encode() in Path(f"/proc/{p}/environ").read_bytes()]
+    return job_pids(tag, node=node)
 
 
 def test_detach_then_logs_follow_without_a_worker_frees_the_nodes_every_time(scripts):
