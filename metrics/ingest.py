@@ -29,6 +29,9 @@ class Sample(NamedTuple):
 
 
 POINT_COLUMNS = ("job_id", "rank", "step", "name", "value", "time", "attempt")
+# The columns' PostgreSQL types, for COPY's binary format (the server then parses no text: no float or
+# timestamp from its decimal form, on the path every metric line takes)
+POINT_TYPES = ("int8", "int4", "int8", "varchar", "float8", "timestamptz", "int4")
 
 
 def save_points(points: Sequence[Sample]) -> None:
@@ -42,8 +45,9 @@ def save_points(points: Sequence[Sample]) -> None:
         columns = ", ".join(connection.ops.quote_name(c) for c in POINT_COLUMNS)
         with (
             connection.cursor() as cursor,
-            cursor.connection.cursor().copy(f"COPY {table} ({columns}) FROM STDIN") as copy,
+            cursor.connection.cursor().copy(f"COPY {table} ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
         ):
+            copy.set_types(POINT_TYPES)
             for p in points:
                 copy.write_row(p)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from django.utils import timezone
 
 from cluster.models import Node
 from jobs.models import Job, Rank
-from metrics.ingest import RankStream, parse_lines, save_points
-from metrics.models import FinalMetric, JobMetrics
+from metrics.ingest import POINT_COLUMNS, RankStream, Sample, parse_lines, save_points
+from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 CORPUS = Path(__file__).parent / "data" / "frameworks"
 RECORDINGS = sorted(p.name for p in CORPUS.iterdir() if (p / "rank_0.log").exists())
@@ -90,3 +91,27 @@ def test_final_metrics_and_progress_are_stored_and_shown(rank):
     parse_lines(job.pk, 0, ["{'train_runtime': '1.5', 'train_loss': '2.0', 'epoch': '1.5'}"], RankStream(),
                 timezone.now())  # fmt: skip
     assert FinalMetric.objects.filter(job=job, name="train_loss").get().value == 2.0
+
+
+def test_points_are_stored_exactly_whatever_their_values_and_names(rank):
+    # given points at the edges of what a script may log: non-finite and extreme values, a negative zero,
+    # a large step, a name with non-ASCII text and one of the column's full 100 characters, a later attempt
+    when = timezone.now()
+    odd = [
+        Sample(rank.job_id, 0, 0, "loss", float("nan"), when),
+        Sample(rank.job_id, 1, 2**62, "loss", float("inf"), when),
+        Sample(rank.job_id, 2, 3, "loss", float("-inf"), when, 2),
+        Sample(rank.job_id, 0, 4, "grad/norm²", -0.0, when),
+        Sample(rank.job_id, 0, 5, "x" * 100, 1.7976931348623157e308, when),
+        Sample(rank.job_id, 0, 6, "lr", 5e-324, when),
+    ]
+    # when stored as the follower stores them (COPY on PostgreSQL)
+    save_points(odd)
+    # then each reads back as it was
+    got = list(MetricPoint.objects.filter(job_id=rank.job_id).order_by("id").values_list(*POINT_COLUMNS))
+    assert len(got) == len(odd)
+    for row, want in zip(got, odd, strict=True):
+        assert row[:4] == tuple(want)[:4] and row[5:] == tuple(want)[5:]
+        assert (math.isnan(row[4]) and math.isnan(want.value)) or (
+            row[4] == want.value and math.copysign(1, row[4]) == math.copysign(1, want.value)
+        )
