@@ -125,6 +125,16 @@ def ready(page, selector: str, errors: list[str]) -> None:
         raise AssertionError(f"{selector} never ready; page errors: {errors}") from exc
 
 
+def open_job_page(chromium, web: str, job: Job):  # noqa: F811
+    """A logged-in tab on the job's page once every panel is drawn, and the list its page errors go to."""
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    log_in(page, web)
+    page.goto(f"{web}/jobs/{job.pk}/")
+    ready(page, "#panels[data-ready]", errors)
+    return page, errors
+
+
 def panel_order(page) -> list[str]:
     return page.eval_on_selector_all("#panels .panel", "ps => ps.map(p => p.dataset.name)")
 
@@ -134,11 +144,7 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     job = ran_job("curves", nodes)
     add_curves(job, 3, 200, CURVES)
     add_health(nodes, hours=0.25, every_s=10)
-    errors: list[str] = []
-    page = new_page(chromium, errors)
-    log_in(page, web)
-    page.goto(f"{web}/jobs/{job.pk}/")
-    ready(page, "#panels[data-ready]", errors)
+    page, errors = open_job_page(chromium, web, job)
 
     # every panel's series came in one answer, fetched once: the page's preload is what the first load used
     resources = "performance.getEntriesByType('resource').map(e => e.name)"
@@ -262,11 +268,7 @@ def test_a_long_run_draws_rank_0_from_one_request_and_loads_the_other_ranks_when
     with transaction.atomic():
         save_points(rows)
     rollup.catch_up(job.pk)
-    errors: list[str] = []
-    page = new_page(chromium, errors)
-    log_in(page, web)
-    page.goto(f"{web}/jobs/{job.pk}/")
-    ready(page, "#panels[data-ready]", errors)
+    page, errors = open_job_page(chromium, web, job)
     asked = "performance.getEntriesByType('resource').map(e => e.name).filter(u => u.includes('/panels?'))"
     first = page.evaluate(asked)
     assert len(first) == 1 and "ranks=first" in first[0], first
