@@ -11,9 +11,10 @@ def job_group(job_id: int) -> str:
     return f"job.{job_id}"
 
 
-def publish_job(job, kind: str, payload: dict[str, Any]) -> None:
+def publish_job(job, kind: str, payload: dict[str, Any]) -> bool:
     """Send an event to the job's group and a state summary to the cluster group; never raises
-    (ugro_site/publish.py: one event loop per thread, kept)."""
-    send(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
+    (ugro_site/publish.py: one event loop per thread, kept). False if the job's event was not sent."""
+    sent = send(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
     if kind == "state":
         send("cluster", {"type": "cluster.event", "kind": "job", "data": {"job": job.name, "state": job.state}})
+    return sent

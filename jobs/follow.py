@@ -164,6 +164,7 @@ class JobFollower:
         # stopped before it folded its last points)
         self.unfolded = True
         self.folded_at = -math.inf  # monotonic time of the last catch_up
+        self.missed = False  # an event of this job could not be sent: pages must resync before the next
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -346,9 +347,13 @@ class JobFollower:
     def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
         # Every line goes out (in slices that keep messages small); start/end are the byte offsets
         # of this commit, so a page that loaded the log up to some offset can drop what it has.
+        # An event that could not be sent (Redis slow or away) is not sent again: the next one sent is
+        # preceded by a "resync", on which the job's pages reload their log and curves from the database.
+        if self.missed and publish_job(self.job, "resync", {}):
+            self.missed = False
         shown = [display_text(ln) for ln in lines]
         for i in range(0, max(len(shown), len(points)), PUBLISH_SLICE):
-            publish_job(
+            self.missed |= not publish_job(
                 self.job,
                 "lines",
                 {

@@ -331,6 +331,15 @@ def test_live_page_drops_the_queued_banner_appends_points_and_shows_results_at_t
     assert plot_id == 1 and page.evaluate("UGRO.jobBoard.panels.get('loss').plot.__id") == "first"
     assert page.evaluate("window.__sameDocument") is True
 
+    # points whose events the follower could not send come with the resync it sends next: the page reloads
+    # its curves from the database (a new panel here), still without reloading the page
+    for step in (1, 2, 3):
+        MetricPoint.objects.create(job=job, rank=0, step=step, name="lr", value=0.1 * step, time=timezone.now())
+    send_job_event(job, "resync", {})
+    wait_for(lambda: page.evaluate("UGRO.jobBoard.panels.get('lr')?.lines.get('0')?.x.length") == 3, timeout=10,
+             what="the missed points reloaded")  # fmt: skip
+    assert page.evaluate("window.__sameDocument") is True
+
     # when it ends: results and checkpoints appear, progress reads 100 %, without a reload
     MetricPoint.objects.create(job=job, rank=0, step=1, name="loss", value=2.0, time=timezone.now())
     Checkpoint.objects.create(job=job, node=node, path="/data/out/checkpoint_step11.pt", size=12_000_000, mtime=0)

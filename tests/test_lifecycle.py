@@ -191,6 +191,36 @@ def test_the_follower_folds_the_rollup_outside_its_lease_at_most_every_interval_
     assert RollupMark.objects.get(job=job).upto == MetricPoint.objects.filter(job=job).latest("id").id
 
 
+def test_events_a_follower_could_not_send_are_followed_by_a_resync(local_node, fast_settings, monkeypatch):
+    job = running_job(local_node)
+    sent: list[tuple[str, dict]] = []
+    down = {"now": True}
+
+    def publish_job(job, kind, payload):  # the channel layer, down until told otherwise
+        if down["now"]:
+            return False
+        sent.append((kind, payload))
+        return True
+
+    monkeypatch.setattr(follow_module, "publish_job", publish_job)
+    f = JobFollower(job, "f")
+    assert claim(job.pk, "f")
+    # given a pass whose lines could not be sent
+    write_log(job, b'{"step": 1, "loss": 1.5}\n')
+    assert f.step() > 0 and sent == []
+    # when the next pass's can be
+    down["now"] = False
+    write_log(job, b'{"step": 2, "loss": 2.5}\n')
+    assert f.step() > 0
+    # then a resync goes first (the page reloads what it missed from the database), then the new lines
+    assert [kind for kind, _ in sent] == ["resync", "lines"]
+    assert sent[1][1]["lines"] == ['{"step": 2, "loss": 2.5}']
+    # and once resynced, lines go alone
+    write_log(job, b'{"step": 3, "loss": 3.5}\n')
+    f.step()
+    assert [kind for kind, _ in sent] == ["resync", "lines", "lines"]
+
+
 def test_the_follower_folds_a_jobs_rollup_right_after_its_last_pass(local_node, fast_settings, tmp_path, monkeypatch):
     fast_settings.UGRO = {**fast_settings.UGRO, "ROLLUP_INTERVAL_S": 3600.0}
     other = Node.objects.create(

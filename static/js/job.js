@@ -118,8 +118,9 @@
     return skip(a) === skip(b);
   }
 
-  // every panel in one request: one answer and one read on the server, instead of one per panel
-  function loadPanels() {
+  // every panel in one request: one answer and one read on the server, instead of one per panel.
+  // every: also the metrics this page has not seen yet (after a resync or a reconnect: the server names them)
+  function loadPanels(every) {
     const names = new Set(listed);
     for (const name of board.panels.keys()) names.add(name);
     // every panel's place first, in one pass: the answer then only draws the charts
@@ -127,7 +128,7 @@
     board.apply();
     const withTime = view.xMode !== "step";
     const query = new URLSearchParams({ buckets: String(bucketsWanted()) });
-    for (const name of names) query.append("name", name);
+    if (!every) for (const name of names) query.append("name", name);
     if (!view.allLines) query.set("ranks", "first");
     if (withTime) query.set("time", "1");
     let url = root.dataset.panelsUrl + "?" + query.toString();
@@ -135,12 +136,14 @@
     const first = firstPanels ? new URLSearchParams(firstPanels.split("?")[1]) : null;
     if (first && sameAsked(first, query)) url = firstPanels;
     firstPanels = ""; // a preload answers once
-    const request = names.size
-      ? UGRO.getJSON(url).then(function (json) {
-          for (const name of names) if (json.series && json.series[name]) applySeries(name, json.series[name], withTime);
-          updateInfo();
-        })
-      : Promise.resolve();
+    const request =
+      names.size || every
+        ? UGRO.getJSON(url).then(function (json) {
+            const series = json.series || {};
+            for (const name of Object.keys(series)) if (every || names.has(name)) applySeries(name, series[name], withTime);
+            updateInfo();
+          })
+        : Promise.resolve();
     return track(names, request)
       .catch(function () {})
       .then(function () {
@@ -298,6 +301,9 @@
     } else if (message.kind === "points") {
       // from the metric files a job named (metrics.csv, TensorBoard events): points without log lines
       if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
+    } else if (message.kind === "resync") {
+      // the follower could not send some events: what they held is in the database
+      resync();
     } else if (message.kind === "state") {
       root.dataset.state = data.state;
       dropQueuedBanner();
@@ -305,12 +311,16 @@
     }
   }
 
+  const resync = UGRO.throttle(function () {
+    Promise.allSettled([loadPanels(true), loadLogs()]);
+  }, 2000);
+
   // After a dropped connection, what was missed is rebuilt from the DB (the record), not replayed.
   let connections = 0;
   function onOpen() {
     connections++;
     if (connections > 1 && ready) {
-      Promise.allSettled([loadPanels(), loadLogs()]);
+      Promise.allSettled([loadPanels(true), loadLogs()]);
       rerender();
     }
   }
