@@ -30,6 +30,7 @@ import time
 import zlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
@@ -147,6 +148,19 @@ def takeable(data: bytes, final: bool) -> bytes:
     cut = data.rfind(b"\n") + 1
     rest = len(data) - cut
     return data[: cut + (rest // LINE_CUT) * LINE_CUT]
+
+
+class _Taken(NamedTuple):
+    """What one rank's answer adds in a pass, before it is stored."""
+
+    rank: Rank
+    old: int  # the rank's log offset before them
+    data: bytes  # the log bytes taken
+    lines: list[str]
+    points: list[Sample]
+    fields: dict  # the rank's new offset, line count and contact time
+    exit_info: dict | None  # its exit record, once its log is complete
+    final: bool  # nothing more will come from it
 
 
 class JobFollower:
@@ -294,7 +308,7 @@ class JobFollower:
         """Store what the nodes answered for these ranks (rank, tail item, final: nothing more will come) in
         one transaction under the lease: every rank's log bytes, the job's metric points and metrics.jsonl
         lines, each rank's new offset (compare-and-set); then publish them. Bytes taken, per rank pk."""
-        taken: list[tuple[Rank, bytes, list[str], list[Sample], dict, dict | None, bool]] = []
+        taken: list[_Taken] = []
         jsonl: list[str] = []
         quiet: list[int] = []
         for rank, item, final in answered:
@@ -313,35 +327,34 @@ class JobFollower:
                 jsonl += rank_jsonl
             fields = {"log_offset": rank.log_offset + len(data), "log_lines": rank.log_lines + len(lines),
                       "last_contact": now}  # fmt: skip
-            taken.append((rank, data, lines, points, fields, item["exit"] if final and exited else None, final))
+            exit_info = item["exit"] if final and exited else None
+            taken.append(_Taken(rank, rank.log_offset, data, lines, points, fields, exit_info, final))
         if quiet:
             Rank.objects.filter(pk__in=quiet).update(last_contact=now)
         if taken:
-            points = [p for t in taken for p in t[3]]
-            olds = {rank.pk: rank.log_offset for rank, *_ in taken}
+            points = [p for t in taken for p in t.points]
             with transaction.atomic():
                 relaxed_commit()
                 renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
-                for rank, data, *_ in taken:
-                    if data:
-                        old = olds[rank.pk]
-                        write_at(rank.local_log, old, data)
-                        with open(times_path(rank), "a") as fh:  # when each chunk arrived, for merged views
-                            fh.write(f"{old + len(data)} {now.timestamp():.3f}\n")
+                for t in taken:
+                    if t.data:
+                        write_at(t.rank.local_log, t.old, t.data)
+                        with open(times_path(t.rank), "a") as fh:  # when each chunk arrived, for merged views
+                            fh.write(f"{t.old + len(t.data)} {now.timestamp():.3f}\n")
                 if points:
                     committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                     size = self._append_jsonl(committed, jsonl)
                     save_points(points)
                     Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
                     self.unfolded = True
-                for rank, _, _, _, fields, exit_info, _ in taken:
-                    if not lifecycle.rank_progress(rank, olds[rank.pk], fields, exit_info):
-                        raise LeaseLost(f"rank {rank.index} of {self.job.name} was advanced by another follower")
-            for rank, data, lines, rank_points, _, _, final in taken:
-                self.changed = self.changed or final
-                self._publish(rank, olds[rank.pk], len(data), lines, rank_points)
+                for t in taken:
+                    if not lifecycle.rank_progress(t.rank, t.old, t.fields, t.exit_info):
+                        raise LeaseLost(f"rank {t.rank.index} of {self.job.name} was advanced by another follower")
+            for t in taken:
+                self.changed = self.changed or t.final
+                self._publish(t.rank, t.old, len(t.data), t.lines, t.points)
         sizes = {rank.pk: 0 for rank, _, _ in answered}
-        sizes.update({t[0].pk: len(t[1]) for t in taken})
+        sizes.update({t.rank.pk: len(t.data) for t in taken})
         return sizes
 
     def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:

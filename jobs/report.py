@@ -165,6 +165,15 @@ def waiting_text(job: Job) -> str:
     return f"for node{'s' if len(names) > 1 else ''} {', '.join(names)} to come back (a retry after a lost node)"
 
 
+def attempt_marks(job: Job) -> list[dict]:
+    """Where each later attempt joined the job's curve (`{"attempt", "step"}`): the charts mark them."""
+    marks = [
+        {"attempt": n, "step": step or 0}
+        for n, step in job.attempts.filter(number__gt=1).order_by("number").values_list("number", "from_step")
+    ]
+    return marks + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
+
+
 def checkpoints(job: Job) -> list[Checkpoint]:
     """The checkpoints the follower recorded for the job, newest step first."""
     return list(job.checkpoints.select_related("node").order_by(F("step").desc(nulls_last=True), "path"))

@@ -218,8 +218,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         "eta": human_duration(prog["eta"]) if prog and prog["eta"] is not None else "",
         "nav": "jobs",
     }
-    marks = [{"attempt": a.number, "step": a.from_step or 0} for a in job.attempts.filter(number__gt=1)]
-    marks += [{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else []
+    marks = report.attempt_marks(job)
     ckpts = report.checkpoints(job)
     for c in ckpts:
         c.size_text = f"{c.size / 1e9:.2f} GB" if c.size >= 1e9 else f"{c.size / 1e6:.1f} MB"

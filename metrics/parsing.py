@@ -315,8 +315,7 @@ class LineParser:
         values: list[tuple[str, float]] = []
         rejected = False
         for key, raw in obj.items():
-            kind = type(raw)  # int or float, not bool: what _is_number says of parsed JSON and literals
-            if (kind is not float and kind is not int) or not isinstance(key, str) or key in NOT_METRICS:
+            if not isinstance(key, str) or key in NOT_METRICS or not _is_number(raw):
                 continue
             if own_series and key == "epoch":
                 continue
@@ -400,8 +399,10 @@ def _load_json(text: str) -> Any:
 
 
 def _is_number(value: Any) -> bool:
-    """int or float, but not bool (a subclass of int)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """int or float, but not bool. Values here come from json.loads and ast.literal_eval, which make exact
+    ints and floats, so the type itself is asked (cheaper than two isinstance calls, on every value)."""
+    kind = type(value)
+    return kind is float or kind is int
 
 
 def _finite_float(value: int | float) -> float | None:

@@ -87,25 +87,14 @@ def series(
     """
     if buckets < 1:
         raise ValueError("buckets must be >= 1")
-    raw_limit = RAW_FACTOR * buckets
     if step_min is None and step_max is None:
         return series_of(job_id, [name], rank=rank, buckets=buckets, with_time=with_time)[name]
-    want_times: dict[int, list[float]] | None = {} if with_time else None
     points = _points(job_id, name, rank)
     if step_min is not None:
         points = points.filter(step__gte=step_min)
     if step_max is not None:
         points = points.filter(step__lte=step_max)
-    # No full count up front (a scan of every point): a LIMITed count says raw or bucketed, the step range
-    # comes from the (job, name, step) index, and the buckets' counts sum to the total.
-    total = points.order_by()[: raw_limit + 1].count()
-    if total <= raw_limit:
-        ranks, mean = _raw(points, want_times)
-    else:
-        stats = points.aggregate(lo=Min("step"), hi=Max("step"))
-        lo, hi = stats["lo"], stats["hi"]
-        ranks, mean, total = _bucketed(points, lo, -(-(hi - lo + 1) // buckets), want_times)
-    return _result(name, ranks, mean, total, want_times)
+    return _from_points(name, points, None, buckets, with_time)
 
 
 def series_of(
@@ -140,7 +129,7 @@ def series_of(
                 bounds = rollup.with_pending(bounds, pending[name])
             level = rollup.level_for(bounds.lo, bounds.hi, buckets) if bounds is not None else None
             if bounds is None or level is None or bounds.points <= RAW_FACTOR * buckets:
-                out[name] = _without_rollup(job_id, name, rank, bounds, buckets, with_time)
+                out[name] = _from_points(name, _points(job_id, name, rank), bounds, buckets, with_time)
             else:
                 by_level.setdefault(level, []).append((name, bounds))
         for level, group in by_level.items():
@@ -194,18 +183,21 @@ def _past_mark(job_id: int, known: dict[str, rollup.Bounds], rank: int | None) -
     return by_name
 
 
-def _without_rollup(
-    job_id: int, name: str, rank: int | None, known: rollup.Bounds | None, buckets: int, with_time: bool
+def _from_points(
+    name: str, points: QuerySet[MetricPoint], known: rollup.Bounds | None, buckets: int, with_time: bool
 ) -> dict[str, Any]:
-    """A whole series from its raw points: every point when few, else grouped in SQL."""
+    """A series from its raw points: every point when few, else grouped in SQL. `known`: its bounds from the
+    rollup, if it has one. Without, no full count up front (a scan of every point): a LIMITed count says
+    raw or bucketed, the step range comes from the (job, name, step) index, and the buckets' counts sum to
+    the total."""
     times: dict[int, list[float]] | None = {} if with_time else None
-    points = _points(job_id, name, rank)
+    raw_limit = RAW_FACTOR * buckets
     if known is not None:
         lo, hi, total = known.lo, known.hi, known.points
     else:
-        total = points.order_by()[: RAW_FACTOR * buckets + 1].count()
+        total = points.order_by()[: raw_limit + 1].count()
         lo = hi = None
-    if total <= RAW_FACTOR * buckets:
+    if total <= raw_limit:
         ranks, mean = _raw(points, times)
     else:
         if lo is None:

@@ -9,7 +9,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from jobs.models import Job
-from jobs.report import human_duration
+from jobs.report import attempt_marks, human_duration
 
 from .final import final_value, format_value
 from .series import metric_names, series, series_of
@@ -62,12 +62,7 @@ def _buckets_and_rank(request: HttpRequest) -> tuple[int, int | None]:
 
 def _curve_facts(job: Job) -> dict:
     """The job's id and state, and where each later attempt joined the curve (the charts mark them)."""
-    attempts = [
-        {"attempt": n, "step": step or 0}
-        for n, step in job.attempts.order_by("number").values_list("number", "from_step")
-        if n > 1
-    ] + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
-    return {"job": job.pk, "attempts": attempts, "state": job.state}
+    return {"job": job.pk, "attempts": attempt_marks(job), "state": job.state}
 
 
 def metric_facts(job: Job, name: str) -> dict:

@@ -320,7 +320,7 @@
   function onOpen() {
     connections++;
     if (connections > 1 && ready) {
-      Promise.allSettled([loadPanels(true), loadLogs()]);
+      resync();
       rerender();
     }
   }
