@@ -206,10 +206,8 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
     raise TimeoutError(f"nothing accepted connections on 127.0.0.1:{port} within {timeout:g}s")
 
 
-def job_pids(tag: str, node: str | None = None, not_node: str | None = None) -> list[int]:
-    """Every process on this machine (all loopback nodes are this machine) carrying the job's tag; only
-    those of loopback node `node`, or of every node but `not_node`. Each environment is read once: a
-    process that exits meanwhile is simply not listed."""
+def job_pids(tag: str) -> list[int]:
+    """Every process on this machine (all loopback nodes are this machine) carrying the job's tag."""
     want = f"UGRO_JOB={tag}".encode()
     pids = []
     for name in os.listdir("/proc"):
@@ -219,14 +217,25 @@ def job_pids(tag: str, node: str | None = None, not_node: str | None = None) -> 
             env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if want not in env:
-            continue
-        if node is not None and f"UGRO_NODE={node}".encode() not in env:
-            continue
-        if not_node is not None and f"UGRO_NODE={not_node}".encode() in env:
-            continue
-        pids.append(int(name))
+        if want in env:
+            pids.append(int(name))
     return pids
+
+
+def training_pids(tag: str, node: str) -> list[int]:
+    """The job's training processes (not torchrun's agent, not the wrapper) on loopback node `node`; a
+    process that exits while they are looked at is simply not listed."""
+    from cluster.loopback import on_node
+
+    out = []
+    for pid in on_node(job_pids(tag), node):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_production.py") for a in argv) and not any(b"torchrun" in a for a in argv):
+            out.append(pid)
+    return out
 
 
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):

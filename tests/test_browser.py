@@ -17,7 +17,7 @@ from django.db import connections
 
 from jobs.models import Job
 
-from .conftest import REPO, job_pids, wait_for
+from .conftest import REPO, job_pids, training_pids, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 ARTIFACTS = REPO / "test-artifacts"
@@ -273,11 +273,8 @@ def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium)
     wait_for(lambda: MetricPoint.objects.filter(job=job, name="loss", step__gte=25).exists(), timeout=150,
              what="step 25")  # fmt: skip
     rank1 = job.ranks.select_related("node").get(index=1).node.name
-    for pid in job_pids(job.tag):
-        env = Path(f"/proc/{pid}/environ").read_bytes()
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if f"UGRO_NODE={rank1}".encode() in env and b"train_production.py" in argv and b"torchrun" not in argv:
-            os.kill(pid, signal.SIGKILL)
+    for pid in training_pids(job.tag, rank1):
+        os.kill(pid, signal.SIGKILL)
     wait_for(lambda: Job.objects.get(pk=job.pk).state == "failed", timeout=90, what="the job to fail")
     wait_for(lambda: job.checkpoints.filter(ready=True, step=20).exists(), timeout=30, what="the checkpoints")
 

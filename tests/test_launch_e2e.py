@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from cluster.loopback import on_node
 from jobs.follow import follow
 from jobs.models import Job, Rank
 from metrics.models import MetricPoint
 
-from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, wait_for
+from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, training_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -104,11 +105,7 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("killme")
     # when the training worker (torchrun's child) on node2 is killed
-    victims = []
-    for p in job_pids(job.tag, node="node2"):
-        cmd = Path(f"/proc/{p}/cmdline").read_bytes()
-        if b"train_production" in cmd and b"torchrun" not in cmd:
-            victims.append(p)
+    victims = training_pids(job.tag, "node2")
     assert victims
     for pid in victims:
         os.kill(pid, signal.SIGKILL)
@@ -177,7 +174,8 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
         assert job.failure_kind == "NODE_LOST" and job.failure_rank == 2
         assert "node node3 stopped answering: " in job.failure_reason
         assert "no contact" not in job.failure_reason  # the link's own error says why
-        reachable = job_pids(job.tag, not_node="node3")
+        pids = job_pids(job.tag)
+        reachable = sorted(set(pids) - set(on_node(pids, "node3")))
         assert reachable == []
     finally:
         for pid in job_pids(job.tag):  # node3's ranks live on this machine; a real lost node's would not

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from cluster.loopback import on_node
 from jobs.models import Job, Rank
 from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
@@ -40,7 +41,7 @@ def run(*args: str) -> str:
 
 
 def pids_on(tag: str, node: str) -> list[int]:
-    return job_pids(tag, node=node)
+    return on_node(job_pids(tag), node)
 
 
 def test_detach_then_logs_follow_without_a_worker_frees_the_nodes_every_time(scripts):

@@ -23,7 +23,7 @@ from jobs.models import Attempt, Checkpoint, Job, Rank
 from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
 
-from .conftest import job_pids, wait_for
+from .conftest import job_pids, training_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 # 100 short steps, a checkpoint every 50, a metric line every 10 (the same on every run: same seed)
@@ -41,24 +41,6 @@ def run(*args: str) -> str:
     out = io.StringIO()
     call_command(*args, stdout=out)
     return out.getvalue()
-
-
-def worker_pids(job: Job, node: str) -> list[int]:
-    """The training processes (not torchrun's agent, not the wrapper) of a job on a node."""
-    out = []
-    for pid in job_pids(job.tag):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            f"UGRO_NODE={node}".encode() in env
-            and any(a.endswith(b"train_production.py") for a in argv)
-            and not any(b"torchrun" in a for a in argv)
-        ):
-            out.append(pid)
-    return out
 
 
 def last_step(job: Job) -> int:
@@ -164,7 +146,7 @@ def test_a_rank_killed_at_step_60_resumes_from_step_50_and_ends_as_an_uninterrup
     job = Job.objects.get(name="cut")
     follow_until(job, lambda: last_step(job) >= 60, what="step 60")
     victim = job.ranks.select_related("node").get(index=1).node.name
-    pids = worker_pids(job, victim)
+    pids = training_pids(job.tag, victim)
     assert pids and last_step(job) < 100
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
