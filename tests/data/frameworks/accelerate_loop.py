@@ -63,6 +63,9 @@ def main() -> None:
         eval_loss = torch.cat(losses).mean().item()
         accelerator.print(f"epoch {epoch}: perplexity: {math.exp(eval_loss):.4f} eval_loss: {eval_loss:.4f}")
     accelerator.print("training done")
+    accelerator.wait_for_everyone()  # leave the process group together (see hf_trainer.py)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,11 @@ def main() -> None:
         print(f"transformers {transformers.__version__} torch {torch.__version__}", flush=True)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
+    # Leave the process group together, as scripts should: a rank that exits while its peer's gloo
+    # threads still talk to it can abort ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

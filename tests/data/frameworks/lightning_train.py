@@ -75,6 +75,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(TinyRegressor(), train, val)
+    if torch.distributed.is_initialized():  # leave the process group together (see hf_trainer.py)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
