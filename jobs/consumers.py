@@ -72,7 +72,11 @@ class JobConsumer(RelayConsumer):
         return job_group(self.scope["url_route"]["kwargs"]["job_id"])
 
     async def job_event(self, event: dict[str, Any]) -> None:
-        await self.relay(event)
+        text = event.get("text")
+        if text is None:
+            await self.relay(event)
+        else:  # encoded once by the publisher (jobs/events.py), sent to every viewer as it is
+            await self.send(text_data=text)
 
 
 class ClusterConsumer(RelayConsumer):

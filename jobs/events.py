@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ugro_site.publish import send
@@ -13,8 +14,13 @@ def job_group(job_id: int) -> str:
 
 def publish_job(job, kind: str, payload: dict[str, Any]) -> bool:
     """Send an event to the job's group and a state summary to the cluster group; never raises
-    (ugro_site/publish.py: one event loop per thread, kept). False if the job's event was not sent."""
-    sent = send(job_group(job.pk), {"type": "job.event", "kind": kind, "data": payload})
+    (ugro_site/publish.py: one event loop per thread, kept). False if the job's event was not sent.
+
+    The event goes out as the JSON text the browsers get, encoded here once: the web process then relays
+    the text to each viewer of the job as it is, instead of decoding nested lists from the channel layer and
+    encoding them again per viewer (a quarter of its CPU under R10, 1,000 lines an event)."""
+    text = json.dumps({"kind": kind, "data": payload}, separators=(",", ":"))
+    sent = send(job_group(job.pk), {"type": "job.event", "kind": kind, "text": text})
     if kind == "state":
         send("cluster", {"type": "cluster.event", "kind": "job", "data": {"job": job.name, "state": job.state}})
     return sent
