@@ -93,6 +93,9 @@ class Point(NamedTuple):
     final: bool = False  # part of the run's end-of-training summary, not a curve point
 
 
+_new_tuple = tuple.__new__
+
+
 class _Malformed(Exception):
     """Raised inside the parser for a line that looked like metrics but cannot be used."""
 
@@ -268,7 +271,7 @@ class LineParser:
 
     def _parse_json_object(self, obj: Any) -> list[Point]:
         """A bare JSON line is a metric line only if it carries a step."""
-        if not isinstance(obj, dict) or not any(key in obj for key in STEP_KEYS):
+        if type(obj) is not dict or ("step" not in obj and "global_step" not in obj):  # STEP_KEYS, unrolled
             return []
         return self._points(obj, self._step_for(obj))
 
@@ -315,11 +318,12 @@ class LineParser:
         values: list[tuple[str, float]] = []
         rejected = False
         for key, raw in obj.items():
-            if not isinstance(key, str) or key in NOT_METRICS or not _is_number(raw):
+            kind = type(raw)  # _is_number and _finite_float, inline: this loop runs for every value of every line
+            if (kind is not float and kind is not int) or type(key) is not str or key in NOT_METRICS:
                 continue
             if own_series and key == "epoch":
                 continue
-            value = _finite_float(raw)
+            value = (raw if math.isfinite(raw) else None) if kind is float else _finite_float(raw)
             if value is None or not key or len(key) > MAX_NAME_CHARS:
                 rejected = True
                 continue
@@ -333,11 +337,14 @@ class LineParser:
             step = self._fallback_step()
         if not final:
             self.last_step = step
-            self._take_total(obj, step)
+            if "max_steps" in obj or "total_steps" in obj:  # TOTAL_KEYS
+                self._take_total(obj, step)
         if not values and rejected:
             raise _Malformed  # e.g. {"step": 1, "loss": NaN}: numbers were there but none usable
         rank = _rank(obj.get("rank"))
-        return [Point(step=step, name=name, value=value, rank=rank, final=final) for name, value in values]
+        # tuple.__new__ with the fields in order: a named tuple's own __new__ is a Python function (a tenth of
+        # a line's parsing, with keywords)
+        return [_new_tuple(Point, (step, name, value, rank, final)) for name, value in values]
 
     def _take_total(self, obj: dict[Any, Any], step: int) -> None:
         """A logged ``max_steps``/``total_steps`` beside the step is progress, like a bar's N/M."""

@@ -115,3 +115,29 @@ def test_points_are_stored_exactly_whatever_their_values_and_names(rank):
         assert (math.isnan(row[4]) and math.isnan(want.value)) or (
             row[4] == want.value and math.copysign(1, row[4]) == math.copysign(1, want.value)
         )
+
+
+def test_metrics_jsonl_lines_are_json_dumps_of_each_point(rank):
+    # given lines whose values take every path of the jsonl writer: ints and floats, tiny, huge and
+    # negative-zero values, a step given as a float, a line's own rank, names that need escaping, a
+    # value out of a float's range, and the Trainer's end-of-training summary (final, at the bar's step)
+    when = timezone.now()
+    lines = [
+        '{"step": 1, "loss": 2.5, "lr": 3, "acc": -0.0}',
+        '{"step": 2.0, "loss": 1e-300, "big": 1.7976931348623157e308, "rank": 1}',
+        '{"global_step": 3, "na\\"me\\\\": 0.1, "grad/norm²": 5e-324, "huge": ' + "9" * 400 + "}",
+        "{'train_runtime': '1.5', 'train_loss': '2.0', 'epoch': '1.5'}",
+    ]
+    # when a follower parses them
+    points, jsonl = parse_lines(rank.job_id, 0, lines, RankStream(), when, end=True)
+    # then each metrics.jsonl line is exactly json.dumps of its point (the file's documented shape)
+    finals = FinalMetric.objects.filter(job_id=rank.job_id).order_by("id")
+    expected = [
+        {"rank": p.rank, "step": p.step, "name": p.name, "value": p.value, "time": when.timestamp()} for p in points
+    ] + [
+        {"rank": f.rank, "step": f.step, "name": f.name, "value": f.value, "time": when.timestamp(), "final": True}
+        for f in finals
+    ]
+    assert len(points) == 7 and finals.count() == 3  # the value beyond a float is left out
+    assert jsonl == [json.dumps(e) for e in expected]
+    assert all(type(p.step) is int and type(p.value) is float for p in points)
