@@ -3,7 +3,8 @@
 
     .venv/bin/python bench/reliability.py [--only r3,r10] [--r10-jobs 3,10] [--r10-rate 1000]
                                           [--r10-seconds 60] [--r3-rate 50] [--r3-seconds 60]
-                                          [--outage-at 15] [--outage 10] [--keep]
+                                          [--outage-at 15] [--outage 10] [--ranks-nice 0] [--suffix S]
+                                          [--note TEXT] [--keep]
 
 One throwaway UGRO: PostgreSQL database `ugro_bench_rel` (recreated, dropped at the end), a
 redis-server of its own on a free 127.0.0.1 port (`--save "" --appendonly no`; never the machine's
@@ -34,6 +35,15 @@ long after Redis was back each viewer was connected and received lines again, an
 lines in the worker's, beat's and daphne's logs from the stop until 30 s after the restart.
 R10: N jobs x 3 ranks at `--r10-rate` lines/s per rank for `--r10-seconds` s, for each N.
 
+The nodes share this machine's two CPUs with the controller and with each other, which real nodes do
+not. It shows most at R10's end, when all 30 torchruns exit at once: torch's teardown costs each about
+0.3-0.5 s of CPU, and for ~7 s they held both CPUs, while the node agents (which answer the follower's
+reads) waited their turn behind them and the controller waited for the agents (`cpu_timeline`: CPU
+seconds per role per second). `--ranks-nice 10` runs the jobs' processes on the nodes (wrapper,
+torchrun, rank; niced before GO, the niceness of their sessions' autogroups too, since Linux schedules
+each session as one group) at a lower priority than the agents and the controller, standing in for one
+torchrun per machine: the ranks still print on schedule (`rank_max_lag_s` says if not).
+
 Results: bench/results/reliability.json (one entry per scenario; entries of scenarios not run are
 kept). Run as `reliability.py viewer URL COOKIE ORIGIN OUT READY MAX_SECONDS` it is the viewer.
 """
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import os
 import shutil
@@ -290,6 +301,7 @@ class Sampler(threading.Thread):
         self.last: dict[int, tuple[str, float]] = {}
         self.rss: list[tuple[float, dict[str, int]]] = []
         self.db_lines: list[tuple[float, int]] = []
+        self.cpu_timeline: list[tuple[float, dict[str, float]]] = []
         self.halt = threading.Event()
         self.window: tuple[float, float] | None = None
         self.machine0 = _machine_times()
@@ -356,10 +368,28 @@ class Sampler(threading.Thread):
             while not self.halt.wait(1.0):
                 now = time.time()
                 self.rss.append((now, dict(self.scan())))
+                self.cpu_timeline.append((now, self.cpu_by_role()))
                 lines = Rank.objects.filter(job_id__in=self.job_ids).aggregate(n=Sum("log_lines"))["n"] or 0
                 self.db_lines.append((now, lines))
         finally:
             connection.close()
+
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds used by each role since begin() (a process that exited: up to its last reading)."""
+        cpu: dict[str, float] = Counter()
+        for pid, (role, value) in self.last.items():
+            cpu[role] += value - self.base.get(pid, 0.0)
+        return cpu
+
+    def timeline(self) -> list:
+        """Per second of the window: [seconds since begin, {role: CPU seconds used in that second}], to see
+        when each side was busy (the end of R10: every rank exits at once on the same two cores)."""
+        out, before = [], {}
+        for now, cpu in self.cpu_timeline:
+            used = {r: round(v - before.get(r, 0.0), 2) for r, v in sorted(cpu.items())}
+            out.append([round(now - self.window[0], 1), {r: v for r, v in used.items() if v >= 0.01}])
+            before = cpu
+        return out
 
     def end(self) -> dict:
         self.halt.set()
@@ -368,9 +398,7 @@ class Sampler(threading.Thread):
         self.machine1 = _machine_times()
         t0 = self.window[0]
         seconds = time.time() - t0
-        cpu: dict[str, float] = Counter()
-        for pid, (role, value) in self.last.items():
-            cpu[role] += value - self.base.get(pid, 0.0)
+        cpu = self.cpu_by_role()
         bench1 = os.times()
         cpu["bench_process"] = bench1.user - self.bench0.user + bench1.system - self.bench0.system
         controller = sum(cpu.get(r, 0.0) for r in ("worker", "beat", "daphne"))
@@ -788,7 +816,7 @@ def timeline(sampler: Sampler, t_go: float) -> list[list[float]]:
 # ---- one scenario ------------------------------------------------------------------------------
 def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float, env: dict, tmp: Path, cluster,
                  redis: RedisServer, cookie: str, outage_at: float = 0.0, outage: float = 0.0,
-                 end_timeout: float = 300.0) -> dict:  # fmt: skip
+                 end_timeout: float = 300.0, ranks_nice: int = 0) -> dict:  # fmt: skip
     from jobs.models import Job
 
     t_scn = time.monotonic()
@@ -823,6 +851,13 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         idle = idle_cost(controller)
         print(f"[{label}] {n_jobs} jobs running, {len(viewers)} viewers; idle controller: {idle}", flush=True)
 
+        if ranks_nice:  # see --ranks-nice: wrapper, torchrun and the rank, all started and waiting for GO
+            for pid in sorted({pid for tag in tags for pid in tagged_pids(tag)}):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, pid, ranks_nice)
+                    # With the kernel's autogroups each session is scheduled as one: a process's niceness
+                    # only counts inside its session, and every rank runs in a session of its own.
+                    Path(f"/proc/{pid}/autogroup").write_text(str(ranks_nice))
         sampler = Sampler(controller, redis, cluster, set(tags), [v["proc"] for v in viewers], ids)
         sampler.begin()
         t_go = time.time()
@@ -931,6 +966,7 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         "db_lines_per_s_while_printing": db_rate,
         "last_print_to_db_complete_s": round(caught_up - last_print, 2) if caught_up else None,
         "db_lines_timeline": timeline(samp, t_go),
+        "cpu_timeline": samp.timeline(),
         "usage_go_to_end": usage,
         "scenario_wall_s": round(time.monotonic() - t_scn, 1),
     }
@@ -1137,9 +1173,18 @@ def main() -> None:
         default=300.0,
         help="seconds after the last print the jobs may take to end before the scenario reports them stuck",
     )
+    ap.add_argument(
+        "--ranks-nice",
+        type=int,
+        default=0,
+        help="run the jobs' processes on the nodes (wrapper, torchrun, rank) at this niceness (agents stay at 0)",
+    )
+    ap.add_argument("--suffix", default="", help="store the entries as LABEL-SUFFIX (r10-10jobs-SUFFIX)")
     ap.add_argument("--note", default="")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
+    if not 0 <= args.ranks_nice <= 19:
+        sys.exit("--ranks-nice: 0 to 19")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     if not only <= {"r3", "r10"}:
         sys.exit(f"--only: unknown scenario in {args.only!r} (r3, r10)")
@@ -1170,17 +1215,19 @@ def main() -> None:
             load0 = [round(x, 2) for x in os.getloadavg()]
             print(f"[{label}] starting: {n} job(s) x 3 ranks, {rate:g} lines/s per rank for {seconds:g}s", flush=True)
             res = run_scenario(kind, label, n, rate, seconds, env, tmp, cluster, redis, cookie,
-                               outage_at=args.outage_at, outage=args.outage, end_timeout=args.end_timeout)  # fmt: skip
+                               outage_at=args.outage_at, outage=args.outage, end_timeout=args.end_timeout,
+                               ranks_nice=args.ranks_nice)  # fmt: skip
             entry = {"summary": res["summary"], "per_rank": res["per_rank"]}
             entry["db_lines_timeline"] = entry["summary"].pop("db_lines_timeline")
+            entry["cpu_timeline"] = entry["summary"].pop("cpu_timeline")
             if kind == "r3":
                 entry["outage"] = outage_report(
                     {**res, "summary": {**res["summary"], "db_lines_timeline": entry["db_lines_timeline"]}}
                 )
             entry["loadavg_before_after"] = [load0, [round(x, 2) for x in os.getloadavg()]]
-            results[label] = entry
-            print(json.dumps({k: v for k, v in entry.items() if k not in ("per_rank", "db_lines_timeline")},
-                             indent=1)[:6000], flush=True)  # fmt: skip
+            results[f"{label}-{args.suffix}" if args.suffix else label] = entry
+            shown = {k: v for k, v in entry.items() if k not in ("per_rank", "db_lines_timeline", "cpu_timeline")}
+            print(json.dumps(shown, indent=1)[:6000], flush=True)
     finally:
         cleanup(cluster, redis, tmp, args.keep)
 
@@ -1189,7 +1236,8 @@ def main() -> None:
     data["method"] = __doc__.split("\n\n", 2)[2].strip()
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     info["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-    params = {k: getattr(args, k) for k in ("r10_rate", "r10_seconds", "r3_rate", "r3_seconds", "outage_at", "outage")}
+    names = ("r10_rate", "r10_seconds", "r3_rate", "r3_seconds", "outage_at", "outage", "ranks_nice")
+    params = {k: getattr(args, k) for k in names}
     for label, entry in results.items():
         data.setdefault("scenarios", {})[label] = {"machine": info, "params": params, "note": args.note, **entry}
     write_json(path, data)
