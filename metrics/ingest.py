@@ -145,7 +145,6 @@ def parse_lines(
     if end:
         parsed.extend(stream.parser.flush())
     stamp = _json_number(when.timestamp())
-    names = _NAMES
     for p in parsed:
         step, name, value, rank, final = p
         if rank is None:
@@ -153,7 +152,7 @@ def parse_lines(
         # json.dumps of {"rank", "step", "name", "value", "time"[, "final"]}, byte for byte, without
         # building a dict and an encoder per point (it was a sixth of the follower's CPU at 30k lines/s).
         # The parser's steps are ints and its values finite floats, whose repr is what json writes.
-        quoted = names.get(name) or _json_name(name)
+        quoted = _json_name(name)
         if type(step) is int and type(value) is float and not final:
             points.append(_new_tuple(Sample, (job_id, rank, step, name[:100], value, when, attempt)))
             jsonl.append(f'{{"rank": {rank}, "step": {step}, "name": {quoted}, "value": {value!r}, "time": {stamp}}}')

@@ -57,6 +57,9 @@ MAX_PATTERN_CHARS = 500
 STEP_KEYS = ("step", "global_step")
 # A run's planned total of steps, when a script logs it beside the step (HF's state.max_steps).
 TOTAL_KEYS = ("max_steps", "total_steps")
+# Both pairs by name, for the per-line checks (two `in`s: 0.35 us a line less than `keys().isdisjoint(...)`)
+_STEP_KEY, _GLOBAL_STEP_KEY = STEP_KEYS
+_MAX_STEPS_KEY, _TOTAL_STEPS_KEY = TOTAL_KEYS
 NOT_METRICS = frozenset({"step", "global_step", "rank", "v_num", *TOTAL_KEYS})
 # A Trainer dict with one of these is the end-of-training summary: the run's final metrics.
 FINAL_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"})
@@ -271,7 +274,7 @@ class LineParser:
 
     def _parse_json_object(self, obj: Any) -> list[Point]:
         """A bare JSON line is a metric line only if it carries a step."""
-        if type(obj) is not dict or ("step" not in obj and "global_step" not in obj):  # STEP_KEYS, unrolled
+        if type(obj) is not dict or (_STEP_KEY not in obj and _GLOBAL_STEP_KEY not in obj):
             return []
         return self._points(obj, self._step_for(obj))
 
@@ -337,7 +340,7 @@ class LineParser:
             step = self._fallback_step()
         if not final:
             self.last_step = step
-            if "max_steps" in obj or "total_steps" in obj:  # TOTAL_KEYS
+            if _MAX_STEPS_KEY in obj or _TOTAL_STEPS_KEY in obj:
                 self._take_total(obj, step)
         if not values and rejected:
             raise _Malformed  # e.g. {"step": 1, "loss": NaN}: numbers were there but none usable
