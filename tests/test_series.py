@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from jobs.models import Job
+from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
 from metrics.series import series
 
@@ -29,21 +29,10 @@ def add_points(job: Job, rows: list[tuple[int, int, float]], name: str = "loss")
 
 
 def add_many_points(job: Job, rows: list[tuple[int, int, float]], name: str = "loss") -> None:
-    """add_points for hundreds of thousands of rows: one executemany of a plain INSERT.
-
-    On SQLite this takes ~1 s for 200k rows where bulk_create takes ~7 s (on PostgreSQL they are even).
-    """
-    meta = MetricPoint._meta
-    fields = [meta.get_field(f) for f in ("job", "rank", "step", "name", "value", "time")]
-    table = connection.ops.quote_name(meta.db_table)
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
-    placeholders = ", ".join(["%s"] * len(fields))
-    now = connection.ops.adapt_datetimefield_value(timezone.now())
-    with connection.cursor() as cursor:
-        cursor.executemany(
-            f"INSERT INTO {table} ({columns}) VALUES ({placeholders})",
-            [(job.pk, r, s, name, v, now) for r, s, v in rows],
-        )
+    """add_points for hundreds of thousands of rows: through the follower's own COPY (save_points), which
+    takes 200k rows in about a second where an executemany of INSERTs took 15 s."""
+    now = timezone.now()
+    save_points([Sample(job.pk, r, s, name, v, now) for r, s, v in rows])
 
 
 def test_small_history_is_exact() -> None:
