@@ -4,6 +4,7 @@ policy's decisions, the hang limit and straggler scores. The end-to-end proof is
 from __future__ import annotations
 
 import io
+import json
 import re
 import sys
 from datetime import timedelta
@@ -11,11 +12,14 @@ from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from cluster.models import Node
 from jobs import checkpoints, lifecycle, recovery
 from jobs.models import Attempt, Checkpoint, Job, Rank
+from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -180,6 +184,45 @@ def test_the_hang_limit_is_five_median_intervals_or_the_floor(node, settings):
     quick = Job.objects.create(name="q", script="t.py", state=Job.State.RUNNING)
     points(quick, 1, range(1, 30), gap=0.5)
     assert recovery.hang_limit(quick)[0] == 60.0
+
+
+def _metricpoint_rows_read(sql: str) -> int:
+    """Rows a query read from the metric points' table (scanned, kept or filtered out), by EXPLAIN ANALYZE."""
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql)
+        plan = cursor.fetchone()[0]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+
+    def walk(node: dict) -> int:
+        own = 0
+        if node.get("Relation Name") == MetricPoint._meta.db_table:
+            own = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
+        return own + sum(walk(child) for child in node.get("Plans", []))
+
+    return walk(plan[0]["Plan"])
+
+
+def test_the_hang_check_reads_a_bounded_number_of_points_however_long_the_job_ran(node):
+    # given a running job with 60,000 points (3 ranks x 2 metrics) of its second attempt, and its first's
+    job = Job.objects.create(name="long", script="t.py", state=Job.State.RUNNING, attempt=2,
+                             running_at=timezone.now() - timedelta(hours=1))  # fmt: skip
+    Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING, last_contact=timezone.now())
+    start = timezone.now() - timedelta(seconds=10_000)
+    for attempt in (1, 2):
+        save_points([Sample(job.pk, rank, step, name, 1.0 / step, start + timedelta(seconds=step), attempt)
+                     for step in range(1, 10_001) for rank in range(3) for name in ("loss", "lr")])  # fmt: skip
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {MetricPoint._meta.db_table}")  # as autovacuum keeps it
+    # when the reconciler checks it for a hang
+    with CaptureQueriesContext(connection) as queries:
+        assert recovery.check_hang(job) is False
+    # then it read a few hundred points at most, not every point of the job
+    reads = [q["sql"] for q in queries.captured_queries if MetricPoint._meta.db_table in q["sql"]]
+    assert reads and all(_metricpoint_rows_read(sql) <= 500 for sql in reads), [
+        (_metricpoint_rows_read(sql), sql[:120]) for sql in reads
+    ]
+    # and still judged the interval on the series it logs most often (a point a second)
+    assert recovery.hang_limit(job) == (60.0, 1.0)
 
 
 def test_a_rank_above_the_ratio_for_three_windows_is_a_straggler(node, settings):
