@@ -190,13 +190,17 @@ class JobFollower:
         stream = self.streams.get(rank.pk)
         if stream is None:
             stream = self.streams[rank.pk] = RankStream()
+            # inferred steps continue after a restart from the rank's newest stored point: read backwards
+            # along the (job, id) index (ordering the job's points by step sorted all of them, every time a
+            # follower took over a long run)
             last = (
                 MetricPoint.objects.filter(job=self.job, rank=rank.index, attempt=self.job.attempt)
-                .order_by("-step")
+                .order_by("-id")
+                .values_list("step", flat=True)
                 .first()
             )
-            if last:
-                stream.parser.last_step = last.step  # inferred steps continue after a restart
+            if last is not None:
+                stream.parser.last_step = last
         return stream
 
     def step(self, wait: float = 0.0) -> int:
