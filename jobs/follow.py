@@ -41,7 +41,6 @@ from cluster.links import AgentRequestError, LinkError
 from metrics import rollup
 from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
-from metrics.models import MetricPoint
 
 from . import checkpoints, lifecycle
 from .events import publish_job
@@ -190,17 +189,10 @@ class JobFollower:
         stream = self.streams.get(rank.pk)
         if stream is None:
             stream = self.streams[rank.pk] = RankStream()
-            # inferred steps continue after a restart from the rank's newest stored point: read backwards
-            # along the (job, id) index (ordering the job's points by step sorted all of them, every time a
-            # follower took over a long run)
-            last = (
-                MetricPoint.objects.filter(job=self.job, rank=rank.index, attempt=self.job.attempt)
-                .order_by("-id")
-                .values_list("step", flat=True)
-                .first()
-            )
-            if last is not None:
-                stream.parser.last_step = last
+            if rank.metric_step is not None:
+                # inferred steps go on after a change of follower from the step the last one recorded on the
+                # rank's row with its last points (reading it from the points sorted the job's every point)
+                stream.parser.last_step = rank.metric_step
         return stream
 
     def step(self, wait: float = 0.0) -> int:
@@ -337,6 +329,8 @@ class JobFollower:
                 jsonl += rank_jsonl
             fields = {"log_offset": rank.log_offset + len(data), "log_lines": rank.log_lines + len(lines),
                       "last_contact": now}  # fmt: skip
+            if points:
+                fields["metric_step"] = self.streams[rank.pk].parser.last_step
             exit_info = item["exit"] if final and exited else None
             taken.append(_Taken(rank, rank.log_offset, data, lines, points, fields, exit_info, final))
         if quiet:

@@ -190,6 +190,10 @@ class Rank(models.Model):
     log_offset = models.BigIntegerField(default=0, help_text="Bytes of the node's log already copied.")
     log_lines = models.BigIntegerField(default=0)
     last_contact = models.DateTimeField(null=True, blank=True)
+    metric_step = models.BigIntegerField(
+        null=True, blank=True,
+        help_text="Step of the rank's last metric point: a new follower's inferred steps go on from it.",
+    )  # fmt: skip
 
     class Meta:
         ordering = ["job", "index"]

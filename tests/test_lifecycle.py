@@ -19,6 +19,7 @@ import pytest
 from django.contrib.auth.models import Group
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from cluster.links import LinkError
@@ -189,6 +190,26 @@ def test_the_follower_folds_the_rollup_outside_its_lease_at_most_every_interval_
     f.fold(now=True)
     assert len(folds) == 2
     assert RollupMark.objects.get(job=job).upto == MetricPoint.objects.filter(job=job).latest("id").id
+
+
+def test_a_new_follower_goes_on_from_the_step_the_last_one_recorded_without_reading_the_points(
+    local_node, fast_settings
+):
+    job = running_job(local_node)
+    assert claim(job.pk, "a")
+    # given a follower that took 12,000 lines with no step of their own (steps 1..12000; more than a new
+    # follower replays of the copied log to rebuild its parser)
+    write_log(job, b'UGRO_METRIC {"loss": 0.5}\n' * 12_000)
+    assert JobFollower(job, "a").step() > 0
+    rank = job.ranks.get()
+    assert rank.metric_step == 12_000
+    # when a new follower takes the next line
+    write_log(job, b'UGRO_METRIC {"loss": 0.25}\n')
+    with CaptureQueriesContext(connection) as queries:
+        assert JobFollower(job, "a").step() > 0
+    # then its step goes on from the recorded one, and it read no metric point to know it
+    assert MetricPoint.objects.filter(job=job).order_by("-id").values_list("step", "value").first() == (12_001, 0.25)
+    assert not [q for q in queries.captured_queries if q["sql"].startswith("SELECT") and "metricpoint" in q["sql"]]
 
 
 def test_events_a_follower_could_not_send_are_followed_by_a_resync(local_node, fast_settings, monkeypatch):

@@ -18,7 +18,6 @@ from django.utils import timezone
 
 from cluster.models import Node
 from jobs import checkpoints, lifecycle, recovery
-from jobs.follow import JobFollower
 from jobs.models import Attempt, Checkpoint, Job, Rank
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
@@ -203,21 +202,18 @@ def _metricpoint_rows_read(sql: str) -> int:
     return walk(plan[0]["Plan"])
 
 
-def test_the_hang_check_and_a_new_follower_read_a_bounded_number_of_points_however_long_the_job_ran(node):
+def test_the_hang_check_reads_a_bounded_number_of_points_however_long_the_job_ran(node):
     # given a running job with 60,000 points (3 ranks x 2 metrics) of its second attempt, and its first's
     job = Job.objects.create(name="long", script="t.py", state=Job.State.RUNNING, attempt=2,
                              running_at=timezone.now() - timedelta(hours=1))  # fmt: skip
-    rank = Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING, last_contact=timezone.now())
+    Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING, last_contact=timezone.now())
     start = timezone.now() - timedelta(seconds=10_000)
     for attempt in (1, 2):
         save_points([Sample(job.pk, rank, step, name, 1.0 / step, start + timedelta(seconds=step), attempt)
                      for step in range(1, 10_001) for rank in range(3) for name in ("loss", "lr")])  # fmt: skip
-    with connection.cursor() as cursor:
-        cursor.execute(f"ANALYZE {MetricPoint._meta.db_table}")  # as autovacuum keeps it
-    # when the reconciler checks it for a hang, and a new follower takes up rank 0 (its inferred steps go on)
+    # when the reconciler checks it for a hang (before any ANALYZE: a growing table's statistics lag)
     with CaptureQueriesContext(connection) as queries:
         assert recovery.check_hang(job) is False
-        assert JobFollower(job, "f")._stream(rank).parser.last_step == 10_000
     # then it read a few hundred points at most, not every point of the job
     reads = [q["sql"] for q in queries.captured_queries if MetricPoint._meta.db_table in q["sql"]]
     assert reads and all(_metricpoint_rows_read(sql) <= 500 for sql in reads), [
