@@ -41,6 +41,7 @@ from cluster.links import AgentRequestError, LinkError
 from metrics import rollup
 from metrics.files import follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
+from metrics.models import JobMetrics
 
 from . import checkpoints, lifecycle
 from .events import publish_job
@@ -184,6 +185,18 @@ class JobFollower:
         self.unfolded = True
         self.folded_at = -math.inf  # monotonic time of the last catch_up
         self.missed = False  # an event of this job could not be sent: pages must resync before the next
+        self.renewed_at = -math.inf  # monotonic time this follower last renewed its lease
+        self.metric_files: bool | None = None  # the job names metric files to follow (None: not read yet)
+
+    def renew(self) -> None:
+        """renew() this follower's lease (LeaseLost if another holds it), noting when."""
+        renew(self.job.pk, self.owner)
+        self.renewed_at = time.monotonic()
+
+    def holds_lease(self) -> bool:
+        """Whether the lease was renewed so lately that a claim would only renew it again: the next pass
+        renews it first thing anyway (LeaseLost then, if another follower took it meanwhile)."""
+        return time.monotonic() - self.renewed_at < _lease_s() / 3
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -231,7 +244,7 @@ class JobFollower:
                 group[0].node, "tail", timeout=read_timeout + node_wait, files=files, wait_ms=int(node_wait * 1000)
             )
 
-        renew(job.pk, self.owner)
+        self.renew()
         now = None
         answered: list[tuple[Rank, dict, bool]] = []
         for group, result, err in on_each(list(by_node.values()), tail):
@@ -248,8 +261,12 @@ class JobFollower:
                 self.hot_node = rank.node_id
             self._scan_checkpoints(rank)
         taken = sum(got.values())
-        # metrics.csv / TensorBoard files the job named, written under the same lease as the logs
-        if follow_metric_files(job, ranks, node_request, guard=lambda: renew(job.pk, self.owner)):
+        # metrics.csv / TensorBoard files the job named, written under the same lease as the logs (named at
+        # launch: whether there are any is read once, not every pass)
+        if self.metric_files is None:
+            named = JobMetrics.objects.filter(job=job).values_list("files", flat=True).first()
+            self.metric_files = bool(named)
+        if self.metric_files and follow_metric_files(job, ranks, node_request, guard=self.renew):
             self.unfolded = True
         return taken
 
@@ -286,7 +303,7 @@ class JobFollower:
         drained when its exit record is read to the end, or when its node rebooted (nothing more comes)."""
         ranks = list(self.job.ranks.select_related("node", "job").filter(state=Rank.State.LOST, drained=False))
         taken = 0
-        renew(self.job.pk, self.owner)
+        self.renew()
         for rank in ranks:
             try:
                 boot_now = (node_request(rank.node, "hello", timeout=5) or {}).get("boot_id") or ""
@@ -339,7 +356,7 @@ class JobFollower:
             points = [p for t in taken for p in t.points]
             with transaction.atomic():
                 relaxed_commit()
-                renew(self.job.pk, self.owner)  # locks the job's row: no other follower writes meanwhile
+                self.renew()  # locks the job's row: no other follower writes meanwhile
                 for t in taken:
                     if t.data:
                         write_at(t.rank.local_log, t.old, t.data)
@@ -462,10 +479,11 @@ def follow(
                 if max_jobs is not None and job.pk not in followers and len(followers) >= max_jobs:
                     left_over = left_over or followed_by_nobody(job, timezone.now())
                     continue
-                if not claim(job.pk, owner):
+                f = followers.get(job.pk)
+                held = f is not None and f.job.attempt == job.attempt and f.holds_lease()
+                if not held and not claim(job.pk, owner):  # a claim per pass was a twentieth of the worker's CPU
                     followers.pop(job.pk, None)
                     continue
-                f = followers.get(job.pk)
                 if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh
                     f = followers[job.pk] = JobFollower(job, owner)
                 try:

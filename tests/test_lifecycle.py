@@ -334,6 +334,48 @@ def test_a_follower_with_a_job_cap_asks_for_another_follower_for_the_rest(local_
     assert not asked
 
 
+def test_a_busy_followed_job_is_claimed_once_and_each_pass_costs_a_bounded_number_of_queries(
+    local_node, fast_settings, monkeypatch
+):
+    """NetBox-style guard on the follower's hot path (R10: every pass of every job): a job it already holds is
+    not claimed again each pass, and its metric-file settings are read once, not per pass."""
+    job = running_job(local_node)
+    tails = []
+    real = follow_module.node_request
+
+    def counting(node, op, /, **fields):
+        if op == "tail":
+            tails.append(op)
+        return real(node, op, **fields)
+
+    monkeypatch.setattr(follow_module, "node_request", counting)
+    log_path = job.ranks.get().remote_log
+    stop = threading.Event()
+
+    def printing() -> None:  # a metric line every 50 ms, as a busy rank; no database in this thread
+        for step in range(1, 1000):
+            if stop.wait(0.05):
+                return
+            with open(log_path, "ab") as fh:
+                fh.write(b'{"step": %d, "loss": 0.5}\n' % step)
+
+    writer = threading.Thread(target=printing)
+    writer.start()
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            follow(2.0, job_ids=[job.pk], idle_sleep=0.1)
+    finally:
+        stop.set()
+        writer.join()
+    sql = [q["sql"] for q in queries.captured_queries]
+    claims = [q for q in sql if q.startswith("UPDATE") and 'SET "follower" =' in q and "SET \"follower\" = ''" not in q]
+    settings_reads = [q for q in sql if q.startswith("SELECT") and "metrics_jobmetrics" in q]
+    assert len(tails) >= 10 and MetricPoint.objects.filter(job=job).count() >= 10
+    assert len(claims) == 1, claims
+    assert len(settings_reads) <= 2, settings_reads  # the follower's, and the new rank stream's parser settings
+    assert len(sql) <= 12 * len(tails), (len(sql), len(tails))  # about 11 now
+
+
 def test_a_quiet_job_is_polled_less_often_and_its_next_line_is_still_taken(local_node, fast_settings, monkeypatch):
     """An idle followed job cost about 4 % of a CPU in empty passes: while rounds take nothing, the follower
     waits longer between them (up to QUIET_MAX_FACTOR x idle_sleep); a line resets it."""
