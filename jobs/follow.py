@@ -50,6 +50,7 @@ from .models import Job, Rank
 from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
+_JOB_TABLE = Job._meta.db_table
 TAIL_BYTES = 4 * 1024 * 1024
 PUBLISH_SLICE = 1000
 
@@ -100,14 +101,21 @@ def followed_by_nobody(job: Job, now: datetime) -> bool:
     return job.follower == "" or job.follower_until is None or job.follower_until < now
 
 
-def renew(job_id: int, owner: str) -> None:
+def renew(job_id: int, owner: str) -> int:
     """Extend this follower's lease if it still holds it; LeaseLost otherwise. Inside a transaction the
-    UPDATE also locks the job's row until commit."""
+    UPDATE also locks the job's row until commit. Returns the job's committed metrics.jsonl size, read by
+    the same statement (a pass that stores points needs it; one statement, not an UPDATE and a SELECT)."""
     now = timezone.now()
-    if not Job.objects.filter(pk=job_id, follower=owner, follower_until__gt=now).update(
-        follower_until=now + timedelta(seconds=_lease_s())
-    ):
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {_JOB_TABLE} SET follower_until = %s WHERE id = %s AND follower = %s AND follower_until > %s"
+            " RETURNING metrics_bytes",
+            [now + timedelta(seconds=_lease_s()), job_id, owner, now],
+        )
+        row = cursor.fetchone()
+    if row is None:
         raise LeaseLost(f"job {job_id}: lease lost to another follower")
+    return row[0]
 
 
 def relaxed_commit() -> None:
@@ -188,10 +196,12 @@ class JobFollower:
         self.renewed_at = -math.inf  # monotonic time this follower last renewed its lease
         self.metric_files: bool | None = None  # the job names metric files to follow (None: not read yet)
 
-    def renew(self) -> None:
-        """renew() this follower's lease (LeaseLost if another holds it), noting when."""
-        renew(self.job.pk, self.owner)
+    def renew(self) -> int:
+        """renew() this follower's lease (LeaseLost if another holds it), noting when; the job's committed
+        metrics.jsonl size."""
+        committed = renew(self.job.pk, self.owner)
         self.renewed_at = time.monotonic()
+        return committed
 
     def holds_lease(self) -> bool:
         """Whether the lease was renewed so lately that a claim would only renew it again: the next pass
@@ -356,14 +366,13 @@ class JobFollower:
             points = [p for t in taken for p in t.points]
             with transaction.atomic():
                 relaxed_commit()
-                self.renew()  # locks the job's row: no other follower writes meanwhile
+                committed = self.renew()  # locks the job's row: no other follower writes meanwhile
                 for t in taken:
                     if t.data:
                         write_at(t.rank.local_log, t.old, t.data)
                         with open(times_path(t.rank), "a") as fh:  # when each chunk arrived, for merged views
                             fh.write(f"{t.old + len(t.data)} {now.timestamp():.3f}\n")
                 if points:
-                    committed = Job.objects.values_list("metrics_bytes", flat=True).get(pk=self.job.pk)
                     size = self._append_jsonl(committed, jsonl)
                     save_points(points)
                     Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)

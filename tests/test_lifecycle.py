@@ -373,7 +373,7 @@ def test_a_busy_followed_job_is_claimed_once_and_each_pass_costs_a_bounded_numbe
     assert len(tails) >= 10 and MetricPoint.objects.filter(job=job).count() >= 10
     assert len(claims) == 1, claims
     assert len(settings_reads) <= 2, settings_reads  # the follower's, and the new rank stream's parser settings
-    assert len(sql) <= 12 * len(tails), (len(sql), len(tails))  # about 11 now
+    assert len(sql) <= 11 * len(tails), (len(sql), len(tails))  # about 10 now
 
 
 def test_a_quiet_job_is_polled_less_often_and_its_next_line_is_still_taken(local_node, fast_settings, monkeypatch):
