@@ -206,6 +206,9 @@ GARBAGE = [
     '{"step": 99999999999999999999999, "loss": 1.0}',
     "{" + '"a": ' * 10 + "x",
     '{"a": ' + "[" * 10000 + "]" * 10000 + "}",
+    '{"step": 1, "loss": 2.5} and more',  # a JSON value with something after it is not JSON
+    '{"step": 1, "loss": 2.5}{"step": 2, "loss": 2.4}',
+    'UGRO_METRIC {"loss": 2.5} x',
     "UGRO_METRIC not json",
     "UGRO_METRIC [1, 2]",
     "UGRO_METRIC {}",
