@@ -308,6 +308,13 @@ def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
 INT8_MAX = 2**63 - 1
 
 
+def _points_sql(sql: str, params: list) -> list[tuple]:
+    """Rows of a query on the metric points' table, named {points} in it."""
+    with connection.cursor() as cursor:
+        cursor.execute(sql.format(points=connection.ops.quote_name(MetricPoint._meta.db_table)), params)
+        return cursor.fetchall()
+
+
 def _newest_points(job: Job) -> list[tuple[int, str, object]]:
     """(rank, name, time) of the job's newest points of its attempt, newest first.
 
@@ -315,29 +322,24 @@ def _newest_points(job: Job) -> list[tuple[int, str, object]]:
     comparison and the ORDER BY leave the planner no other plan, with or without statistics (a growing
     table's lag behind; without them PostgreSQL sorted every point of the job, 60-140 ms a check of each
     running job, every reconcile, in R10)."""
-    table = connection.ops.quote_name(MetricPoint._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT rank, name, time FROM (SELECT job_id, attempt, rank, name, time FROM {table}"
-            " WHERE (job_id, id) <= (%s, %s) ORDER BY job_id DESC, id DESC LIMIT %s) AS newest"
-            " WHERE job_id = %s AND attempt = %s",
-            [job.pk, INT8_MAX, HANG_SAMPLE_POINTS, job.pk, job.attempt],
-        )
-        return cursor.fetchall()
+    return _points_sql(
+        "SELECT rank, name, time FROM (SELECT job_id, attempt, rank, name, time FROM {points}"
+        " WHERE (job_id, id) <= (%s, %s) ORDER BY job_id DESC, id DESC LIMIT %s) AS newest"
+        " WHERE job_id = %s AND attempt = %s",
+        [job.pk, INT8_MAX, HANG_SAMPLE_POINTS, job.pk, job.attempt],
+    )
 
 
 def _series_times(job: Job, rank: int, name: str) -> list:
     """Times of one series' points at its greatest steps (a rank's loss): backwards along the (job, name, step)
     index, as _newest_points reads (the other ranks' points of the name among them are read and skipped)."""
-    table = connection.ops.quote_name(MetricPoint._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT time FROM (SELECT job_id, name, attempt, rank, time FROM {table}"
-            " WHERE (job_id, name, step) <= (%s, %s, %s) ORDER BY job_id DESC, name DESC, step DESC LIMIT %s)"
-            " AS newest WHERE job_id = %s AND name = %s AND attempt = %s AND rank = %s LIMIT %s",
-            [job.pk, name, INT8_MAX, HANG_SAMPLE_POINTS * 8, job.pk, name, job.attempt, rank, HANG_SAMPLE_POINTS],
-        )
-        return [when for (when,) in cursor.fetchall()]
+    rows = _points_sql(
+        "SELECT time FROM (SELECT job_id, name, attempt, rank, time FROM {points}"
+        " WHERE (job_id, name, step) <= (%s, %s, %s) ORDER BY job_id DESC, name DESC, step DESC LIMIT %s)"
+        " AS newest WHERE job_id = %s AND name = %s AND attempt = %s AND rank = %s LIMIT %s",
+        [job.pk, name, INT8_MAX, HANG_SAMPLE_POINTS * 8, job.pk, name, job.attempt, rank, HANG_SAMPLE_POINTS],
+    )
+    return [when for (when,) in rows]
 
 
 def hang_limit(job: Job, newest: list | None = None) -> tuple[float, float | None]:

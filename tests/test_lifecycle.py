@@ -70,6 +70,20 @@ def write_log(job: Job, data: bytes, rc: int | None = None) -> Rank:
     return rank
 
 
+def count_tails(monkeypatch) -> list[str]:
+    """The follower's node reads ("tail" requests), one entry each, as they are made."""
+    tails: list[str] = []
+    real = follow_module.node_request
+
+    def counting(node, op, /, **fields):
+        if op == "tail":
+            tails.append(op)
+        return real(node, op, **fields)
+
+    monkeypatch.setattr(follow_module, "node_request", counting)
+    return tails
+
+
 def failure(kind=FailureKind.SCRIPT_ERROR) -> Failure:
     return Failure(kind=kind, rank=0, node="box", exit_code=3, signal=None, line="ValueError: boom")
 
@@ -340,15 +354,7 @@ def test_a_busy_followed_job_is_claimed_once_and_each_pass_costs_a_bounded_numbe
     """NetBox-style guard on the follower's hot path (R10: every pass of every job): a job it already holds is
     not claimed again each pass, and its metric-file settings are read once, not per pass."""
     job = running_job(local_node)
-    tails = []
-    real = follow_module.node_request
-
-    def counting(node, op, /, **fields):
-        if op == "tail":
-            tails.append(op)
-        return real(node, op, **fields)
-
-    monkeypatch.setattr(follow_module, "node_request", counting)
+    tails = count_tails(monkeypatch)
     log_path = job.ranks.get().remote_log
     stop = threading.Event()
 
@@ -381,15 +387,7 @@ def test_a_quiet_job_is_polled_less_often_and_its_next_line_is_still_taken(local
     waits longer between them (up to QUIET_MAX_FACTOR x idle_sleep); a line resets it."""
     job = running_job(local_node)
     write_log(job, b"first\n")
-    tails = []
-    real = follow_module.node_request
-
-    def counting(node, op, /, **fields):
-        if op == "tail":
-            tails.append(op)
-        return real(node, op, **fields)
-
-    monkeypatch.setattr(follow_module, "node_request", counting)
+    tails = count_tails(monkeypatch)
     # a line comes after a second and a half of quiet (the rounds have backed off by then)
     log_path = job.ranks.get().remote_log
 
