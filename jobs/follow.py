@@ -50,7 +50,6 @@ from .models import Job, Rank
 from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
-_JOB_TABLE = Job._meta.db_table
 TAIL_BYTES = 4 * 1024 * 1024
 PUBLISH_SLICE = 1000
 
@@ -108,7 +107,8 @@ def renew(job_id: int, owner: str) -> int:
     now = timezone.now()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {_JOB_TABLE} SET follower_until = %s WHERE id = %s AND follower = %s AND follower_until > %s"
+            f"UPDATE {connection.ops.quote_name(Job._meta.db_table)} SET follower_until = %s"
+            " WHERE id = %s AND follower = %s AND follower_until > %s"
             " RETURNING metrics_bytes",
             [now + timedelta(seconds=_lease_s()), job_id, owner, now],
         )
