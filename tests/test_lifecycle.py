@@ -382,6 +382,35 @@ def test_a_busy_followed_job_is_claimed_once_and_each_pass_costs_a_bounded_numbe
     assert len(sql) <= 11 * len(tails), (len(sql), len(tails))  # about 10 now
 
 
+def test_lines_that_come_in_a_stream_are_taken_a_round_at_a_time(local_node, fast_settings, monkeypatch):
+    """A rank printing every 5 ms got a pass (a round trip, a commit, an event) per line or two: rounds that
+    take lines begin at most every FOLLOW_MIN_ROUND_S, and every line is still taken."""
+    fast_settings.UGRO = {**fast_settings.UGRO, "FOLLOW_MIN_ROUND_S": 0.1}
+    job = running_job(local_node)
+    tails = count_tails(monkeypatch)
+    log_path = job.ranks.get().remote_log
+    stop = threading.Event()
+
+    def printing() -> None:  # 200 lines a second for a second; no database in this thread
+        for step in range(1, 201):
+            if stop.wait(0.005):
+                return
+            with open(log_path, "ab") as fh:
+                fh.write(b'{"step": %d, "loss": 0.5}\n' % step)
+
+    writer = threading.Thread(target=printing)
+    writer.start()
+    try:
+        follow(1.6, job_ids=[job.pk], idle_sleep=0.1)
+    finally:
+        stop.set()
+        writer.join()
+    # then about one read per 0.1 s (16 in 1.6 s; a busier machine makes fewer), and no line was left behind
+    assert len(tails) <= 18, len(tails)
+    follow(0.3, job_ids=[job.pk], idle_sleep=0.1)
+    assert MetricPoint.objects.filter(job=job).count() == 200
+
+
 def test_a_quiet_job_is_polled_less_often_and_its_next_line_is_still_taken(local_node, fast_settings, monkeypatch):
     """An idle followed job cost about 4 % of a CPU in empty passes: while rounds take nothing, the follower
     waits longer between them (up to QUIET_MAX_FACTOR x idle_sleep); a line resets it."""
