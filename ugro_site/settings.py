@@ -210,10 +210,8 @@ UGRO = {
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 600.0, minimum=1.0, maximum=3000.0),
     "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0, maximum=3600.0),
     # A round of passes that took lines is followed by the next no sooner than this: lines that come
-    # in bursts are taken a round's worth at a time (jobs/follow.py MIN_ROUND). Off (0) by default for
-    # now: 0.05 cut the worker's CPU by more than half at 150 lines/s (docs/benchmarks.md), but the
-    # suite's time with it on was not confirmed under CI's limit yet.
-    "FOLLOW_MIN_ROUND_S": env_float("UGRO_FOLLOW_MIN_ROUND_S", 0.0, minimum=0.0, maximum=5.0),
+    # in bursts are taken a round's worth at a time (jobs/follow.py MIN_ROUND).
+    "FOLLOW_MIN_ROUND_S": env_float("UGRO_FOLLOW_MIN_ROUND_S", 0.05, minimum=0.0, maximum=5.0),
     # how often the follower folds a job's new metric points into the charts' rollup (metrics/rollup.py)
     "ROLLUP_INTERVAL_S": env_float("UGRO_ROLLUP_INTERVAL_S", 1.0, minimum=0.0, maximum=3600.0),
     # SSH host keys (cluster/links.py): an entry here for a node is honoured as its expected key.
