@@ -84,6 +84,23 @@ def count_tails(monkeypatch) -> list[str]:
     return tails
 
 
+def printing_rank(job: Job, stop: threading.Event, lines: int, every: float) -> threading.Thread:
+    """A thread appending a metric line to the job's rank log every `every` s until `lines` or `stop` (started;
+    no database in it)."""
+    log_path = job.ranks.get().remote_log
+
+    def printing() -> None:
+        for step in range(1, lines + 1):
+            if stop.wait(every):
+                return
+            with open(log_path, "ab") as fh:
+                fh.write(b'{"step": %d, "loss": 0.5}\n' % step)
+
+    writer = threading.Thread(target=printing)
+    writer.start()
+    return writer
+
+
 def failure(kind=FailureKind.SCRIPT_ERROR) -> Failure:
     return Failure(kind=kind, rank=0, node="box", exit_code=3, signal=None, line="ValueError: boom")
 
@@ -355,18 +372,8 @@ def test_a_busy_followed_job_is_claimed_once_and_each_pass_costs_a_bounded_numbe
     not claimed again each pass, and its metric-file settings are read once, not per pass."""
     job = running_job(local_node)
     tails = count_tails(monkeypatch)
-    log_path = job.ranks.get().remote_log
     stop = threading.Event()
-
-    def printing() -> None:  # a metric line every 50 ms, as a busy rank; no database in this thread
-        for step in range(1, 1000):
-            if stop.wait(0.05):
-                return
-            with open(log_path, "ab") as fh:
-                fh.write(b'{"step": %d, "loss": 0.5}\n' % step)
-
-    writer = threading.Thread(target=printing)
-    writer.start()
+    writer = printing_rank(job, stop, lines=999, every=0.05)  # a busy rank
     try:
         with CaptureQueriesContext(connection) as queries:
             follow(2.0, job_ids=[job.pk], idle_sleep=0.1)
@@ -388,18 +395,8 @@ def test_lines_that_come_in_a_stream_are_taken_a_round_at_a_time(local_node, fas
     fast_settings.UGRO = {**fast_settings.UGRO, "FOLLOW_MIN_ROUND_S": 0.1}
     job = running_job(local_node)
     tails = count_tails(monkeypatch)
-    log_path = job.ranks.get().remote_log
     stop = threading.Event()
-
-    def printing() -> None:  # 200 lines a second for a second; no database in this thread
-        for step in range(1, 201):
-            if stop.wait(0.005):
-                return
-            with open(log_path, "ab") as fh:
-                fh.write(b'{"step": %d, "loss": 0.5}\n' % step)
-
-    writer = threading.Thread(target=printing)
-    writer.start()
+    writer = printing_rank(job, stop, lines=200, every=0.005)  # 200 lines a second for a second
     try:
         follow(1.6, job_ids=[job.pk], idle_sleep=0.1)
     finally:
