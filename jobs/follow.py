@@ -489,8 +489,8 @@ def follow(
                     left_over = left_over or followed_by_nobody(job, timezone.now())
                     continue
                 f = followers.get(job.pk)
-                held = f is not None and f.job.attempt == job.attempt and f.holds_lease()
-                if not held and not claim(job.pk, owner):  # a claim per pass was a twentieth of the worker's CPU
+                holding = f is not None and f.job.attempt == job.attempt and f.holds_lease()
+                if not holding and not claim(job.pk, owner):  # a claim per pass was a twentieth of the worker's CPU
                     followers.pop(job.pk, None)
                     continue
                 if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh

@@ -34,6 +34,7 @@ from cluster.models import Alert, HealthSample, Node
 from cluster.monitor import poll_once
 from cluster.names import check_name
 from metrics.models import MetricPoint
+from metrics.rollup import INT8_MAX
 
 from . import checkpoints, lifecycle
 from .failure import Failure, FailureKind
@@ -303,9 +304,6 @@ def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
 
 
 # -- hangs ------------------------------------------------------------------------------------------
-
-
-INT8_MAX = 2**63 - 1
 
 
 def _points_sql(sql: str, params: list) -> list[tuple]:
