@@ -357,32 +357,39 @@ def wsclient(url: str, cookie: str, origin: str, out: str, ready: str, max_secon
                     continue
                 t = time.time()
                 msg = json.loads(raw)
-                data = msg.get("data") or {}
-                rec = {"t": t, "kind": msg.get("kind")}
-                if msg.get("kind") == "lines":
-                    lines = data.get("lines") or []
-                    tp = []
-                    for ln in lines:
-                        if '"t_print"' in ln:
-                            try:
-                                obj = json.loads(ln)
-                                tp.append([obj["step"], obj["t_print"]])
-                            except (ValueError, KeyError):
-                                pass
-                    rec.update(
-                        rank=data.get("rank"),
-                        start=data.get("start"),
-                        end=data.get("end"),
-                        n=len(lines),
-                        np=len(data.get("points") or []),
-                        tp=tp,
-                        bench=sum(1 for ln in lines if ln.startswith("BENCHLOG ") or ln.startswith('{"step"')),
-                    )
-                elif msg.get("kind") == "state":
-                    rec["state"] = data.get("state")
-                    if data.get("state") in TERMINAL:
-                        state["ended_at"] = time.monotonic()
-                records.append(rec)
+                kind, data = msg.get("kind"), msg.get("data") or {}
+                if kind == "batch":  # a follower's pass: one part per rank, each recorded as a "lines" event
+                    for part in data.get("parts") or []:
+                        take("lines", part or {}, t)
+                else:
+                    take(kind, data, t)
+
+    def take(kind: str | None, data: dict, t: float) -> None:
+        rec = {"t": t, "kind": kind}
+        if kind == "lines":
+            lines = data.get("lines") or []
+            tp = []
+            for ln in lines:
+                if '"t_print"' in ln:
+                    try:
+                        obj = json.loads(ln)
+                        tp.append([obj["step"], obj["t_print"]])
+                    except (ValueError, KeyError):
+                        pass
+            rec.update(
+                rank=data.get("rank"),
+                start=data.get("start"),
+                end=data.get("end"),
+                n=len(lines),
+                np=len(data.get("points") or []),
+                tp=tp,
+                bench=sum(1 for ln in lines if ln.startswith("BENCHLOG ") or ln.startswith('{"step"')),
+            )
+        elif kind == "state":
+            rec["state"] = data.get("state")
+            if data.get("state") in TERMINAL:
+                state["ended_at"] = time.monotonic()
+        records.append(rec)
 
     async def main() -> None:
         # Like the page's UGRO.socket: a connection the server closes is opened again (and counted).

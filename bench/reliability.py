@@ -1041,6 +1041,10 @@ def viewer(url: str, cookie: str, origin: str, out: str, ready: str, max_seconds
         kind = msg.get("kind")
         if kind == "state" and data.get("state") in TERMINAL:
             st["ended_at"] = time.monotonic()
+        if kind == "batch":  # a follower's pass: one part per rank, each shaped as a "lines" event
+            for part in data.get("parts") or []:
+                take({"kind": "lines", "data": part}, t)
+            return
         if kind != "lines":
             return
         rank = int(data.get("rank", -1))

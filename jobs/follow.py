@@ -1,7 +1,8 @@
 """Following a job: copy each rank's log from its node, ingest metrics, notice how the ranks ended.
 
-One follower per job, by a lease in the job's row. The follower owns what it writes: the lease is
-renewed before each round of node reads, no node read may outlast half the lease, and every write
+One follower per job, by a lease in the job's row. The follower owns what it writes: a round of node
+reads starts with at least 7/8 of the lease left (renewed first unless that is so), no round may outlast
+3/4 of it, and every write
 (central log, arrival times, metrics.jsonl, metric rows, offsets) happens inside a transaction that
 first renews the lease with an UPDATE (a row lock), so a follower that lost its lease writes nothing
 and a new one waits for the old one's last commit.
@@ -51,7 +52,8 @@ from .nodes import node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
-PUBLISH_SLICE = 1000
+PUBLISH_SLICE = 1000  # lines (and points) of one rank in one part of an event
+EVENT_LINES = 3000  # lines (or points) of all parts in one event: a message stays under ~200 KB
 
 
 class LeaseLost(Exception):
@@ -100,32 +102,35 @@ def followed_by_nobody(job: Job, now: datetime) -> bool:
     return job.follower == "" or job.follower_until is None or job.follower_until < now
 
 
-def renew(job_id: int, owner: str) -> int:
+def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> int:
     """Extend this follower's lease if it still holds it; LeaseLost otherwise. Inside a transaction the
     UPDATE also locks the job's row until commit. Returns the job's committed metrics.jsonl size, read by
-    the same statement (a pass that stores points needs it; one statement, not an UPDATE and a SELECT)."""
+    the same statement (a pass that stores points needs it).
+
+    grow: bytes this transaction appends to metrics.jsonl: the committed size is raised by them in the same
+    statement (the caller writes them at the size returned, and a rollback undoes both). relaxed: this
+    transaction commits as relaxed_commit() says, set in the same round trip. One statement where a pass
+    made three: each was a round trip and a fiftieth of a pass's CPU in the worker."""
     now = timezone.now()
+    table = connection.ops.quote_name(Job._meta.db_table)
+    sql = (
+        f"UPDATE {table} SET follower_until = %s, metrics_bytes = metrics_bytes + %s"
+        " WHERE id = %s AND follower = %s AND follower_until > %s"
+        " RETURNING metrics_bytes - %s"
+    )
+    params = [now + timedelta(seconds=_lease_s()), grow, job_id, owner, now, grow]
+    relaxed = relaxed and connection.vendor == "postgresql"
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {connection.ops.quote_name(Job._meta.db_table)} SET follower_until = %s"
-            " WHERE id = %s AND follower = %s AND follower_until > %s"
-            " RETURNING metrics_bytes",
-            [now + timedelta(seconds=_lease_s()), job_id, owner, now],
-        )
+        cursor.execute(f"{RELAXED_COMMIT}; {sql}" if relaxed else sql, params)
+        if relaxed:
+            cursor.nextset()  # the SET's result first, then the UPDATE's
         row = cursor.fetchone()
     if row is None:
         raise LeaseLost(f"job {job_id}: lease lost to another follower")
     return row[0]
 
 
-def relaxed_commit() -> None:
-    """Let this transaction commit without waiting for its WAL to reach the disk (PostgreSQL's
-    synchronous_commit off; no-op elsewhere). A database crash may then lose the last fraction of a
-    second of commits, never corrupt them; and what it loses is taken again: the central files are cut
-    back to the offsets the database kept before anything is appended (see above)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL synchronous_commit TO OFF")
+RELAXED_COMMIT = "SET LOCAL synchronous_commit TO OFF"
 
 
 def release(job_id: int, owner: str) -> None:
@@ -196,17 +201,17 @@ class JobFollower:
         self.renewed_at = -math.inf  # monotonic time this follower last renewed its lease
         self.metric_files: bool | None = None  # the job names metric files to follow (None: not read yet)
 
-    def renew(self) -> int:
+    def renew(self, *, grow: int = 0, relaxed: bool = False) -> int:
         """renew() this follower's lease (LeaseLost if another holds it), noting when; the job's committed
         metrics.jsonl size."""
-        committed = renew(self.job.pk, self.owner)
+        committed = renew(self.job.pk, self.owner, grow=grow, relaxed=relaxed)
         self.renewed_at = time.monotonic()
         return committed
 
-    def holds_lease(self) -> bool:
-        """Whether the lease was renewed so lately that a claim would only renew it again: the next pass
-        renews it first thing anyway (LeaseLost then, if another follower took it meanwhile)."""
-        return time.monotonic() - self.renewed_at < _lease_s() / 3
+    def holds_lease(self, within: float = 1 / 3) -> bool:
+        """Whether the lease was renewed within this fraction of it. Within a third, a claim would only renew
+        it again: the next pass renews it anyway (LeaseLost then, if another follower took it meanwhile)."""
+        return time.monotonic() - self.renewed_at < _lease_s() * within
 
     def _stream(self, rank: Rank) -> RankStream:
         stream = self.streams.get(rank.pk)
@@ -254,7 +259,11 @@ class JobFollower:
                 group[0].node, "tail", timeout=read_timeout + node_wait, files=files, wait_ms=int(node_wait * 1000)
             )
 
-        self.renew()
+        # The lease must outlast the reads (at most 3/4 of it, above): renewed first unless it was renewed within
+        # the last 1/8 of it (the pass before, as a rule: an UPDATE saved per pass). Whatever the reads bring is
+        # written only after the transaction's own renewal (LeaseLost there if another follower took over).
+        if not self.holds_lease(within=1 / 8):
+            self.renew()
         now = None
         answered: list[tuple[Rank, dict, bool]] = []
         for group, result, err in on_each(list(by_node.values()), tail):
@@ -364,55 +373,55 @@ class JobFollower:
             Rank.objects.filter(pk__in=quiet).update(last_contact=now)
         if taken:
             points = [p for t in taken for p in t.points]
+            chunk = ("\n".join(jsonl) + "\n").encode() if points else b""
             with transaction.atomic():
-                relaxed_commit()
-                committed = self.renew()  # locks the job's row: no other follower writes meanwhile
+                # the lease renewed (locking the job's row: no other follower writes meanwhile), the chunk's
+                # bytes added to the committed metrics.jsonl size and the commit relaxed, in one statement
+                committed = self.renew(grow=len(chunk), relaxed=True)
                 for t in taken:
                     if t.data:
                         write_at(t.rank.local_log, t.old, t.data)
                         with open(times_path(t.rank), "a") as fh:  # when each chunk arrived, for merged views
                             fh.write(f"{t.old + len(t.data)} {now.timestamp():.3f}\n")
                 if points:
-                    size = self._append_jsonl(committed, jsonl)
+                    # same rule as the logs: cut back to the committed size, append; the new size commits with it
+                    write_at(self.job.job_dir / "metrics.jsonl", committed, chunk)
                     save_points(points)
-                    Job.objects.filter(pk=self.job.pk).update(metrics_bytes=size)
                     self.unfolded = True
-                for t in taken:
-                    if not lifecycle.rank_progress(t.rank, t.old, t.fields, t.exit_info):
-                        raise LeaseLost(f"rank {t.rank.index} of {self.job.name} was advanced by another follower")
-            for t in taken:
-                self.changed = self.changed or t.final
-                self._publish(t.rank, t.old, len(t.data), t.lines, t.points)
+                if not lifecycle.ranks_progress([(t.rank, t.old, t.fields, t.exit_info) for t in taken]):
+                    raise LeaseLost(f"a rank of {self.job.name} was advanced by another follower")
+            self.changed = self.changed or any(t.final for t in taken)
+            self._publish(taken)
         sizes = {rank.pk: 0 for rank, _, _ in answered}
         sizes.update({t.rank.pk: len(t.data) for t in taken})
         return sizes
 
-    def _publish(self, rank: Rank, old: int, size: int, lines: list[str], points: list[Sample]) -> None:
-        # Every line goes out (in slices that keep messages small); start/end are the byte offsets
-        # of this commit, so a page that loaded the log up to some offset can drop what it has.
-        # An event that could not be sent (Redis slow or away) is not sent again: the next one sent is
-        # preceded by a "resync", on which the job's pages reload their log and curves from the database.
+    def _publish(self, taken: list[_Taken]) -> None:
+        """One "batch" event for the pass (more only past EVENT_LINES lines or points): each part is one
+        rank's commit, {"rank", "start", "end", "lines", "points"}, start/end its byte offsets, so a page
+        that loaded the log up to some offset can drop what it has. An event per rank cost the worker, the
+        channel layer and every viewer's web process a message each (daphne's cost is per message).
+
+        An event that could not be sent (Redis slow or away) is not sent again: the next one sent is
+        preceded by a "resync", on which the job's pages reload their log and curves from the database."""
         if self.missed and publish_job(self.job, "resync", {}):
             self.missed = False
-        shown = [display_text(ln) for ln in lines]
-        for i in range(0, max(len(shown), len(points)), PUBLISH_SLICE):
-            self.missed |= not publish_job(
-                self.job,
-                "lines",
-                {
-                    "rank": rank.index,
-                    "start": old,
-                    "end": old + size,
-                    "lines": shown[i : i + PUBLISH_SLICE],
-                    "points": [[p.rank, p.step, p.name, p.value] for p in points[i : i + PUBLISH_SLICE]],
-                },
-            )
-
-    def _append_jsonl(self, committed: int, jsonl: list[str]) -> int:
-        # Same rule as the logs: cut back to the committed size, append, commit the new size.
-        chunk = ("\n".join(jsonl) + "\n").encode()
-        write_at(self.job.job_dir / "metrics.jsonl", committed, chunk)
-        return committed + len(chunk)
+        parts: list[dict] = []
+        held = 0  # lines (or points) in parts
+        for t in taken:
+            shown = [display_text(ln) for ln in t.lines]
+            pairs = [[p.rank, p.step, p.name, p.value] for p in t.points]
+            for i in range(0, max(len(shown), len(pairs)), PUBLISH_SLICE):
+                part = {"rank": t.rank.index, "start": t.old, "end": t.old + len(t.data),
+                        "lines": shown[i : i + PUBLISH_SLICE], "points": pairs[i : i + PUBLISH_SLICE]}  # fmt: skip
+                size = max(len(part["lines"]), len(part["points"]))
+                if parts and held + size > EVENT_LINES:
+                    self.missed |= not publish_job(self.job, "batch", {"parts": parts})
+                    parts, held = [], 0
+                parts.append(part)
+                held += size
+        if parts:
+            self.missed |= not publish_job(self.job, "batch", {"parts": parts})
 
     def _unreachable(self, group: list[Rank], err: Exception, now: datetime) -> None:
         if not unreachable(err):
@@ -490,7 +499,11 @@ def follow(
                     continue
                 f = followers.get(job.pk)
                 holding = f is not None and f.job.attempt == job.attempt and f.holds_lease()
-                if not holding and not claim(job.pk, owner):  # a claim per pass was a twentieth of the worker's CPU
+                # a claim per pass was a twentieth of the worker's CPU; nor is one tried for a job whose row, as
+                # read this round, shows another follower's live lease (a follower with room tried every such
+                # job every round: a tenth of the worker's time with R10's 10 jobs)
+                claimable = job.follower == owner or followed_by_nobody(job, timezone.now())
+                if not holding and not (claimable and claim(job.pk, owner)):
                     followers.pop(job.pk, None)
                     continue
                 if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh

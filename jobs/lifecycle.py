@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -413,6 +413,46 @@ def rank_progress(rank: Rank, old_offset: int, fields: dict, exit_info: dict | N
         for key, value in fields.items():
             setattr(rank, key, value)
     return bool(updated)
+
+
+# the fields a follower's pass advances on a running rank: what ranks_progress() writes in one statement
+_PASS_FIELDS = frozenset({"log_offset", "log_lines", "last_contact", "metric_step"})
+
+
+def ranks_progress(moves: list[tuple[Rank, int, dict, dict | None]]) -> bool:
+    """rank_progress() for each (rank, old_offset, fields, exit_info) of one pass; True if every rank was
+    still at its old offset. The ranks that only advance go in one UPDATE on PostgreSQL (a statement per
+    rank was a round trip each, every pass); a rank that exits goes through rank_progress() alone."""
+    plain = [(rank, old, fields) for rank, old, fields, exit_info in moves if exit_info is None]
+    for rank, old, fields, exit_info in moves:
+        if exit_info is not None and not rank_progress(rank, old, fields, exit_info):
+            return False
+    contact = {fields.get("last_contact") for _, _, fields in plain}
+    if len(plain) < 2 or connection.vendor != "postgresql" or len(contact) != 1 or any(
+        set(fields) - _PASS_FIELDS or "log_offset" not in fields or "log_lines" not in fields
+        for _, _, fields in plain
+    ):  # fmt: skip
+        return all(rank_progress(rank, old, fields) for rank, old, fields in plain)
+    table = connection.ops.quote_name(Rank._meta.db_table)
+    rows = ", ".join(["(%s::bigint, %s::bigint, %s::bigint, %s::bigint, %s::bigint)"] * len(plain))
+    params: list = [contact.pop()]
+    for rank, old, fields in plain:
+        params += [rank.pk, old, fields["log_offset"], fields["log_lines"], fields.get("metric_step")]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} AS r SET log_offset = v.new_offset, log_lines = v.lines, last_contact = %s,"
+            " metric_step = COALESCE(v.step, r.metric_step)"
+            f" FROM (VALUES {rows}) AS v(id, old, new_offset, lines, step)"
+            " WHERE r.id = v.id AND r.log_offset = v.old",
+            params,
+        )
+        updated = cursor.rowcount
+    if updated != len(plain):
+        return False
+    for rank, _, fields in plain:
+        for key, value in fields.items():
+            setattr(rank, key, value)
+    return True
 
 
 def rank_lost(rank: Rank, reason: str) -> bool:

@@ -287,16 +287,21 @@
   const refreshSoon = UGRO.debounce(rerender, 300);
   const refreshSometimes = UGRO.throttle(rerender, 5000); // progress, ranks' line counts
 
+  function takePart(part) {
+    const seen = part.end <= (loadedUpTo[String(part.rank)] ?? -1); // already in the loaded log
+    if (!seen && Array.isArray(part.lines) && part.lines.length) appendLines(part.rank, part.lines);
+    if (Array.isArray(part.points) && part.points.length) addPoints(part.points);
+  }
+
   function handle(message) {
     if (!ready) {
       pending.push(message);
       return;
     }
     const data = message.data || {};
-    if (message.kind === "lines") {
-      const seen = data.end <= (loadedUpTo[String(data.rank)] ?? -1); // already in the loaded log
-      if (!seen && Array.isArray(data.lines) && data.lines.length) appendLines(data.rank, data.lines);
-      if (Array.isArray(data.points) && data.points.length) addPoints(data.points);
+    if (message.kind === "batch") {
+      // a follower's pass: one part per rank's commit, {rank, start, end, lines, points}
+      for (const part of Array.isArray(data.parts) ? data.parts : []) takePart(part || {});
       refreshSometimes();
     } else if (message.kind === "points") {
       // from the metric files a job named (metrics.csv, TensorBoard events): points without log lines
