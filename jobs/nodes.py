@@ -14,8 +14,14 @@ from cluster.models import Node
 T = TypeVar("T")
 
 
-def on_each[T](items: Iterable[T], fn: Callable[[T], Any]) -> list[tuple[T, Any, Exception | None]]:
-    """Run fn on every item concurrently; return (item, result, error) in input order."""
+def on_each[T](
+    items: Iterable[T], fn: Callable[[T], Any], pool: ThreadPoolExecutor | None = None
+) -> list[tuple[T, Any, Exception | None]]:
+    """Run fn on every item concurrently; return (item, result, error) in input order.
+
+    pool: an executor whose threads are kept (the follower's node reads, every pass: a thread started per node
+    per pass was a twentieth of the worker's time); fn must not wait for other work of the same pool.
+    Without it, threads of this call's own."""
     items = list(items)
     if not items:
         return []
@@ -28,6 +34,8 @@ def on_each[T](items: Iterable[T], fn: Callable[[T], Any]) -> list[tuple[T, Any,
         finally:
             connections.close_all()  # this pool thread's own connections, if it opened any
 
+    if pool is not None:
+        return list(pool.map(call, items))
     with ThreadPoolExecutor(max_workers=min(len(items), 64)) as ex:
         return list(ex.map(call, items))
 

@@ -441,10 +441,17 @@ def test_a_pass_over_three_busy_ranks_sends_one_event_and_advances_them_in_one_s
     # metrics.jsonl's size and moved the three ranks' offsets (the points' COPY is not captured here)
     sql = [q["sql"] for q in queries.captured_queries]
     assert len(sql) == 5 and sql[1:2] == ["BEGIN"] and sql[-1] == "COMMIT", "\n".join(q[:120] for q in sql)
+    assert sql[0].startswith('SELECT id FROM "jobs_rank"')  # which ranks run: their rows are not read again
     assert sql[2].startswith('SET LOCAL synchronous_commit TO OFF; UPDATE "jobs_job"') and "RETURNING" in sql[2]
     assert sql[3].startswith('UPDATE "jobs_rank"')
     assert Job.objects.get(pk=job.pk).metrics_bytes == (job.job_dir / "metrics.jsonl").stat().st_size > 0
     assert MetricPoint.objects.filter(job=job).count() == 12
+    # and a rank that stops running (here: lost, by the reconciler) is left out of the next pass
+    assert lifecycle.rank_lost(Rank.objects.get(job=job, index=2), "node went away")
+    sent.clear()
+    print_steps(5, 5)
+    assert f.step() > 0
+    assert [p["rank"] for p in sent[0][1]["parts"]] == [0, 1]
 
 
 def test_a_pass_with_many_lines_sends_events_of_bounded_size_and_every_line_once(
