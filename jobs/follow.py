@@ -374,14 +374,14 @@ class JobFollower:
         lines, each rank's new offset (compare-and-set); then publish them. Bytes taken, per rank pk."""
         taken: list[_Taken] = []
         jsonl: list[str] = []
-        quiet: list[int] = []
+        quiet: list[Rank] = []
         for rank, item, final in answered:
             raw = tail_bytes(item)
             exited = item["exit"] is not None
             final = final or (exited and item["eof"])
             data = takeable(raw, final)
             if not data and not final:
-                quiet.append(rank.pk)
+                quiet.append(rank)
                 continue
             lines = split_lines(data)
             points, rank_jsonl = parse_lines(
@@ -396,7 +396,9 @@ class JobFollower:
             exit_info = item["exit"] if final and exited else None
             taken.append(_Taken(rank, rank.log_offset, data, lines, points, fields, exit_info, final))
         if quiet:
-            Rank.objects.filter(pk__in=quiet).update(last_contact=now)
+            Rank.objects.filter(pk__in=[r.pk for r in quiet]).update(last_contact=now)
+            for rank in quiet:  # the follower keeps these rows between passes (running_ranks): silence counts from here
+                rank.last_contact = now
         if taken:
             points = [p for t in taken for p in t.points]
             chunk = ("\n".join(jsonl) + "\n").encode() if points else b""

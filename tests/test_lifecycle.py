@@ -311,6 +311,26 @@ def test_the_follower_folds_a_jobs_rollup_right_after_its_last_pass(local_node, 
     assert MetricRollup.objects.get(job=ending, level=rollup.TOP).n == 2
 
 
+def test_a_quiet_rank_whose_node_answered_is_not_lost_on_the_next_failed_read(local_node, fast_settings, monkeypatch):
+    """The follower keeps its ranks' rows between passes: a pass whose node answered with nothing new must move
+    the kept row's last contact too, or the next read that fails counts silence from long before."""
+    job = running_job(local_node)
+    job.ranks.update(last_contact=timezone.now() - timedelta(seconds=60))  # past NODE_LOST_AFTER_S (5 s)
+    assert claim(job.pk, "f")
+    f = JobFollower(job, "f")
+    # given a pass whose node answered, with no new line
+    assert f.step() == 0
+
+    # when the next read cannot reach the node
+    def unreachable(node, op, /, timeout=30.0, **fields):
+        raise LinkError("box: cannot connect: [Errno 111] Connection refused", delivered=False)
+
+    monkeypatch.setattr(follow_module, "node_request", unreachable)
+    f.step()
+    # then the rank is not lost: its node answered a moment ago
+    assert job.ranks.get().state == Rank.State.RUNNING
+
+
 @pytest.mark.parametrize("where", ["follower", "reconciler"])
 def test_a_late_answer_is_not_silence_but_a_node_that_cannot_be_reached_is(
     local_node, fast_settings, monkeypatch, where
