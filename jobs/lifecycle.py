@@ -266,7 +266,9 @@ def dispatch_teardown(job: Job) -> None:
         finally:
             connections.close_all()
 
-    threading.Thread(target=run, name=f"teardown-{job.pk}", daemon=True).start()
+    # Not a daemon: a command that returns once the job is final must not end the process before this
+    # thread announced the end (the failure alert, the pages' event); the teardown itself is bounded.
+    threading.Thread(target=run, name=f"teardown-{job.pk}", daemon=False).start()
 
 
 def _announce_end(job: Job) -> None:

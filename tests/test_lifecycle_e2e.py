@@ -101,6 +101,27 @@ def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django
     assert job_pids(job.tag) == []
 
 
+def test_an_attached_launch_returns_only_after_the_end_of_its_failed_job_was_announced(scripts, controller_env):
+    from cluster.models import Alert
+
+    # given no worker, and announcing a job's end (its failure alert) that takes a second
+    code = (
+        "import time, django; django.setup()\n"
+        "from jobs import lifecycle\n"
+        "announce = lifecycle.job_ended_alerts\n"
+        "lifecycle.job_ended_alerts = lambda job: (time.sleep(1.0), announce(job))\n"
+        "from django.core.management import call_command\n"
+        "call_command('launch', '--name', 'late', '--nodes', '3', '--script', 'scripts/oom.py', '--', '2')\n"
+    )
+    env = {**controller_env, "DJANGO_SETTINGS_MODULE": "ugro_site.settings"}
+    # when a launch attached to it fails (its teardown runs on a thread of the command's process)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 1 and b"job late failed" in proc.stderr, proc.stderr.decode()[-2000:]
+    # then, the moment the command has returned, the failure is announced: the process waited for that thread
+    assert Job.objects.get(name="late").state == Job.State.FAILED
+    assert Alert.objects.filter(key="job_failed:late", resolved_at__isnull=True).exists()
+
+
 def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconciler(scripts, controller_env,
                                                                                    fast_settings):  # fmt: skip
     # given a launch command that dies (SIGKILL) right after its ranks started, before the job is RUNNING
