@@ -120,6 +120,9 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     assert job_pids(job.tag) == []
     from cluster.models import Alert
 
+    # the alert is opened after the final state commits (by the teardown's thread here): wait for it
+    wait_for(lambda: Alert.objects.filter(key="job_failed:killme", resolved_at__isnull=True).exists(), timeout=10,
+             what="the job's failure alert")  # fmt: skip
     failed = Alert.objects.get(key="job_failed:killme", resolved_at__isnull=True)
     assert failed.severity == Alert.Severity.CRITICAL and failed.node.name == "node2"
 

@@ -92,6 +92,9 @@ def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django
     client.force_login(django_user_model.objects.create_superuser("admin", password="x" * 12))
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert "OOM" in page and "CUDA out of memory" in page and "exit code 3" in page
+    # the alert is opened after the final state commits (by the teardown's thread here): wait for it
+    wait_for(lambda: Alert.objects.filter(key="job_failed:oom", resolved_at__isnull=True).exists(), timeout=10,
+             what="the job's failure alert")  # fmt: skip
     alert = Alert.objects.get(key="job_failed:oom", resolved_at__isnull=True)
     assert (
         alert.severity == Alert.Severity.CRITICAL
