@@ -465,6 +465,22 @@ def explain(ranks: list[RankFacts]) -> Failure | None:
     """The root cause of a job's failure from its ranks' facts, None when no rank failed (all exited 0, or
     still running). No clocks are compared across nodes: a cause outranks a consequence, then the lowest rank
     wins. Never raises: a rank whose facts cannot be read counts as UNKNOWN."""
+    return explain_now(ranks)[0]
+
+
+def explain_now(ranks: list[RankFacts]) -> tuple[Failure | None, bool]:
+    """explain(), and whether that explanation is settled. It is not while every rank that failed only saw a peer
+    or the store go away (a consequence) and another rank still runs: that rank's own end, not seen yet, may be
+    the cause (a worker killed on one node is seen by its peers on others before its own torchrun reports it)."""
+    verdicts = _verdicts(ranks)
+    if not verdicts:
+        return None, True
+    first = min(verdicts, key=lambda v: (v.tier, v.failure.rank is None, v.failure.rank or 0))
+    running = any(getattr(facts, "state", None) == "running" for facts in ranks or [])
+    return first.failure, not (running and first.tier == _TIER_CONSEQUENCE)
+
+
+def _verdicts(ranks: list[RankFacts]) -> list[_Verdict]:
     verdicts: list[_Verdict] = []
     for facts in ranks or []:
         try:
@@ -477,10 +493,7 @@ def explain(ranks: list[RankFacts]) -> Failure | None:
             verdict = _Verdict(_TIER_WEAK, Failure(FailureKind.UNKNOWN, rank=rank, node=node or None))
         if verdict is not None:
             verdicts.append(verdict)
-    if not verdicts:
-        return None
-    first = min(verdicts, key=lambda v: (v.tier, v.failure.rank is None, v.failure.rank or 0))
-    return first.failure
+    return verdicts
 
 
 # --- small helpers -------------------------------------------------------------------------------------------

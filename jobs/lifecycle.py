@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import IntegrityError, connection, connections, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -36,7 +37,7 @@ from metrics.models import MetricPoint
 from ugro_site.celery import send_task, worker_alive
 
 from .events import publish_job
-from .failure import Failure, FailureKind, RankFacts, explain
+from .failure import Failure, FailureKind, RankFacts, explain_now
 from .logs import archive_logs, restore_logs, tail_lines
 from .models import Allocation, Attempt, Checkpoint, Job, Rank
 from .nodes import node_request
@@ -512,15 +513,26 @@ def judge(job: Job) -> bool:
     ranks = list(job.ranks.select_related("node").order_by("index"))
     if not ranks or job.state != Job.State.RUNNING:
         return False
-    bad = any(r.state == Rank.State.LOST or (r.state == Rank.State.EXITED and r.exit_code != 0) for r in ranks)
-    if bad:
-        failure = explain([rank_facts(r) for r in ranks])
+    failed = [r for r in ranks if r.state == Rank.State.LOST or (r.state == Rank.State.EXITED and r.exit_code != 0)]
+    if failed:
+        failure, settled = explain_now([rank_facts(r) for r in ranks])
+        if not settled and not _settle_over(failed):
+            return False  # only consequences so far: the rank they saw go away may yet report why
         if failure is None:  # cannot happen with a bad rank, but never leave the job running on it
             failure = Failure(kind=FailureKind.UNKNOWN, rank=None, node=None, exit_code=None, signal=None, line="")
         return fail(job, failure)
     if all(r.state == Rank.State.EXITED for r in ranks):
         return succeed(job)
     return False
+
+
+def _settle_over(failed: list[Rank]) -> bool:
+    """Whether FAILURE_SETTLE_S passed since the first of these ranks' ends was taken (this controller's clock:
+    a rank's last contact, not its node's time of exit)."""
+    seen = [r.last_contact for r in failed if r.last_contact is not None]
+    if not seen:
+        return True
+    return (_now() - min(seen)).total_seconds() >= float(settings.UGRO["FAILURE_SETTLE_S"])
 
 
 def followable() -> Q:

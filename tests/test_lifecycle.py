@@ -167,6 +167,78 @@ def test_job_alerts_resolve_when_it_ends_and_a_failure_stays_open_on_its_node(lo
     assert "SCRIPT_ERROR" in failed.message or "ValueError: boom" in failed.message
 
 
+# A rank on another node that only saw its peer go away (gloo, through the DDP hook's callback), and the torchrun
+# of the rank whose worker was killed (its Root Cause table), as real torchrun 2.13 runs printed them.
+PEER_GONE = (
+    b'error on rank 2:\nTraceback (most recent call last):\n  File "train.py", line 9, in train\n'
+    b"RuntimeError: Got the following error when running the callback: RuntimeError: [/x/gloo/transport/tcp/"
+    b"pair.cc:553] Connection closed by peer [127.0.0.1]:57497. This is typically caused by a remote worker crashing.\n"
+)
+KILLED_WORKER = (
+    b"Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-25_18:42:17\n  host      : node2\n"
+    b"  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 26491)\n  error_file: <N/A>\n"
+    b"  traceback : Signal 9 (SIGKILL) received by PID 26491\n"
+)
+
+
+def two_rank_job(node: Node, name: str) -> tuple[Job, Rank, Rank]:
+    """A RUNNING job with rank 1 on the node and rank 2 on a second local node (logs and exit files in the
+    node's workdir)."""
+    job = running_job(node, name)
+    first = job.ranks.get()
+    base = first.remote_log.removesuffix("rank_0.log")
+    Rank.objects.filter(pk=first.pk).update(index=1, remote_log=f"{base}rank_1.log", remote_exit=f"{base}rank_1.exit")
+    other = Node.objects.create(
+        name="box2", address="127.0.0.1", transport="local", role="worker", workdir=node.workdir,
+        agent_python=node.agent_python,
+    )  # fmt: skip
+    Rank.objects.create(
+        job=job, node=other, index=2, state=Rank.State.RUNNING, remote_log=f"{base}rank_2.log",
+        remote_exit=f"{base}rank_2.exit", remote_error=f"{base}rank_2.error.json", start_record=f"{base}rank_2.start",
+        started_at=timezone.now(), last_contact=timezone.now(),
+    )  # fmt: skip
+    return job, job.ranks.get(index=1), job.ranks.get(index=2)
+
+
+def end_rank(rank: Rank, output: bytes, rc: int) -> None:
+    with open(rank.remote_log, "ab") as fh:
+        fh.write(output)
+    Path(rank.remote_exit).write_text(json.dumps({"rc": rc, "ended": timezone.now().timestamp()}))
+
+
+def test_a_failure_seen_first_as_a_peer_going_away_waits_for_the_rank_that_went_away(local_node, fast_settings):
+    # given a job whose rank 2 failed only because its peer went away, while rank 1 has not reported yet
+    job, rank1, rank2 = two_rank_job(local_node, "settle")
+    end_rank(rank2, PEER_GONE, 1)
+    follow(1.0, job_ids=[job.pk])
+    # then the job is not failed on that consequence at once
+    job.refresh_from_db()
+    assert job.state == Job.State.RUNNING
+    assert job.ranks.get(index=2).state == Rank.State.EXITED
+    # when rank 1's torchrun reports its worker killed (SIGKILL) a moment later
+    end_rank(rank1, KILLED_WORKER, 1)
+    follow(10.0, job_ids=[job.pk])
+    wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=20, what="the job to end")
+    job.refresh_from_db()
+    # then the failure names the cause, rank 1's kill, not the peer that saw it
+    assert job.state == Job.State.FAILED
+    assert (job.failure_kind, job.failure_rank, job.failure_signal) == ("KILLED", 1, 9), job.failure_reason
+
+
+def test_a_failure_that_is_only_a_consequence_fails_the_job_after_the_settle_time(local_node, fast_settings):
+    fast_settings.UGRO = {**fast_settings.UGRO, "FAILURE_SETTLE_S": 0.5}
+    # given rank 2 failed because its peer went away, and rank 1 never reports (its node is slow to say)
+    job, _, rank2 = two_rank_job(local_node, "settled")
+    end_rank(rank2, PEER_GONE, 1)
+    # when the follower goes on past the settle time, with nothing else changing
+    follow(3.0, job_ids=[job.pk])
+    wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=20, what="the job to end")
+    job.refresh_from_db()
+    # then the job fails on what it knows, naming the consequence for what it is
+    assert job.state == Job.State.FAILED
+    assert job.failure_rank == 2 and "Connection closed by peer" in job.failure_reason
+
+
 # -- the follower ----------------------------------------------------------------------------------
 
 

@@ -205,6 +205,9 @@ UGRO = {
     "CONNECT_TIMEOUT_S": env_float("UGRO_CONNECT_TIMEOUT_S", 5.0, minimum=0.5, maximum=300.0),
     "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0, maximum=3600.0),
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0, maximum=86400.0),
+    # how long a job whose failed ranks only saw a peer go away waits for the rank that went away to report
+    # its own end (the cause) before it fails on what it knows
+    "FAILURE_SETTLE_S": env_float("UGRO_FAILURE_SETTLE_S", 5.0, minimum=0.0, maximum=600.0),
     # how long one follow task follows before it hands its jobs to a fresh one: each hand-over delays the
     # lines of that moment by up to a second (R10: p99 556 ms with 55 s, 247 ms without a hand-over)
     "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 600.0, minimum=1.0, maximum=3000.0),
