@@ -201,9 +201,9 @@ class JobFollower:
         self.hot_node: int | None = None  # the node whose ranks last had new lines
         self.scanned: dict[int, float] = {}  # rank pk -> monotonic time its checkpoints were last listed
         self.changed = True  # a rank ended or was lost since the job was last judged (judge on the first pass)
-        # a rank failed while the job still runs: judged every pass, since a failure that is only a consequence
-        # waits (FAILURE_SETTLE_S) for its cause, which may come with no other change this follower sees
-        self.failed = False
+        # monotonic time to judge the job again with no change seen: a failure that is only a consequence waits
+        # FAILURE_SETTLE_S for its cause, and may have to be decided with nothing else happening meanwhile
+        self.judge_at: float | None = None
         # points stored since the rollup last caught up (at first too: a follower before this one may have
         # stopped before it folded its last points)
         self.unfolded = True
@@ -422,7 +422,6 @@ class JobFollower:
                 if not lifecycle.ranks_progress([(t.rank, t.old, t.fields, t.exit_info) for t in taken]):
                     raise LeaseLost(f"a rank of {self.job.name} was advanced by another follower")
             self.changed = self.changed or any(t.final for t in taken)
-            self.failed = self.failed or any(t.exit_info is not None and t.exit_info.get("rc") != 0 for t in taken)
             self._publish(taken)
         sizes = {rank.pk: 0 for rank, _, _ in answered}
         sizes.update({t.rank.pk: len(t.data) for t in taken})
@@ -563,11 +562,13 @@ def follow(
                 try:
                     taken += f.step(wait=wait)
                     ended = f.changed
-                    if ended or f.failed:  # only a rank's end or loss can end the job: not every pass
+                    due = f.judge_at is not None and time.monotonic() >= f.judge_at
+                    if ended or due:  # only a rank's end or loss can end the job: not every pass
                         f.changed = False
                         f.job.refresh_from_db()
-                        lifecycle.judge(f.job)
-                        f.failed = f.failed and f.job.state == Job.State.RUNNING
+                        f.judge_at = None
+                        if not lifecycle.judge(f.job) and lifecycle.failure_settling(f.job):
+                            f.judge_at = time.monotonic() + float(settings.UGRO["FAILURE_SETTLE_S"])
                     f.fold(now=ended)  # after a rank's last lines at once: an ended job's rollup is whole
                 except LeaseLost as exc:
                     log.info("following %s: %s", job.name, exc)

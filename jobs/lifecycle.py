@@ -513,7 +513,7 @@ def judge(job: Job) -> bool:
     ranks = list(job.ranks.select_related("node").order_by("index"))
     if not ranks or job.state != Job.State.RUNNING:
         return False
-    failed = [r for r in ranks if r.state == Rank.State.LOST or (r.state == Rank.State.EXITED and r.exit_code != 0)]
+    failed = [r for r in ranks if _rank_failed(r)]
     if failed:
         failure, settled = explain_now([rank_facts(r) for r in ranks])
         if not settled and not _settle_over(failed):
@@ -524,6 +524,18 @@ def judge(job: Job) -> bool:
     if all(r.state == Rank.State.EXITED for r in ranks):
         return succeed(job)
     return False
+
+
+def _rank_failed(rank: Rank) -> bool:
+    return rank.state == Rank.State.LOST or (rank.state == Rank.State.EXITED and rank.exit_code != 0)
+
+
+def failure_settling(job: Job) -> bool:
+    """Whether judge() left this job running although a rank of it failed: it waits (FAILURE_SETTLE_S) for the
+    cause of a failure that is only a consequence. One light query, no log read."""
+    if job.state != Job.State.RUNNING:
+        return False
+    return any(_rank_failed(r) for r in job.ranks.only("state", "exit_code"))
 
 
 def _settle_over(failed: list[Rank]) -> bool:

@@ -200,12 +200,17 @@ def emit(line: str) -> None:
 # --------------------------------------------------------------------------
 # Distributed helpers
 # --------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    """Whether this process is a torchrun worker (torchrun sets RANK and WORLD_SIZE)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
 class Dist:
     def __init__(self) -> None:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+        self.enabled = under_torchrun()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
@@ -808,7 +813,7 @@ def leave(rc: int) -> None:
 
     gloo's threads outlive destroy_process_group (torch's C++ side keeps the group), and that teardown now
     and then destroys one of them still running: "terminate called without an active exception", SIGABRT,
-    after a run that succeeded (seen about once in a few hundred loopback jobs). Everything the run wrote
+    after a run that succeeded (it failed a CI run once; not reproduced on demand). Everything the run wrote
     is closed and flushed by now; nothing else is left to do.
     """
     for stream in (sys.stdout, sys.stderr):
@@ -819,6 +824,6 @@ def leave(rc: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+    if under_torchrun():
         leave(code)
     sys.exit(code)
