@@ -226,8 +226,8 @@ def start_daphne(env: dict, tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 def start_worker(env: dict, tmp: Path) -> subprocess.Popen:
-    return start([str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-                  "-n", "bench3@%h", "-s", str(tmp / "beat"), "--loglevel=warning"],
+    return start([str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-P", "threads", "-c", "4",
+                  "-n", "bench3@%h", "--loglevel=warning"],
                  env, tmp / "worker.log")  # fmt: skip
 
 

@@ -177,8 +177,8 @@ class Worker:
     def start(self, timeout: float = 90.0) -> float:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-                 "-n", "bench@%h", "-s", str(self.tmp / "worker-beat"), "--loglevel=warning"],
+                [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-P", "threads", "-c", "4",
+                 "-n", "bench@%h", "--loglevel=warning"],
                 cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip

@@ -71,6 +71,24 @@ def os_account(request):
     return user
 
 
+@pytest.fixture
+def private_data_dir():
+    """A data directory for UGRO's own PostgreSQL (ugro_site/localdb.py), whose server is stopped afterwards.
+    Under a directory others may pass through: as root, the server runs as another account (pytest's
+    tmp_path is 0700)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="ugro-db-"))
+    top.chmod(0o711)
+    data = top / "data"
+    yield data
+    subprocess.run([sys.executable, "-m", "ugro_site.localdb", "stop"], cwd=REPO, capture_output=True, timeout=90,
+                   env={**os.environ, "UGRO_DATA_DIR": str(data)})  # fmt: skip
+    shutil.rmtree(top, ignore_errors=True)
+
+
 def cluster_yaml(loopback, count: int) -> str:
     """cluster.yaml in the user's format for the first `count` loopback nodes."""
     lines = [

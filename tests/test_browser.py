@@ -94,8 +94,8 @@ def web(lab, controller, tmp_path):
 @pytest.fixture
 def server(web, controller, tmp_path):
     """The app plus a Celery worker with beat: it schedules, launches, follows jobs and polls health."""
-    worker = start([sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-                    "-n", "browser@%h", "-s", str(tmp_path / "beat"), "--loglevel=warning"],
+    worker = start([sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-P", "threads", "-c", "4",
+                    "-n", "browser@%h", "--loglevel=warning"],
                    controller, tmp_path / "worker.log")  # fmt: skip
     try:
         yield web

@@ -774,7 +774,7 @@ def test_with_the_broker_down_tasks_are_not_queued_and_nothing_raises(settings, 
 
     follow_jobs.run()  # a follow task that ends while Redis is away does not die queueing its successor
 
-    sched = ugro_celery.QuietScheduler.__new__(ugro_celery.QuietScheduler)
+    sched = ugro_celery.LockedScheduler.__new__(ugro_celery.LockedScheduler)
     entry = ScheduleEntry(name="follow-jobs", task="jobs.tasks.follow_jobs", schedule=5.0, app=ugro_celery.app)
     with caplog.at_level(logging.WARNING, logger="ugro.beat"):
         for _ in range(5):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import io
 
 import pytest
@@ -25,9 +26,11 @@ def test_demo_node_is_added_once(settings):
 
 def test_first_admin_is_created_with_a_printed_password(settings, tmp_path):
     settings.DATA_DIR = tmp_path
+    get_user_model().objects.filter(username=getpass.getuser()).delete()  # a fresh install: no account yet
     out = io.StringIO()
     call_command("ensure_admin", stdout=out)
-    user = get_user_model().objects.get(username="admin")
+    # named like the OS user, so the README's manage.py commands run as it without --as
+    user = get_user_model().objects.get(username=getpass.getuser())
     password = (tmp_path / "admin_password.txt").read_text().split()[1]
     assert user.is_superuser and user.check_password(password) and password in out.getvalue()
     call_command("ensure_admin", stdout=out)

@@ -35,7 +35,7 @@ def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_p
     env = dict(controller_env, REDIS_URL=f"redis://127.0.0.1:{port}/0", UGRO_WORKER_THREADS="4")
     log_path = tmp_path / "worker.log"
     worker = subprocess.Popen(
-        [str(REPO / "bin" / "worker"), "-B", "-s", str(tmp_path / "beat-schedule")],
+        [str(REPO / "bin" / "worker")],
         cwd=REPO, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:

@@ -141,26 +141,30 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_a_fresh_data_directory_is_private_and_a_loose_one_is_warned_about(tmp_path):
-    data = tmp_path / "data"
-    # when UGRO starts on a fresh data directory (SQLite) with a permissive umask around it
+def test_a_fresh_data_directory_is_private_and_a_loose_one_is_warned_about(private_data_dir):
+    data = private_data_dir
+    # when UGRO starts on a fresh data directory (its own PostgreSQL) with a permissive umask around it
     old = os.umask(0o022)
     try:
+        started = subprocess.run([sys.executable, "-m", "ugro_site.localdb", "start"], cwd=REPO, capture_output=True,
+                                 text=True, env={**os.environ, "UGRO_DATA_DIR": str(data)}, timeout=120)  # fmt: skip
+        assert started.returncode == 0, started.stderr
         done = run_manage(data, "migrate", "-v0")
     finally:
         os.umask(old)
     assert done.returncode == 0, done.stderr
-    # then the directory is 0700 and the database and secret key 0600
-    assert mode(data) == 0o700
-    assert mode(data / "ugro.sqlite3") == 0o600 and mode(data / "secret_key") == 0o600
+    # then the directory is 0700 (0710 for the server's account when UGRO runs as root), the database's 0700
+    # and the secret key 0600
+    assert mode(data) == (0o710 if os.geteuid() == 0 else 0o700)
+    assert mode(data / "postgres") == 0o700 and mode(data / "secret_key") == 0o600
     assert "ugro.W001" not in run_manage(data, "check").stderr
     # when someone loosens them, the start-time check says so, naming each path
     data.chmod(0o755)
-    (data / "ugro.sqlite3").chmod(0o644)
+    (data / "secret_key").chmod(0o644)
     checked = run_manage(data, "check")
     assert checked.returncode == 0
     assert f"data directory {data} is 0755" in checked.stderr
-    assert f"{data / 'ugro.sqlite3'} is 0644" in checked.stderr
+    assert f"{data / 'secret_key'} is 0644" in checked.stderr
 
 
 PINNED = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAII97vnnKxgG2FINp93piuEsNg/e3jYb7HKVk1L7dxrGu"

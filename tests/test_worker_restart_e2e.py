@@ -24,8 +24,8 @@ TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-ev
 def start_worker(env: dict, tmp_path, name: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-B", "-P", "threads", "-c", "4",
-         "-n", f"{name}@%h", "-s", str(tmp_path / f"{name}-beat"), "--loglevel=warning"],
+        [sys.executable, "-m", "celery", "-A", "ugro_site", "worker", "-P", "threads", "-c", "4",
+         "-n", f"{name}@%h", "--loglevel=warning"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 

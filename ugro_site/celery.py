@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 from celery import Celery, signals
-from celery.beat import PersistentScheduler
+from celery.beat import Scheduler
 
 from ugro_site.env import private_umask
 
@@ -97,16 +99,87 @@ def _stop_heartbeat(**kwargs) -> None:
         pass
 
 
-class QuietScheduler(PersistentScheduler):
-    """Beat's scheduler, saying one line when the broker goes away and one when it is back, instead of
-    a ~150-line traceback on every tick of every entry while Redis is down."""
+# Beat runs inside every worker, on a thread, so that a worker never runs without its schedule; a Redis lock
+# makes exactly one of them fire at a time, and another takes over within SCHEDULER_TTL_S of its holder's end.
+SCHEDULER_KEY = "ugro:scheduler"
+SCHEDULER_TTL_S = 15
+STANDBY_TICK_S = 2.0
+
+
+def scheduler_alive() -> bool:
+    """Whether some worker's scheduler holds the lock now (None of them: nothing is queued on schedule)."""
+    if not broker_answers():
+        return False
+    try:
+        return bool(_redis().exists(SCHEDULER_KEY))
+    except Exception:  # no answer is the same as no scheduler
+        return False
+
+
+_embedded = []
+
+
+@signals.worker_ready.connect
+def _start_scheduler(**kwargs) -> None:
+    """Every worker runs beat on a thread; LockedScheduler lets one of them fire."""
+    from celery.beat import EmbeddedService
+
+    if app.conf.beat_scheduler != f"{__name__}:LockedScheduler":
+        return  # a deployment with a beat of its own
+    service = EmbeddedService(app, thread=True, scheduler_cls=LockedScheduler)
+    service.start()
+    _embedded.append(service)
+
+
+@signals.worker_shutdown.connect
+def _stop_scheduler(**kwargs) -> None:
+    for service in _embedded:
+        service.stop()  # releases the lock (LockedScheduler.close): another worker fires at once
+
+
+class LockedScheduler(Scheduler):
+    """Beat's in-memory scheduler that fires only while it holds the deployment's scheduler lock, and says
+    one line when the broker goes away and one when it is back, instead of a ~150-line traceback on every
+    tick of every entry while Redis is down."""
 
     _broker_down_since: float | None = None
+    _lock = None
+    _client = None
+
+    def tick(self, *args, **kwargs):
+        if not self._hold():
+            return STANDBY_TICK_S
+        return super().tick(*args, **kwargs)
+
+    def _hold(self) -> bool:
+        """Take the lock, or renew it while held (a lock lost to a Redis restart is taken anew)."""
+        import uuid
+
+        try:
+            if self._client is None:
+                self._client = _redis(timeout=1.0)
+            if self._lock is not None:
+                self._lock.reacquire()
+                return True
+            lock = self._client.lock(SCHEDULER_KEY, timeout=SCHEDULER_TTL_S, thread_local=False)
+            if lock.acquire(blocking=False, token=f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:8]}"):
+                self._lock = lock
+                logging.getLogger("ugro.beat").warning("this worker's scheduler fires the periodic tasks now")
+                return True
+        except Exception:  # Redis away or the lock taken over meanwhile: stand by, try again next tick
+            self._lock = None
+        return False
+
+    def close(self) -> None:
+        if self._lock is not None:
+            try:
+                self._lock.release()  # the next worker's scheduler takes over at once
+            except Exception:  # it expires by itself
+                pass
+            self._lock = None
+        super().close()
 
     def apply_entry(self, entry, producer=None):
-        import logging
-        import time
-
         logger = logging.getLogger("ugro.beat")
         if not broker_answers():
             if self._broker_down_since is None:

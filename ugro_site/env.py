@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 
 class EnvError(ValueError):
@@ -63,6 +64,12 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or raw.strip() == "":
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def data_dir() -> Path:
+    """UGRO's data directory (UGRO_DATA_DIR, else data/ in the checkout), absolute."""
+    default = Path(__file__).resolve().parent.parent / "data"
+    return Path(env_str("UGRO_DATA_DIR", str(default))).resolve()
 
 
 def private_umask() -> None:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import dj_database_url
 
-from .env import EnvError, env_bool, env_float, env_int, env_list, env_str
+from . import localdb
+from .env import EnvError, data_dir, env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-DATA_DIR = Path(env_str("UGRO_DATA_DIR", str(BASE_DIR / "data"))).resolve()
+DATA_DIR = data_dir()
 DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # a looser existing one is warned about (cluster/checks.py)
 JOBS_DIR = DATA_DIR / "jobs"
 
@@ -88,18 +89,17 @@ TEMPLATES = [
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "ugro_site.asgi.application"
 
-_default_db = f"sqlite:///{DATA_DIR / 'ugro.sqlite3'}"
-try:
-    DATABASES = {"default": dj_database_url.parse(env_str("DATABASE_URL", _default_db), conn_max_age=0)}
-except ValueError as exc:
-    raise EnvError(f"DATABASE_URL is not a usable database URL: {exc}") from None
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # WAL lets the web process read while the worker writes; busy timeout rides out short locks.
-    DATABASES["default"]["OPTIONS"] = {
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-        "timeout": 20,
-        "transaction_mode": "IMMEDIATE",
-    }
+# One engine, PostgreSQL, in every setup (docs/database.md): a server of yours by DATABASE_URL, else the
+# private one bin/start runs in the data directory (ugro_site/localdb.py).
+if _url := env_str("DATABASE_URL", ""):
+    try:
+        DATABASES = {"default": dj_database_url.parse(_url, conn_max_age=0)}
+    except ValueError as exc:
+        raise EnvError(f"DATABASE_URL is not a usable database URL: {exc}") from None
+    if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+        raise EnvError("DATABASE_URL must be a PostgreSQL URL (postgres://...): UGRO runs on PostgreSQL only")
+else:
+    DATABASES = {"default": localdb.settings_dict(DATA_DIR)}
 if test_db := env_str("UGRO_TEST_DB_NAME", ""):
     DATABASES["default"]["TEST"] = {"NAME": test_db}
 
@@ -159,7 +159,7 @@ CELERY_BEAT_SCHEDULE = {
     "follow-jobs": {"task": "jobs.tasks.follow_jobs", "schedule": 5.0},
     "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": 5.0},
 }
-CELERY_BEAT_SCHEDULER = "ugro_site.celery:QuietScheduler"
+CELERY_BEAT_SCHEDULER = "ugro_site.celery:LockedScheduler"  # runs in every worker; one fires (bin/worker)
 
 from django.utils.csp import CSP  # noqa: E402
 
