@@ -26,15 +26,17 @@ rule is idempotent and bounded in time, so running it twice, or after a crash an
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from cluster.alerts import record_event
+from cluster.alerts import open_alert, record_event, resolve
 from cluster.models import Alert, Node
 from metrics import rollup
 from metrics.models import MetricPoint
@@ -78,31 +80,90 @@ class Report:
 
 
 def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Report:
-    """One pass over every job (or the given ones); see the module docstring for the rules."""
+    """One pass over every job (or the given ones); see the module docstring for the rules.
+
+    Each rule runs on its own (run_rule): one that raises is logged and alerted, and the rules after it
+    still run in this pass."""
     report = Report()
     jobs = Job.objects.all() if job_ids is None else Job.objects.filter(pk__in=job_ids)
     now = timezone.now()
-    ugro = settings.UGRO
+    rules = [
+        ("starting", lambda: report.timed_out.extend(_starting_overdue(jobs, now))),
+        ("time-limits", lambda: report.timed_out.extend(stop_overdue(job_ids))),
+        ("teardowns", lambda: report.torn_down.extend(_lost_teardowns(jobs, now))),
+        ("running", lambda: _running(jobs, report)),
+        ("release", lambda: report.released.extend(_release_ended(jobs))),
+        ("lost-output", lambda: report.recovered.extend(_recover_lost_output(jobs, now))),
+        ("rollup", lambda: report.folded.extend(fold_leftovers(jobs, now))),
+        ("retries", lambda: report.retried.extend(recovery.retry_pass(job_ids))),
+        ("node-back", lambda: report.node_back.extend(recovery.release_waits(job_ids))),
+    ]
+    if job_ids is None:
+        rules.insert(2, ("median-stop", lambda: report.stopped_early.extend(median_stop())))
+        if orphans:
+            rules.append(("orphans", lambda: report.orphans_killed.extend(kill_orphans())))
+    for name, rule in rules:
+        run_rule(name, rule)
+    if report:
+        log.warning("reconcile: %s", report)
+    return report
 
+
+RULE_LOG_EVERY_S = 600.0  # a rule that keeps failing: its traceback again at most this often
+_rule_logged: dict[str, float] = {}
+
+
+def run_rule(name: str, rule) -> bool:
+    """Run one rule of a periodic pass so that its failure stops neither the pass nor the loop: the traceback
+    is logged (once per RULE_LOG_EVERY_S for a rule that keeps failing) and an alert stays open until the
+    rule runs cleanly again. True when it ran cleanly."""
+    key = f"rule:{name}"
+    try:
+        rule()
+    except Exception as exc:
+        last = _rule_logged.get(name)
+        if last is None or time.monotonic() - last >= RULE_LOG_EVERY_S:
+            _rule_logged[name] = time.monotonic()
+            log.exception("reconcile rule %r failed; the other rules still run", name)
+        try:
+            with transaction.atomic():
+                open_alert(None, key, Alert.Severity.WARNING,
+                           f"the reconciler's {name!r} rule fails: {type(exc).__name__}: {exc}")  # fmt: skip
+        except Exception:  # the database itself is away: the log says it
+            log.debug("could not open the alert for rule %s", name, exc_info=True)
+        return False
+    if _rule_logged.pop(name, None) is not None:
+        resolve(Alert.objects.filter(node=None, key=key, resolved_at__isnull=True))
+    return True
+
+
+def _starting_overdue(jobs, now) -> list[str]:
+    """STARTING past its window: the launcher died or hung."""
+    failed = []
     for job in jobs.filter(state=Job.State.STARTING):
         since = job.state_changed_at or job.started_at or now
-        limit = job.sync_window_s + ugro["STARTING_GRACE_S"]
+        limit = job.sync_window_s + settings.UGRO["STARTING_GRACE_S"]
         if (now - since).total_seconds() > limit:
             line = f"the launch did not finish within {limit:g}s (launcher {job.launcher or 'unknown'} gone?)"
             failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
             if lifecycle.fail(job, failure):
-                report.timed_out.append(job.name)
+                failed.append(job.name)
+    return failed
 
-    report.timed_out += stop_overdue(job_ids)
-    if job_ids is None:
-        report.stopped_early += median_stop()
 
-    retry_after = ugro["KILL_GRACE_S"] + ugro["STOPPING_RETRY_S"]
+def _lost_teardowns(jobs, now) -> list[str]:
+    """CANCELLING or FAILING past the kill grace and the retry time: the teardown was lost."""
+    retry_after = settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    done = []
     for job in jobs.filter(state__in=Job.STOPPING_STATES):
         since = job.state_changed_at or now
         if (now - since).total_seconds() > retry_after and lifecycle.teardown(job):
-            report.torn_down.append(job.name)
+            done.append(job.name)
+    return done
 
+
+def _running(jobs, report: Report) -> None:
+    """Each running job: its ranks checked on their nodes, then judged; else hang and straggler checks."""
     for job in jobs.filter(state=Job.State.RUNNING):
         report.lost += check_ranks(job)
         job.refresh_from_db()
@@ -113,27 +174,25 @@ def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Repo
         else:
             report.stragglers += [f"{job.name}: {m}" for m in recovery.check_stragglers(job)]
 
+
+def _release_ended(jobs) -> list[str]:
+    """An ended job that still holds nodes (a crash between its end and the release): released."""
+    released = []
     holding = Q(ranks__active=True) | Q(allocations__active=True)
     for job in jobs.filter(holding, state__in=Job.ENDED_STATES).distinct():
         job.ranks.filter(active=True).update(active=False)
         job.allocations.filter(active=True).update(active=False)
-        report.released.append(job.name)
+        released.append(job.name)
+    return released
 
+
+def _recover_lost_output(jobs, now) -> list[str]:
+    """A lost rank of a recently ended job whose node answers again: the rest of its output is fetched."""
     cutoff = now - timedelta(days=LOST_OUTPUT_DAYS)
     lost_left = jobs.filter(state__in=Job.ENDED_STATES, finished_at__gt=cutoff)
-    for job in lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct():
-        if recover_output(job, follower_id() + ":reconcile"):
-            report.recovered.append(job.name)
-
-    report.folded += fold_leftovers(jobs, now)
-    report.retried += recovery.retry_pass(job_ids)
-    report.node_back += recovery.release_waits(job_ids)
-
-    if orphans and job_ids is None:
-        report.orphans_killed += kill_orphans()
-    if report:
-        log.warning("reconcile: %s", report)
-    return report
+    owner = follower_id() + ":reconcile"
+    return [job.name for job in lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct()
+            if recover_output(job, owner)]  # fmt: skip
 
 
 def fold_leftovers(jobs, now) -> list[str]:

@@ -1,0 +1,157 @@
+"""The default install's background loop: a rule that raises stops neither the pass nor the loop; the time
+values that raw SQL reads are timezone-aware; exactly one worker's scheduler fires."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import timedelta
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+
+from cluster.models import Alert, Node
+from jobs import reconcile as reconcile_module
+from jobs import recovery
+from jobs.follow import _Listed, follow
+from jobs.models import Job, Rank
+from metrics import rollup
+from metrics.ingest import Sample, save_points
+from metrics.models import MetricRollup
+from metrics.series import _rollup_rows
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def box(tmp_path):
+    return Node.objects.create(
+        name="box", address="127.0.0.1", transport="local", role="master", workdir=str(tmp_path),
+        agent_python=sys.executable,
+    )  # fmt: skip
+
+
+def job_with_rank(node: Node, name: str, job_state: str, **rank_fields) -> Job:
+    job = Job.objects.create(name=name, script="train.py", tag=f"{name}-tag", state=job_state)
+    Rank.objects.create(job=job, node=node, index=0, started_at=timezone.now(), last_contact=timezone.now(),
+                        **rank_fields)  # fmt: skip
+    return job
+
+
+def points(job: Job, n: int = 20) -> None:
+    start = timezone.now() - timedelta(minutes=5)
+    with transaction.atomic():
+        save_points([Sample(job.pk, 0, s, "loss", 1.0 / (s + 1), start + timedelta(seconds=s), 1) for s in range(n)])
+
+
+# -- one failing rule ------------------------------------------------------------------------------
+
+
+def test_a_rule_that_raises_is_logged_once_alerted_and_the_other_rules_still_run(box, monkeypatch, caplog):
+    # given a running job, and an ended job that still holds its node (a crash between its end and the release)
+    job_with_rank(box, "live", Job.State.RUNNING, state=Rank.State.RUNNING)
+    job_with_rank(box, "ended", Job.State.SUCCEEDED, state=Rank.State.EXITED, active=True)
+
+    # and the rule for running jobs raising, as check_hang did on every tick of a default install
+    def broken(job):
+        raise TypeError("can't subtract offset-naive and offset-aware datetimes")
+
+    monkeypatch.setattr(reconcile_module, "check_ranks", broken)
+    # when the reconciler runs twice
+    with caplog.at_level(logging.WARNING, logger="jobs.reconcile"):
+        first = reconcile_module.reconcile(orphans=False)
+        second = reconcile_module.reconcile(orphans=False)
+    # then the rule after it ran: the ended job's node is free
+    assert first.released == ["ended"] and second.released == []
+    assert not Rank.objects.filter(job__name="ended", active=True).exists()
+    # and the failure was logged with its traceback once, not on every tick
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "'running'" in tracebacks[0].getMessage()
+    # and one alert says which rule fails and why
+    alert = Alert.objects.get(key="rule:running", resolved_at__isnull=True)
+    assert alert.node is None and "TypeError: can't subtract offset-naive" in alert.message
+    # when the rule runs cleanly again, the alert is resolved
+    monkeypatch.setattr(reconcile_module, "check_ranks", lambda job: [])
+    monkeypatch.setattr(reconcile_module.lifecycle, "judge", lambda job: False)
+    reconcile_module.reconcile(orphans=False)
+    assert not Alert.objects.filter(key="rule:running", resolved_at__isnull=True).exists()
+
+
+def test_a_failing_rule_with_the_database_refusing_does_not_stop_the_pass(box, monkeypatch):
+    # given a rule that breaks the statement it runs (an SQL error, not a Python one)
+    job_with_rank(box, "ended", Job.State.FAILED, state=Rank.State.EXITED, active=True)
+
+    def bad_sql(jobs, now):
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT no_such_column FROM jobs_job")
+
+    monkeypatch.setattr(reconcile_module, "_starting_overdue", bad_sql)
+    # when the reconciler runs, then the rules after it still work on the database
+    assert reconcile_module.reconcile(orphans=False).released == ["ended"]
+    assert Alert.objects.filter(key="rule:starting", resolved_at__isnull=True).exists()
+
+
+# -- time values read by raw SQL -------------------------------------------------------------------
+
+
+def test_the_hang_checks_newest_points_carry_aware_times(box):
+    job = job_with_rank(box, "hang", Job.State.RUNNING, state=Rank.State.RUNNING)
+    points(job)
+    rows = recovery._newest_points(job)
+    assert rows and all(t.tzinfo is not None for _, _, t in rows)
+    # and the check that subtracts them from now runs
+    assert recovery.check_hang(job) is False
+
+
+def test_the_follow_listing_reads_an_aware_lease_time(box):
+    job = job_with_rank(box, "leased", Job.State.RUNNING, state=Rank.State.RUNNING)
+    Job.objects.filter(pk=job.pk).update(follower="someone-else", follower_until=timezone.now() + timedelta(minutes=1))
+    listing = Job.objects.filter(pk=job.pk).values_list(*_Listed._fields).query.sql_with_params()
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(*listing)
+        row = _Listed(*cursor.fetchone())
+    assert row.follower_until.tzinfo is not None
+    # and a follower compares it with now without raising (the watcher thread died of it on SQLite)
+    follow(0.2, job_ids=[job.pk], owner="me", exit_when_idle=True)
+
+
+def test_the_charts_rollup_times_are_aware(box):
+    job = job_with_rank(box, "curve", Job.State.RUNNING, state=Rank.State.RUNNING)
+    points(job, 300)
+    rollup.catch_up(job.pk)
+    level = MetricRollup.objects.filter(job=job).order_by("level").values_list("level", flat=True).first()
+    rows = _rollup_rows(job.pk, ["loss"], None, level, True)["loss"]
+    assert rows and all(r[-1].tzinfo is not None and r[-2].tzinfo is not None for r in rows)
+
+
+# -- the schedule lives in the workers -------------------------------------------------------------
+
+
+def test_of_two_workers_schedulers_exactly_one_fires_and_the_other_takes_over():
+    from ugro_site import celery as ugro_celery
+
+    def scheduler():
+        return ugro_celery.LockedScheduler.__new__(ugro_celery.LockedScheduler)  # its lock, without an app's beat
+
+    first, second = scheduler(), scheduler()
+    try:
+        # given two workers' schedulers on one Redis: the first to tick holds the lock, the other stands by
+        assert first._hold() is True
+        assert second._hold() is False
+        assert first._hold() is True  # renewed while held
+        assert ugro_celery.scheduler_alive()
+        # when the first worker stops (its scheduler releases the lock), the second fires from its next tick
+        first._lock.release()
+        first._lock = None
+        assert second._hold() is True
+        assert first._hold() is False
+    finally:
+        for s in (first, second):
+            if s._lock is not None:
+                s._lock.release()
+    assert not ugro_celery.scheduler_alive()
