@@ -1,4 +1,4 @@
-# UGRO's controller (web, Celery worker, Celery beat: docker-compose.yml), requirements installed once here.
+# UGRO's controller (web and Celery worker, which runs the schedule: docker-compose.yml), requirements installed once here.
 # Nodes need nothing of this: UGRO reaches them over SSH with the key mounted at /home/ugro/.ssh.
 FROM python:3.13-slim
 

@@ -11,7 +11,7 @@ import yaml
 
 from .conftest import REPO
 
-CONTROLLER = ("web", "worker", "beat")
+CONTROLLER = ("web", "worker")
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,13 @@ def test_controller_services_share_one_built_image_and_install_nothing_at_start(
         assert "/app" not in [v.split(":")[1] for v in service.get("volumes", [])], "code comes from the image"
 
 
+def test_the_schedule_runs_in_the_worker_with_no_beat_service_to_lose(compose):
+    services = compose["services"]
+    assert "beat" not in services
+    assert not any("beat" in " ".join(s.get("command") or []) for s in services.values())
+    assert services["worker"]["command"] == ["bin/worker"]
+
+
 def test_databases_have_health_checks_and_the_controller_waits_for_them(compose):
     services = compose["services"]
     for name in ("redis", "postgres"):
@@ -48,7 +55,7 @@ def test_databases_have_health_checks_and_the_controller_waits_for_them(compose)
         depends = services[name]["depends_on"]
         assert depends["redis"]["condition"] == "service_healthy", name
         assert depends["postgres"]["condition"] == "service_healthy", name
-    # migrations run once, before web, worker and beat start, and that one-shot is not restarted
+    # migrations run once, before web and worker start, and that one-shot is not restarted
     assert "migrate" in " ".join(services["migrate"]["command"])
     assert services["migrate"]["restart"] == "no"
     for name in CONTROLLER:
