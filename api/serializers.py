@@ -164,3 +164,9 @@ class MeSerializer(serializers.Serializer):
     username = serializers.CharField()
     role = serializers.CharField()
     scope = serializers.CharField(allow_null=True)
+
+
+class ControllerSerializer(serializers.Serializer):
+    worker_alive = serializers.BooleanField()
+    scheduler_alive = serializers.BooleanField()
+    problem = serializers.CharField(help_text="One line for people when something is missing, else empty.")

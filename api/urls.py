@@ -45,6 +45,7 @@ urlpatterns = [
     ),  # fmt: skip
     path("v1/audit", api(views.AuditView), name="audit"),
     path("v1/me", api(views.MeView), name="me"),
+    path("v1/controller", api(views.ControllerView), name="controller"),
     path("schema", api(SchemaView), name="schema"),
     # the docs page is for people: Django's login first (the split view serves its script as a file: CSP)
     path("docs", login_required(csp_override(DOCS_CSP)(DocsView.as_view(url_name="api:schema"))), name="docs"),

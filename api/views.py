@@ -29,7 +29,7 @@ from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
 from jobs.views import metric_names, progress
 from metrics.models import FinalMetric
-from ugro_site.celery import send_task, worker_alive
+from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
 from . import serializers as s
 
@@ -394,6 +394,17 @@ class AuditView(APIView):
         if request.query_params.get("user"):
             events = events.filter(username=request.query_params["user"])
         return Response(s.AuditSerializer(events[:limit], many=True).data)
+
+
+class ControllerView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Whether a worker and its scheduler run (without them no job starts or is followed)",
+                   responses=s.ControllerSerializer)  # fmt: skip
+    def get(self, request: Request) -> Response:
+        alive = scheduler_alive()
+        return Response({"worker_alive": worker_alive(), "scheduler_alive": alive,
+                         "problem": "" if alive else NO_SCHEDULER})  # fmt: skip
 
 
 class MeView(APIView):

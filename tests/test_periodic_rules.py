@@ -155,3 +155,33 @@ def test_of_two_workers_schedulers_exactly_one_fires_and_the_other_takes_over():
             if s._lock is not None:
                 s._lock.release()
     assert not ugro_celery.scheduler_alive()
+
+
+def test_with_no_scheduler_running_every_page_the_api_and_health_say_so(client, os_account):
+    import io
+
+    from django.core.management import call_command
+
+    from ugro_site import celery as ugro_celery
+
+    client.force_login(os_account)
+    # given no worker, so no scheduler: every page says nothing would start or follow a job
+    page = client.get("/").content.decode()
+    assert "no scheduler running" in page and 'id="controller-problem"' in page
+    assert client.get("/api/v1/controller").json() == {
+        "worker_alive": False, "scheduler_alive": False, "problem": ugro_celery.NO_SCHEDULER,
+    }  # fmt: skip
+    out = io.StringIO()
+    call_command("health", stdout=out)
+    assert out.getvalue().splitlines()[-1] == f"✗ {ugro_celery.NO_SCHEDULER}"
+    # when a worker's scheduler holds the lock, the banner and the line are gone
+    holder = ugro_celery.LockedScheduler.__new__(ugro_celery.LockedScheduler)
+    assert holder._hold()
+    try:
+        assert 'id="controller-problem"' not in client.get("/").content.decode()
+        assert client.get("/api/v1/controller").json()["scheduler_alive"] is True
+        out = io.StringIO()
+        call_command("health", stdout=out)
+        assert "no scheduler running" not in out.getvalue()
+    finally:
+        holder._lock.release()

@@ -306,6 +306,7 @@ def cmd_queue(client: Client, a) -> int:
 
 def cmd_health(client: Client, a) -> int:
     nodes = [n for n in client.get("health") if n["enabled"]]
+    controller = client.get("controller")
     if a.json:
         emit_json(nodes)
     width = max((len(n["name"]) for n in nodes), default=0) + 2
@@ -316,6 +317,8 @@ def cmd_health(client: Client, a) -> int:
             print(f"✗ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'no reading'}")
         for check in n["checks"]:
             print(f"    {check.get('severity')}: {check.get('detail')}")
+    if controller["problem"] and not a.json:
+        print(f"✗ {controller['problem']}")
     return EXIT_FAILED if any(n["status"] != "healthy" for n in nodes) else EXIT_OK
 
 

@@ -104,6 +104,10 @@ def _stop_heartbeat(**kwargs) -> None:
 SCHEDULER_KEY = "ugro:scheduler"
 SCHEDULER_TTL_S = 15
 STANDBY_TICK_S = 2.0
+NO_SCHEDULER = (
+    "no scheduler running: queued jobs do not start and running ones are not followed or reconciled "
+    "(start a worker: bin/start)"
+)
 
 
 def scheduler_alive() -> bool:

@@ -8,6 +8,7 @@ from accounts.commands import UserCommand
 from cluster import monitor
 from cluster.health import BREAKER_TRIP_AFTER, Breaker
 from cluster.models import Node
+from ugro_site.celery import NO_SCHEDULER, scheduler_alive
 
 
 def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
@@ -52,6 +53,8 @@ class Command(UserCommand):
                 for line in node_line(node, width, failed.get(node.name)):
                     self.stdout.write(line)
         bad = [n.name for n in nodes if n.status != Node.Status.HEALTHY or n.name in failed]
+        if not as_json and not scheduler_alive():
+            self.stdout.write(f"✗ {NO_SCHEDULER}")
         if bad:
             raise CommandError(f"not healthy: {', '.join(bad)}")
 
