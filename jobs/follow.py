@@ -115,10 +115,10 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
     grow: bytes this transaction appends to metrics.jsonl: the committed size is raised by them in the same
     statement (the caller writes them at the size returned, and a rollback undoes both). relaxed: this
     transaction commits without waiting for its WAL to reach the disk (PostgreSQL's synchronous_commit off,
-    set in the same round trip; nothing elsewhere). A database crash may then lose the last fraction of a
-    second of commits, never corrupt them; and what it loses is taken again: the central files are cut back
-    to the offsets the database kept before anything is appended (see above). One statement where a pass
-    made three: each was a round trip and a fiftieth of a pass's CPU in the worker."""
+    set in the same round trip). A database crash may then lose the last fraction of a second of commits,
+    never corrupt them; and what it loses is taken again: the central files are cut back to the offsets the
+    database kept before anything is appended (see above). One statement where a pass made three: each was
+    a round trip and a fiftieth of a pass's CPU in the worker."""
     now = timezone.now()
     table = connection.ops.quote_name(Job._meta.db_table)
     sql = (
@@ -127,7 +127,6 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
         " RETURNING metrics_bytes - %s"
     )
     params = [now + timedelta(seconds=_lease_s()), grow, job_id, owner, now, grow]
-    relaxed = relaxed and connection.vendor == "postgresql"
     with connection.cursor() as cursor:
         cursor.execute(f"{RELAXED_COMMIT}; {sql}" if relaxed else sql, params)
         if relaxed:

@@ -424,14 +424,14 @@ _PASS_FIELDS = frozenset({"log_offset", "log_lines", "last_contact", "metric_ste
 
 def ranks_progress(moves: list[tuple[Rank, int, dict, dict | None]]) -> bool:
     """rank_progress() for each (rank, old_offset, fields, exit_info) of one pass; True if every rank was
-    still at its old offset. The ranks that only advance go in one UPDATE on PostgreSQL (a statement per
-    rank was a round trip each, every pass); a rank that exits goes through rank_progress() alone."""
+    still at its old offset. The ranks that only advance go in one UPDATE (a statement per rank was a
+    round trip each, every pass); a rank that exits goes through rank_progress() alone."""
     plain = [(rank, old, fields) for rank, old, fields, exit_info in moves if exit_info is None]
     for rank, old, fields, exit_info in moves:
         if exit_info is not None and not rank_progress(rank, old, fields, exit_info):
             return False
     contact = {fields.get("last_contact") for _, _, fields in plain}
-    if len(plain) < 2 or connection.vendor != "postgresql" or len(contact) != 1 or any(
+    if len(plain) < 2 or len(contact) != 1 or any(
         set(fields) - _PASS_FIELDS or "log_offset" not in fields or "log_lines" not in fields
         for _, _, fields in plain
     ):  # fmt: skip

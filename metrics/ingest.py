@@ -36,23 +36,20 @@ POINT_TYPES = ("int8", "int4", "int8", "varchar", "float8", "timestamptz", "int4
 
 
 def save_points(points: Sequence[Sample]) -> None:
-    """Insert the points: PostgreSQL's COPY where the database is PostgreSQL, else one bulk INSERT. The
-    rollup the charts read is not touched: rollup.catch_up() folds them in later (the follower calls it
-    about once a second, outside the transaction that holds the job's row lock)."""
+    """Insert the points with PostgreSQL's COPY. The rollup the charts read is not touched:
+    rollup.catch_up() folds them in later (the follower calls it about once a second, outside the
+    transaction that holds the job's row lock)."""
     if not points:
         return
-    if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(MetricPoint._meta.db_table)
-        columns = ", ".join(connection.ops.quote_name(c) for c in POINT_COLUMNS)
-        with (
-            connection.cursor() as cursor,
-            cursor.connection.cursor().copy(f"COPY {table} ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
-        ):
-            copy.set_types(POINT_TYPES)
-            for p in points:
-                copy.write_row(p)
-    else:
-        MetricPoint.objects.bulk_create([MetricPoint(**p._asdict()) for p in points], batch_size=2000)
+    table = connection.ops.quote_name(MetricPoint._meta.db_table)
+    columns = ", ".join(connection.ops.quote_name(c) for c in POINT_COLUMNS)
+    with (
+        connection.cursor() as cursor,
+        cursor.connection.cursor().copy(f"COPY {table} ({columns}) FROM STDIN (FORMAT BINARY)") as copy,
+    ):
+        copy.set_types(POINT_TYPES)
+        for p in points:
+            copy.write_row(p)
 
 
 @dataclass

@@ -124,7 +124,6 @@ def _on_conflict() -> str:
     step its value wins)."""
     qn = connection.ops.quote_name
     table = qn(MetricRollup._meta.db_table)
-    least, greatest = ("LEAST", "GREATEST") if connection.vendor == "postgresql" else ("MIN", "MAX")
 
     def col(c: str) -> str:
         return f"{table}.{qn(c)}"
@@ -134,29 +133,28 @@ def _on_conflict() -> str:
 
     sets = [
         f"n = {col('n')} + {new('n')}",
-        f"v_min = {least}({col('v_min')}, {new('v_min')})",
-        f"v_max = {greatest}({col('v_max')}, {new('v_max')})",
+        f"v_min = LEAST({col('v_min')}, {new('v_min')})",
+        f"v_max = GREATEST({col('v_max')}, {new('v_max')})",
         f"v_sum = {col('v_sum')} + {new('v_sum')}",
-        f"first_step = {least}({col('first_step')}, {new('first_step')})",
-        f"last_step = {greatest}({col('last_step')}, {new('last_step')})",
+        f"first_step = LEAST({col('first_step')}, {new('first_step')})",
+        f"last_step = GREATEST({col('last_step')}, {new('last_step')})",
         f"last_value = CASE WHEN {new('last_step')} >= {col('last_step')} THEN {new('last_value')}"
         f" ELSE {col('last_value')} END",
-        f"t_min = {least}({col('t_min')}, {new('t_min')})",
-        f"t_max = {greatest}({col('t_max')}, {new('t_max')})",
+        f"t_min = LEAST({col('t_min')}, {new('t_min')})",
+        f"t_max = GREATEST({col('t_max')}, {new('t_max')})",
     ]
     return f" ON CONFLICT (job_id, name, level, rank, bucket) DO UPDATE SET {', '.join(sets)}"
 
 
 def upsert(by_level: dict[int, Buckets]) -> int:
-    """INSERT the buckets of every level given, merged into the rows already there (ON CONFLICT: PostgreSQL
-    and SQLite alike), in one statement per UPSERT_CHUNK rows: every level of a batch is one round trip,
-    not one each. Keys go in sorted order, so two writers lock shared rows in the same order."""
+    """INSERT the buckets of every level given, merged into the rows already there (ON CONFLICT), in one
+    statement per UPSERT_CHUNK rows: every level of a batch is one round trip, not one each. Keys go in
+    sorted order, so two writers lock shared rows in the same order."""
     items = sorted((level, *key, v) for level, buckets in by_level.items() for key, v in buckets.items())
     if not items:
         return 0
     qn = connection.ops.quote_name
     table = qn(MetricRollup._meta.db_table)
-    adapt = connection.ops.adapt_datetimefield_value if connection.vendor != "postgresql" else (lambda t: t)
     row_sql = "(" + ", ".join(["%s"] * len(COLUMNS)) + ")"
     head = f"INSERT INTO {table} ({', '.join(qn(c) for c in COLUMNS)}) VALUES "
     tail = _on_conflict()
@@ -165,7 +163,7 @@ def upsert(by_level: dict[int, Buckets]) -> int:
             chunk = items[i : i + UPSERT_CHUNK]
             params: list = []
             for level, job_id, name, rank, bucket, v in chunk:
-                params += [job_id, name, level, rank, bucket, *v[:7], adapt(v[7]), adapt(v[8])]
+                params += [job_id, name, level, rank, bucket, *v[:9]]
             cursor.execute(head + ", ".join([row_sql] * len(chunk)) + tail, params)
     return len(items)
 
@@ -176,11 +174,10 @@ def catch_up(job_id: int) -> int:
 
     The follower calls it about once a second per job, after its lease's transaction committed."""
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            # derived data: a crash that loses this commit loses the mark's move with it, and the next
-            # catch_up folds the same points again
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
+        # derived data: a crash that loses this commit loses the mark's move with it, and the next
+        # catch_up folds the same points again
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL synchronous_commit TO OFF")
         upto = _lock_mark(job_id)
         return 0 if upto is None else _fold_pending(job_id, upto)
 
@@ -191,9 +188,8 @@ def _lock_mark(job_id: int) -> int | None:
     that lock when a row is inserted, and requeue() holds the job's row FOR UPDATE while it calls cut(),
     which locks the mark: taking the job's lock after the mark's would deadlock with it."""
     jobs = connection.ops.quote_name(Job._meta.db_table)
-    lock = " FOR KEY SHARE" if connection.vendor == "postgresql" else ""  # SQLite: the transaction is the lock
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT 1 FROM {jobs} WHERE id = %s{lock}", [job_id])
+        cursor.execute(f"SELECT 1 FROM {jobs} WHERE id = %s FOR KEY SHARE", [job_id])
         if cursor.fetchone() is None:
             return None
     marks = RollupMark.objects.select_for_update().filter(job_id=job_id)
@@ -214,8 +210,7 @@ def _fold_pending(job_id: int, upto: int) -> int:
         span = cursor.fetchone()
     if span[0] is None:
         return 0
-    fold = _fold_in_sql if connection.vendor == "postgresql" else _fold_in_python
-    folded = fold(job_id, *span)
+    folded = _fold_in_sql(job_id, *span)
     RollupMark.objects.filter(job_id=job_id).update(upto=span[1])
     return folded
 
@@ -275,8 +270,8 @@ def _fold_in_sql(job_id: int, first: int, last: int) -> int:
 
 
 def _fold_in_python(job_id: int, first: int, last: int) -> int:
-    """The fold where the database is not PostgreSQL: fold_points and upsert, the points read in chunks.
-    The points folded."""
+    """_fold_in_sql's result the slow way, fold_points and upsert with the points read in chunks: nothing
+    in the product calls it; tests/test_rollup.py checks the fold in SQL against it. The points folded."""
     rows = MetricPoint.objects.filter(job_id=job_id, id__gte=first, id__lte=last, superseded=False).order_by("id")
     folded = 0
 
@@ -339,18 +334,11 @@ def build(job_id: int, upto: int | None) -> None:
     """The job's rollup rows from nothing, from its points on the curve with id <= upto (None: all of
     them); its mark is left alone (the caller's, or made later: the migration that made marks uses it)."""
     MetricRollup.objects.filter(job_id=job_id).delete()
-    if connection.vendor == "postgresql":
-        _rebuild_in_sql(job_id, upto)
-        return
-    rows = MetricPoint.objects.filter(job_id=job_id, superseded=False)
-    if upto is not None:
-        rows = rows.filter(id__lte=upto)
-    rows = rows.order_by("id").values_list("job_id", "rank", "step", "name", "value", "time")
-    upsert(fold_into_levels(rows.iterator(chunk_size=20000)))
+    _rebuild_in_sql(job_id, upto)
 
 
 def _rebuild_in_sql(job_id: int, upto: int | None) -> None:
-    """build() on PostgreSQL: each level grouped by the database (3M points: seconds, not minutes),
+    """build()'s rows: each level grouped by the database (3M points: seconds, not minutes),
     the finest from the points, each coarser one from the level below; the last value is the one of
     the greatest step (of the point stored last, on a tie), as catch_up keeps it."""
     table = connection.ops.quote_name(MetricRollup._meta.db_table)

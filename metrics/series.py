@@ -210,16 +210,15 @@ def _from_points(
 @contextmanager
 def _one_snapshot() -> Iterator[None]:
     """The rollup, its mark and the points past the mark read as of one moment: read apart, a catch_up
-    committing in between would count its points twice (or not at all). On PostgreSQL a REPEATABLE READ
-    transaction (read-only: it can never fail to serialize); SQLite's transaction is a snapshot itself.
-    Inside a caller's transaction, that transaction's isolation holds (it cannot be changed there)."""
+    committing in between would count its points twice (or not at all): a REPEATABLE READ transaction
+    (read-only: it can never fail to serialize). Inside a caller's transaction, that transaction's
+    isolation holds (it cannot be changed there)."""
     if connection.in_atomic_block:
         yield
         return
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         yield
 
 
@@ -304,12 +303,7 @@ def _rollup_rows(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
-    convert = None
-    if with_time and connection.vendor != "postgresql":  # SQLite hands timestamps back as text
-        convert = connection.ops.convert_datetimefield_value
     for row in rows:
-        if convert is not None:
-            row = (*row[:10], convert(row[10], None, connection), convert(row[11], None, connection))
         by_name.setdefault(row[0], []).append(row[1:])
     return by_name
 
@@ -342,8 +336,8 @@ def _bucketed(
 ) -> tuple[dict[str, dict[str, list]], dict[str, list], int]:
     """Per rank and step bucket [origin + i * width, origin + (i + 1) * width), min/max/mean computed by
     the database from the raw points; and the number of points they hold."""
-    # step and origin are integers, so '/' is integer division on SQLite and PostgreSQL alike; buckets
-    # start at or below the first step, so step - origin >= 0 and truncation equals floor.
+    # step and origin are integers, so '/' is integer division; buckets start at or below the first step,
+    # so step - origin >= 0 and truncation equals floor.
     bucket = ExpressionWrapper((F("step") - Value(origin)) / Value(width), output_field=BigIntegerField())
     stats = {
         "v_min": Min("value"), "v_max": Max("value"), "v_avg": Avg("value"), "n": Count("id"),
@@ -425,8 +419,6 @@ def _grouped(rows: QuerySet) -> list[dict[str, Any]]:
     spilling to disk, where hashing into a few thousand groups is about twice as fast; JIT
     compilation only adds to a query this short. Both settings last for this transaction only."""
     connection = connections[rows.db]
-    if connection.vendor != "postgresql":
-        return list(rows)
     with transaction.atomic(using=rows.db):
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL work_mem = '64MB'")
