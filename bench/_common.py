@@ -38,24 +38,23 @@ DEAD_REDIS = "redis://127.0.0.1:9/0"
 BENCH_REDIS = os.environ.get("UGRO_BENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 
 
-def ugro_env(tmp: Path) -> dict[str, str]:
-    """Environment for a throwaway UGRO: its own SQLite file and data dir under tmp."""
+def ugro_env(tmp: Path, database_url: str) -> dict[str, str]:
+    """Environment for a throwaway UGRO: its own database (bench/_db.py's throwaway_database) and data dir
+    under tmp."""
     data = tmp / "ugro-data"
     data.mkdir(parents=True, exist_ok=True)
     return {
-        "DATABASE_URL": f"sqlite:///{tmp / 'bench.sqlite3'}",
+        "DATABASE_URL": database_url,
         "UGRO_DATA_DIR": str(data),
         "REDIS_URL": DEAD_REDIS,
         "DJANGO_SETTINGS_MODULE": "ugro_site.settings",
     }
 
 
-def setup_django(tmp: Path, migrate: bool = True, database_url: str | None = None) -> dict[str, str]:
-    """Point UGRO at a throwaway DB (a SQLite file in tmp unless database_url names another) and data dir,
-    then django.setup() (and migrate)."""
-    env = ugro_env(tmp)
-    if database_url:
-        env["DATABASE_URL"] = database_url
+def setup_django(tmp: Path, database_url: str, migrate: bool = True) -> dict[str, str]:
+    """Point UGRO at a throwaway database (its URL, from bench/_db.py's throwaway_database) and a data dir
+    in tmp, then django.setup() (and migrate)."""
+    env = ugro_env(tmp, database_url)
     os.environ.update(env)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))

@@ -4,7 +4,7 @@
     .venv/bin/python bench/first_step.py [--repeat 3]
 
 Two real sshd nodes on 127.0.1.2-3 (cluster.loopback), each with the repo's train/ in its working
-dir, and a throwaway SQLite UGRO with the nodes imported from cluster.yaml. Every trial trains
+dir, and a throwaway PostgreSQL UGRO with the nodes imported from cluster.yaml. Every trial trains
 train/train_production.py for 5 steps (tiny model, --seq-len 32 --batch-size 8, a log line per
 step) with a rendezvous port of its own:
 
@@ -52,6 +52,7 @@ from _common import (  # noqa: E402
     wait_quiet,
     write_json,
 )
+from _db import throwaway_database  # noqa: E402
 
 METHODS = ("bare", "ugro_warm", "ugro_cold")
 EXTRA = ["--max-steps", "5", "--log-every", "1", "--seq-len", "32", "--batch-size", "8"]
@@ -354,9 +355,13 @@ def main() -> int:
     if not NODE_TORCHRUN.exists():
         print(f"node env missing: {NODE_TORCHRUN}", file=sys.stderr)
         return 2
+    with throwaway_database(keep=args.keep) as database_url:
+        return run(args, database_url)
 
+
+def run(args: argparse.Namespace, database_url: str) -> int:
     tmp = make_tmp("ugro-bench-first-step-")
-    env = setup_django(tmp)
+    env = setup_django(tmp, database_url)
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
     from cluster.loopback import LoopbackCluster

@@ -5,7 +5,7 @@ Run by hand (not a test):  .venv/bin/python bench/health_sweep.py [--sizes 1 8 1
 * N = 1, 8, 16, 32 real sshd nodes on 127.0.2.x (never the test suite's 127.0.0.x).
 * UGRO: `cluster.monitor.poll_once(force=True)`: one `probe` request per node, all nodes at once,
   over warm links (the first, cold sweep that opens the links is reported separately), with
-  samples, scores and alerts written to a throwaway SQLite DB and the events sent to Redis.
+  samples, scores and alerts written to a throwaway PostgreSQL database and the events sent to Redis.
 * Original: for each node in turn, three fresh `ssh` commands: `echo OK`, `nvidia-smi` (absent
   here: it fails fast, but the SSH connection and login are real) and `python -c "import torch"`
   with the node training env's python (the original ran it in the user's env, where torch is).
@@ -35,6 +35,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from _db import throwaway_database  # noqa: E402
+
 NODE_ENV = Path(os.environ.get("UGRO_NODE_ENV", REPO / ".venv-node"))
 RESULTS = REPO / "bench" / "results"
 SUBNET = "127.0.2"
@@ -42,9 +45,9 @@ SSH_OPTS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/nul
             "-o", "LogLevel=ERROR"]  # fmt: skip
 
 
-def setup_django(tmp: Path) -> None:
+def setup_django(tmp: Path, database_url: str) -> None:
     os.environ.update(
-        DATABASE_URL=f"sqlite:///{tmp / 'bench.sqlite3'}",
+        DATABASE_URL=database_url,
         UGRO_DATA_DIR=str(tmp / "data"),
         REDIS_URL=os.environ.get("UGRO_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14"),
         DJANGO_SETTINGS_MODULE="ugro_site.settings",
@@ -152,9 +155,13 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--skip-original", action="store_true")
     args = parser.parse_args()
+    with throwaway_database() as database_url:
+        run(args, database_url)
 
+
+def run(args: argparse.Namespace, database_url: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ugro-health-bench-", dir="/tmp"))
-    setup_django(tmp)
+    setup_django(tmp, database_url)
     from cluster.links import pool
     from cluster.loopback import LoopbackCluster
     from cluster.models import Node

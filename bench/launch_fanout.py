@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/launch_fanout.py [--sizes 1,4,8,16] [--repeat 3]
 
-Real sshd nodes on 127.0.1.2.. (cluster.loopback), a throwaway SQLite UGRO; every method starts
+Real sshd nodes on 127.0.1.2.. (cluster.loopback), a throwaway PostgreSQL UGRO; every method starts
 the same long-sleeping rank (<node env>/bin/python -c "import time; time.sleep(30)") carrying
 UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
 
@@ -44,7 +44,6 @@ import resource
 import shlex
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -72,6 +71,7 @@ from _common import (  # noqa: E402
     wait_quiet,
     write_json,
 )
+from _db import throwaway_database  # noqa: E402
 
 METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli", "ugro_cli_worker", "ugro_client")
 CLI_METHODS = ("ugro_cli", "ugro_cli_worker", "ugro_client")
@@ -84,6 +84,9 @@ UGRO_ADMIN = [str(CONTROLLER_PY), str(REPO / "manage.py")]
 UGRO_CLIENT = [str(CONTROLLER_PY), "-m", "ugro_client.cli"]  # what the `ugro` console script runs
 RANK_SCRIPT = "bench_rank.py"  # training.script: an empty file in each node's workdir (pre-flight stats it)
 HEARTBEAT_KEY = "ugro:worker-alive"  # ugro_site.celery.HEARTBEAT_KEY
+# The worker's PGAPPNAME (libpq's default application_name): its database sessions, beat's included, are
+# told apart from the benchmark's own, daphne's and the commands' in pg_stat_activity.
+WORKER_APP = "ugro-bench-worker"
 
 
 class Watcher:
@@ -146,20 +149,21 @@ def heartbeat_present() -> bool:
     return bool(_redis().exists(HEARTBEAT_KEY))
 
 
-def sqlite_write_free(db_path: str) -> bool:
-    """Whether nobody holds the SQLite database's write lock right now (a paused writer would)."""
-    try:
-        conn = sqlite3.connect(db_path, timeout=0.05)
-    except sqlite3.Error:
-        return False
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.rollback()
-        return True
-    except sqlite3.OperationalError:
-        return False
-    finally:
-        conn.close()
+def worker_out_of_transactions() -> bool:
+    """Whether no database session of the worker is inside a transaction or holds a lock right now. A worker
+    paused inside one would keep its row locks (a job's, a node's, a GPU's) and its snapshot until resumed:
+    the launches of the other methods would wait on them. Read through this process's Django connection, in
+    autocommit: each query sees pg_stat_activity afresh."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity AS a WHERE a.datname = current_database()"
+            " AND a.application_name = %s"
+            " AND (a.xact_start IS NOT NULL OR EXISTS (SELECT 1 FROM pg_locks AS l WHERE l.pid = a.pid))",
+            [WORKER_APP],
+        )
+        return cursor.fetchone()[0] == 0
 
 
 class Worker:
@@ -167,8 +171,8 @@ class Worker:
     does, in its own session; paused with SIGSTOP between its trials so it takes no CPU (and no launch)
     while the other methods run."""
 
-    def __init__(self, tmp: Path, env: dict[str, str], db_path: str) -> None:
-        self.tmp, self.env, self.db_path = tmp, env, db_path
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        self.tmp, self.env = tmp, {**env, "PGAPPNAME": WORKER_APP}
         self.proc: subprocess.Popen | None = None
         self.paused = False
         self.log = tmp / "worker.log"
@@ -220,16 +224,16 @@ class Worker:
         return total / tick
 
     def pause(self) -> None:
-        """SIGSTOP the worker, never while it holds the database's write lock; drop its heartbeat."""
+        """SIGSTOP the worker, never while it is inside a transaction; drop its heartbeat."""
         for _ in range(50):
             os.killpg(self.proc.pid, signal.SIGSTOP)
-            if sqlite_write_free(self.db_path):
+            if worker_out_of_transactions():
                 break
             os.killpg(self.proc.pid, signal.SIGCONT)
             self.pause_retries += 1
             time.sleep(0.1)
         else:
-            raise RuntimeError("the worker kept the database's write lock for 5 s")
+            raise RuntimeError("the worker stayed inside a database transaction for 5 s")
         self.paused = True
         _redis().delete(HEARTBEAT_KEY)  # a command now sees no worker, as with none running
 
@@ -720,9 +724,13 @@ def main() -> int:
     if not NODE_PY.exists():
         print(f"node env missing: {NODE_PY}", file=sys.stderr)
         return 2
+    with throwaway_database(keep=args.keep) as database_url:
+        return run(args, sizes, methods, database_url)
 
+
+def run(args: argparse.Namespace, sizes: list[int], methods: list[str], database_url: str) -> int:
     tmp = make_tmp("ugro-bench-fanout-")
-    env = setup_django(tmp)
+    env = setup_django(tmp, database_url)
     from cluster.links import pool
     from cluster.loopback import LoopbackCluster
 
@@ -755,7 +763,7 @@ def main() -> int:
             bench.daphne_pid = daphne.pid
             meta["api_url"] = bench.api_env["UGRO_URL"]
         if any(m in cli for m in WORKER_METHODS):
-            bench.worker = Worker(tmp, bench.cli_env, str(tmp / "bench.sqlite3"))
+            bench.worker = Worker(tmp, bench.cli_env)
             meta["worker_start_s"] = round(bench.worker.start(), 2)
             meta["worker_pid"] = bench.worker.proc.pid
             # Warm it: one launch through it on every node (its health polls reach them all too).

@@ -3,7 +3,7 @@
 Run by hand (not a test):
     .venv/bin/python bench/node_down.py [--peer /work/main] [--modes job idle] [--trials 3]
 
-* One real sshd node on 127.0.4.2, a throwaway SQLite DB, Redis pointed at a closed port.
+* One real sshd node on 127.0.4.2, a throwaway PostgreSQL database, Redis pointed at a closed port.
 * Beat as in production: every 5 s `cluster.monitor.poll_once()` is started in a pool of 8 threads
   (the worker's `-P threads -c 8`), so a slow poll does not hold back the next tick.
 * "Silent": the node's sshd listener and its session processes get SIGSTOP, as a machine that
@@ -40,6 +40,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from _db import throwaway_database  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 SUBNET = "127.0.4"  # never 127.0.0.x (the tests') nor another benchmark's subnet
 DEAD_REDIS = "redis://127.0.0.1:9/0"
@@ -68,10 +71,15 @@ def signal_all(pids: list[int], sig: int) -> None:
 
 
 def measure(code: Path, modes: list[str], trials: int, verbose: bool = False) -> dict:
-    """In this process: set up Django from `code`, run the trials, return the figures."""
+    """In this process: set up Django from `code` on a throwaway database, run the trials, return the figures."""
+    with throwaway_database() as database_url:
+        return measure_on(database_url, code, modes, trials, verbose)
+
+
+def measure_on(database_url: str, code: Path, modes: list[str], trials: int, verbose: bool) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ugro-node-down-", dir="/tmp"))
     os.environ.update(
-        DATABASE_URL=f"sqlite:///{tmp / 'bench.sqlite3'}",
+        DATABASE_URL=database_url,
         UGRO_DATA_DIR=str(tmp / "data"),
         REDIS_URL=DEAD_REDIS,
         DJANGO_SETTINGS_MODULE="ugro_site.settings",

@@ -5,7 +5,7 @@
         [--keep]
 
 Three real sshd nodes on 127.0.6.2-4 (cluster.loopback; never the test suite's 127.0.0.x), each with
-the repo's train/ in its working dir, and a throwaway SQLite UGRO with the nodes imported from
+the repo's train/ in its working dir, and a throwaway PostgreSQL UGRO with the nodes imported from
 cluster.yaml. Every run trains train/train_production.py (tiny model, `--seq-len 16 --batch-size 4
 --log-every 5 --save-every 25 --step-sleep 0.05 --max-steps 400 --num-epochs 10`) and a failure is injected once the
 run has printed step 60 (so the last checkpoint is step 50):
@@ -71,6 +71,7 @@ from _common import (  # noqa: E402
     tagged_pids,
     write_json,
 )
+from _db import throwaway_database  # noqa: E402
 from first_step import cluster_yaml  # noqa: E402
 
 SUBNET = "127.0.6"
@@ -404,9 +405,14 @@ def main() -> int:
     scenarios = [s for s in args.scenarios.split(",") if s]
     if any(s not in SCENARIOS for s in scenarios):
         ap.error(f"scenarios: {', '.join(SCENARIOS)}")
+    with throwaway_database(keep=args.keep) as database_url:
+        return run(args, scenarios, database_url)
+
+
+def run(args: argparse.Namespace, scenarios: list[str], database_url: str) -> int:
     tmp = make_tmp("ugro-bench-recovery-")
     os.environ["LOG_LEVEL"] = "ERROR"
-    setup_django(tmp)
+    setup_django(tmp, database_url)
     from django.conf import settings
 
     from cluster.config_yaml import import_cluster

@@ -89,6 +89,7 @@ from _dash_common import (  # noqa: E402
 from _dash_common import machine_info as dash_machine_info  # noqa: E402
 
 DB_NAME = "ugro_bench_rel"
+ROLES = ("worker", "daphne")  # the controller's processes
 DB_URL = f"postgres://postgres@127.0.0.1:5432/{DB_NAME}"
 SUBNET = "127.0.4"
 RANK_FILE = "reliability_rank.py"
@@ -172,10 +173,11 @@ class RedisServer:
         wait_for(lambda: not self.answers(), 10, "redis-server to stop", 0.05)
 
 
-def setup(tmp: Path, redis_url: str) -> dict[str, str]:
-    """Fresh database, django.setup() and migrate in this process; returns the environment for children."""
-    psql(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-    psql(f"CREATE DATABASE {DB_NAME}")
+def setup(tmp: Path, redis_url: str, db: str = "private") -> dict[str, str]:
+    """Fresh database, django.setup() and migrate in this process; returns the environment for children.
+
+    db "private": UGRO's own PostgreSQL in the data dir, as bin/start runs it with no DATABASE_URL (the
+    default install); "system": a database of its own on the machine's server (127.0.0.1:5432)."""
     data = tmp / "ugro-data"
     data.mkdir(parents=True, exist_ok=True)
     own = {
@@ -187,6 +189,16 @@ def setup(tmp: Path, redis_url: str) -> dict[str, str]:
         # 30 torchruns importing torch at once on 2 cores take longer than the default 30 s to meet.
         "UGRO_JOIN_TIMEOUT_S": "240",
     }
+    if db == "private":
+        from ugro_site import localdb
+
+        del own["DATABASE_URL"]
+        os.environ.pop("DATABASE_URL", None)
+        tmp.chmod(0o711)  # as root the server runs as another account, which must pass through
+        print(localdb.start(data), flush=True)
+    else:
+        psql(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
+        psql(f"CREATE DATABASE {DB_NAME}")
     os.environ.update(own)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
@@ -212,18 +224,15 @@ def start_cluster(tmp: Path, count: int):
 
 
 class Controller:
-    """Worker, beat and daphne as bin/start runs them, each in its own session (group id = pid)."""
+    """Worker (with the schedule in it) and daphne as bin/start runs them, each in its own session."""
 
     def __init__(self, env: dict, tmp: Path, label: str) -> None:
         self.env, self.tmp, self.label = env, tmp, label
-        self.logs = {name: tmp / f"{label}-{name}.log" for name in ("worker", "beat", "daphne")}
+        self.logs = {name: tmp / f"{label}-{name}.log" for name in ROLES}
         self.restarts: list[dict] = []
-        celery = [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site"]
         # the worker exactly as bin/start runs it (bin/worker: threads, no gossip/mingle/heartbeat)
         self.worker_argv = [str(REPO / "bin" / "worker"), "-n", f"rel-{label}@%h"]
         self.worker = start(self.worker_argv, env, self.logs["worker"])
-        self.beat = start([*celery, "beat", "-s", str(tmp / f"{label}-beat-schedule"), "--loglevel=warning"], env,
-                          self.logs["beat"])  # fmt: skip
         port = free_port()
         self.daphne = start([str(DAPHNE), "-b", "127.0.0.1", "-p", str(port), "ugro_site.asgi:application"], env,
                             self.logs["daphne"])  # fmt: skip
@@ -236,7 +245,7 @@ class Controller:
 
     @property
     def procs(self) -> dict[str, subprocess.Popen]:
-        return {"worker": self.worker, "beat": self.beat, "daphne": self.daphne}
+        return {"worker": self.worker, "daphne": self.daphne}
 
     def revive_worker(self) -> bool:
         """If the worker process has exited, start another, as a service manager (systemd Restart=) would;
@@ -320,7 +329,8 @@ class Sampler(threading.Thread):
         if cmd.startswith(b"sshd") and (ppid in self.listeners or ppid in self.sshd):
             self.sshd.add(pid)
             return "node_sshd"
-        if cmd.startswith(b"postgres: ") and f" {DB_NAME} ".encode() in cmd:
+        # a backend of the bench's database on the system server, or of UGRO's own server (user and database ugro)
+        if cmd.startswith(b"postgres: ") and (f" {DB_NAME} ".encode() in cmd or cmd.startswith(b"postgres: ugro ugro")):
             return "postgres_backends"
         env = _read(f"/proc/{pid}/environ").split(b"\0")
         if b"__ugro_agent__" in cmd and any(e.startswith(b"SSH_CONNECTION=") and f" {SUBNET}.".encode() in e
@@ -346,7 +356,7 @@ class Sampler(threading.Thread):
             if role is None:
                 continue
             self.last[pid] = (role, cpu)
-            if role in ("worker", "beat", "daphne"):
+            if role in ROLES:
                 rss[role] += size
         return rss
 
@@ -402,9 +412,9 @@ class Sampler(threading.Thread):
         cpu = self.cpu_by_role()
         bench1 = os.times()
         cpu["bench_process"] = bench1.user - self.bench0.user + bench1.system - self.bench0.system
-        controller = sum(cpu.get(r, 0.0) for r in ("worker", "beat", "daphne"))
+        controller = sum(cpu.get(r, 0.0) for r in ROLES)
         (a0, i0), (a1, i1) = self.machine0, self.machine1
-        peaks = {r: max((s.get(r, 0) for _, s in self.rss), default=0) for r in ("worker", "beat", "daphne")}
+        peaks = {r: max((s.get(r, 0) for _, s in self.rss), default=0) for r in ROLES}
         total_peak = max((sum(s.values()) for _, s in self.rss), default=0)
         mib = 2**20
         return {
@@ -413,12 +423,12 @@ class Sampler(threading.Thread):
             "controller_cpu_seconds": round(controller, 2),
             "controller_cpu_percent_of_one_core": round(100 * controller / seconds, 1),
             "controller_cpu_percent_by_process": {
-                r: round(100 * cpu.get(r, 0.0) / seconds, 1) for r in ("worker", "beat", "daphne")
+                r: round(100 * cpu.get(r, 0.0) / seconds, 1) for r in ROLES
             },
             "machine_busy_percent_of_all_cpus": round(100 * (1 - (i1 - i0) / max(1, a1 - a0)), 1),
             "controller_rss_mib_peak": {r: round(v / mib, 1) for r, v in peaks.items()},
             "controller_rss_mib_peak_total": round(total_peak / mib, 1),
-            "controller_rss_mib_end": {r: round(rss.get(r, 0) / mib, 1) for r in ("worker", "beat", "daphne")},
+            "controller_rss_mib_end": {r: round(rss.get(r, 0) / mib, 1) for r in ROLES},
             "controller_rss_mib_end_total": round(sum(rss.values()) / mib, 1),
         }
 
@@ -1150,11 +1160,19 @@ def cleanup(cluster, redis: RedisServer | None, tmp: Path, keep: bool) -> None:
         pass
     if redis is not None:
         stop(redis.proc)
+    try:
+        from django.db import connections
+
+        connections.close_all()
+    except Exception:
+        pass
+    data = tmp / "ugro-data"
+    if (data / "postgres" / "postmaster.pid").exists():
+        from ugro_site import localdb
+
+        localdb.stop(data)  # the private server, kept on disk with --keep
     if not keep:
         try:
-            from django.db import connections
-
-            connections.close_all()
             psql(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
         except Exception as exc:
             print("could not drop the bench database:", exc)
@@ -1187,6 +1205,8 @@ def main() -> None:
     ap.add_argument("--suffix", default="", help="store the entries as LABEL-SUFFIX (r10-10jobs-SUFFIX)")
     ap.add_argument("--note", default="")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--db", choices=["private", "system"], default="private",
+                    help="UGRO's own PostgreSQL as bin/start runs it (default), or a database on 127.0.0.1:5432")
     args = ap.parse_args()
     if not 0 <= args.ranks_nice <= 19:
         sys.exit("--ranks-nice: 0 to 19")
@@ -1206,9 +1226,10 @@ def main() -> None:
     try:
         redis = RedisServer(tmp)
         redis.start()
-        env = setup(tmp, redis.url)
+        env = setup(tmp, redis.url, args.db)
         info = dash_machine_info()
-        info["database"] = f"PostgreSQL (127.0.0.1:5432, database {DB_NAME})"
+        info["database"] = (f"PostgreSQL (127.0.0.1:5432, database {DB_NAME})" if args.db == "system"
+                            else "UGRO's own PostgreSQL in the data dir (socket), as bin/start runs it")  # fmt: skip
         info["channel_layer"] = f"channels_redis, the benchmark's own redis-server on 127.0.0.1:{redis.port}"
         cluster = start_cluster(tmp, max(args.nodes, 3 * max([1, *sizes])))
         cookie = session_cookie()

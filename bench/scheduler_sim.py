@@ -2,7 +2,7 @@
 through UGRO's real planner (jobs/placement.py `plan`, the function jobs/scheduler.py calls every pass),
 under several policies side by side; then the time of one scheduling pass with 1,000 queued jobs: the
 planner alone, and the real database pass (jobs/scheduler.py `place_queued`) on a throwaway PostgreSQL
-database and on a throwaway SQLite file.
+database.
 
     .venv/bin/python bench/scheduler_sim.py [--jobs 500] [--seed 11] [--load 0.95] [--pass-jobs 1000] [--keep]
         [--checkpoint-min 10] [--grace-s 30] [--restart-s 60]
@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench._common import RESULTS, make_tmp, setup_django  # noqa: E402
+from bench._db import throwaway_database  # noqa: E402
 from jobs.placement import Demand, Limits, NodeView, Running, Slot, choose, decayed_usage, plan  # noqa: E402
 
 # 8 nodes x 2 GPUs: three with 8 GB cards, three with 12 GB, two with 24 GB
@@ -284,115 +285,105 @@ def time_planner(queued_n: int, seed: int, repeat: int = 21) -> dict:
             "min_ms": round(1000 * min(times), 2), "max_ms": round(1000 * max(times), 2), "repeat": repeat}  # fmt: skip
 
 
-def time_db_pass(queued_n: int, keep: bool, database: str = "sqlite", repeat: int = 15, profile: bool = False) -> dict:
+def time_db_pass(queued_n: int, keep: bool, repeat: int = 15, profile: bool = False) -> dict:
     """The real pass (jobs/scheduler.py place_queued: snapshot queries + planner + claims) and the queue
-    listing, with queued_n jobs in a throwaway database (SQLite file, or a PostgreSQL database created
-    and dropped here) on 8 nodes x 2 GPUs, all GPUs held. Django is set up once per process: main()
-    runs this in a child process per database."""
+    listing, with queued_n jobs in a throwaway PostgreSQL database (created and dropped here) on 8 nodes
+    x 2 GPUs, all GPUs held. Django binds its database once per process: main() runs this in a child."""
     tmp = make_tmp("ugro-schedsim-")
-    pg_name = f"ugro_schedsim_{os.getpid()}"
     try:
-        url = None
-        if database == "postgres":
-            _pg_admin(f"CREATE DATABASE {pg_name}")
-            url = f"{PG_URL}/{pg_name}"
-        setup_django(tmp, database_url=url)
-        from django.db import connection
-        from django.test.utils import CaptureQueriesContext
+        with throwaway_database(keep=keep) as database_url:
+            setup_django(tmp, database_url)
+            try:
+                return _db_pass(queued_n, repeat, profile)
+            finally:
+                from django.db import connections
 
-        from cluster.models import GPU, Node
-        from jobs.launch import LaunchRequest, create_job
-        from jobs.models import Job
-        from jobs.scheduler import place_queued
-        from jobs.snapshot import Snapshot, queue
-
-        for i, gb in enumerate(NODE_VRAM_GB):
-            Node.objects.create(name=f"n{i + 1}", address=f"10.7.0.{i + 1}", order=i, gpu_count=GPUS_PER_NODE,
-                                gpu_vram_gb=gb, role="master" if i == 0 else "worker")  # fmt: skip
-        assert GPU.objects.count() == TOTAL_GPUS
-        for i in range(8):
-            create_job(LaunchRequest(name=f"hold{i}", gpus=2, script="s.py", time_limit_s=3600 * (i + 1)))
-        assert len(place_queued()) == 8
-        rng = random.Random(5)
-        Job.objects.bulk_create(
-            Job(name=f"q{i}", script="s.py", gpus=rng.choice([1, 1, 2, 4, 8]), priority=rng.choice([0, 0, 10, 50]),
-                time_limit_s=rng.choice([600, 3600, 7200]))
-            for i in range(queued_n)
-        )  # fmt: skip
-        passes, cpu, old_passes, listings = [], [], [], []
-        if profile:  # where the time of one pass goes (printed, not saved)
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.runcall(place_queued)
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-        for _ in range(repeat):
-            with CaptureQueriesContext(connection) as q:
-                t0, c0 = time.perf_counter(), time.process_time()
-                placed = place_queued()
-                passes.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-            assert placed == []
-            # the same pass as before this change: every waiting job's estimate computed too
-            t0 = time.perf_counter()
-            assert not any(d.start for d in Snapshot().plan())
-            old_passes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            entries = queue()
-            listings.append(time.perf_counter() - t0)
-            assert len(entries) == queued_n
-        snapshots, planner_in_pass, planner_estimates = [], [], []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            snap = Snapshot()
-            t1 = time.perf_counter()
-            snap.plan(estimates=False)
-            t2 = time.perf_counter()
-            snap.plan()
-            t3 = time.perf_counter()
-            snapshots.append(t1 - t0)
-            planner_in_pass.append(t2 - t1)
-            planner_estimates.append(t3 - t2)
-        return {
-            "queued": queued_n,
-            "database": f"{database} (throwaway)",
-            "snapshot_median_ms": round(1000 * statistics.median(snapshots), 1),
-            "pass_planner_median_ms": round(1000 * statistics.median(planner_in_pass), 1),
-            "planner_with_estimates_median_ms": round(1000 * statistics.median(planner_estimates), 1),
-            "place_queued_median_ms": round(1000 * statistics.median(passes), 1),
-            "place_queued_min_ms": round(1000 * min(passes), 1),
-            "place_queued_cpu_median_ms": round(1000 * statistics.median(cpu), 1),
-            "pass_with_every_estimate_median_ms": round(1000 * statistics.median(old_passes), 1),
-            "pass_with_every_estimate_min_ms": round(1000 * min(old_passes), 1),
-            "load1": round(os.getloadavg()[0], 2),
-            "queries_per_pass": len(q.captured_queries),
-            "queue_listing_median_ms": round(1000 * statistics.median(listings), 1),
-            "repeat": repeat,
-        }
+                connections.close_all()
     finally:
-        if database == "postgres":
-            from django.db import connections
-
-            connections.close_all()
-            _pg_admin(f"DROP DATABASE IF EXISTS {pg_name}")
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-PG_URL = os.environ.get("UGRO_BENCH_PG_URL", "postgres://postgres@127.0.0.1:5432")
+def _db_pass(queued_n: int, repeat: int, profile: bool) -> dict:
+    """time_db_pass's measurement, Django set up on the throwaway database."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from cluster.models import GPU, Node
+    from jobs.launch import LaunchRequest, create_job
+    from jobs.models import Job
+    from jobs.scheduler import place_queued
+    from jobs.snapshot import Snapshot, queue
+
+    for i, gb in enumerate(NODE_VRAM_GB):
+        Node.objects.create(name=f"n{i + 1}", address=f"10.7.0.{i + 1}", order=i, gpu_count=GPUS_PER_NODE,
+                            gpu_vram_gb=gb, role="master" if i == 0 else "worker")  # fmt: skip
+    assert GPU.objects.count() == TOTAL_GPUS
+    for i in range(8):
+        create_job(LaunchRequest(name=f"hold{i}", gpus=2, script="s.py", time_limit_s=3600 * (i + 1)))
+    assert len(place_queued()) == 8
+    rng = random.Random(5)
+    Job.objects.bulk_create(
+        Job(name=f"q{i}", script="s.py", gpus=rng.choice([1, 1, 2, 4, 8]), priority=rng.choice([0, 0, 10, 50]),
+            time_limit_s=rng.choice([600, 3600, 7200]))
+        for i in range(queued_n)
+    )  # fmt: skip
+    passes, cpu, old_passes, listings = [], [], [], []
+    if profile:  # where the time of one pass goes (printed, not saved)
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(place_queued)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    for _ in range(repeat):
+        with CaptureQueriesContext(connection) as q:
+            t0, c0 = time.perf_counter(), time.process_time()
+            placed = place_queued()
+            passes.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        assert placed == []
+        # the same pass as before this change: every waiting job's estimate computed too
+        t0 = time.perf_counter()
+        assert not any(d.start for d in Snapshot().plan())
+        old_passes.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        entries = queue()
+        listings.append(time.perf_counter() - t0)
+        assert len(entries) == queued_n
+    snapshots, planner_in_pass, planner_estimates = [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        snap = Snapshot()
+        t1 = time.perf_counter()
+        snap.plan(estimates=False)
+        t2 = time.perf_counter()
+        snap.plan()
+        t3 = time.perf_counter()
+        snapshots.append(t1 - t0)
+        planner_in_pass.append(t2 - t1)
+        planner_estimates.append(t3 - t2)
+    return {
+        "queued": queued_n,
+        "database": "postgres (throwaway)",
+        "snapshot_median_ms": round(1000 * statistics.median(snapshots), 1),
+        "pass_planner_median_ms": round(1000 * statistics.median(planner_in_pass), 1),
+        "planner_with_estimates_median_ms": round(1000 * statistics.median(planner_estimates), 1),
+        "place_queued_median_ms": round(1000 * statistics.median(passes), 1),
+        "place_queued_min_ms": round(1000 * min(passes), 1),
+        "place_queued_cpu_median_ms": round(1000 * statistics.median(cpu), 1),
+        "pass_with_every_estimate_median_ms": round(1000 * statistics.median(old_passes), 1),
+        "pass_with_every_estimate_min_ms": round(1000 * min(old_passes), 1),
+        "load1": round(os.getloadavg()[0], 2),
+        "queries_per_pass": len(q.captured_queries),
+        "queue_listing_median_ms": round(1000 * statistics.median(listings), 1),
+        "repeat": repeat,
+    }
 
 
-def _pg_admin(sql: str) -> None:
-    import psycopg
-
-    with psycopg.connect(f"{PG_URL}/postgres", autocommit=True) as conn:
-        conn.execute(sql)
-
-
-def db_pass_in_child(queued_n: int, keep: bool, database: str) -> dict:
+def db_pass_in_child(queued_n: int, keep: bool) -> dict:
     """time_db_pass in a fresh process (Django binds one database per process)."""
-    args = [sys.executable, __file__, "--db-pass-only", database, "--pass-jobs", str(queued_n)] + (["--keep"] * keep)
+    args = [sys.executable, __file__, "--db-pass-only", "--pass-jobs", str(queued_n)] + (["--keep"] * keep)
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -405,14 +396,14 @@ def main() -> None:
     ap.add_argument("--pass-jobs", type=int, default=1000)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--seeds", help="only the simulations, for these seeds (11,12,...): scheduler_sim_seeds.json")
-    ap.add_argument("--db-pass-only", choices=["sqlite", "postgres"], help="only time the database pass (a child)")
+    ap.add_argument("--db-pass-only", action="store_true", help="only time the database pass (a child)")
     ap.add_argument("--profile", action="store_true", help="with --db-pass-only: cProfile one pass first")
     ap.add_argument("--checkpoint-min", type=float, default=10.0, help="checkpoint interval of preempted jobs")
     ap.add_argument("--grace-s", type=float, default=30.0, help="SIGTERM to SIGKILL of a preempted job")
     ap.add_argument("--restart-s", type=float, default=60.0, help="a resumed attempt's reload before progress")
     args = ap.parse_args()
     if args.db_pass_only:
-        result = time_db_pass(args.pass_jobs, args.keep, args.db_pass_only, profile=args.profile)
+        result = time_db_pass(args.pass_jobs, args.keep, profile=args.profile)
         print(json.dumps(result))  # noqa: T201
         return
 
@@ -426,7 +417,7 @@ def main() -> None:
         results[name] = simulate(trace, limits, fifo, exact=name in EXACT, costs=costs)
     load_before = os.getloadavg()[0]
     planner = time_planner(args.pass_jobs, args.seed)
-    db_pass = {db: db_pass_in_child(args.pass_jobs, args.keep, db) for db in ("postgres", "sqlite")}
+    db_pass = {"postgres": db_pass_in_child(args.pass_jobs, args.keep)}
     out = {
         "benchmark": "scheduler_sim",
         "args": vars(args),
