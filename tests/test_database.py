@@ -125,7 +125,8 @@ def test_import_sqlite_copies_an_older_ugro_with_its_ids(tmp_path, controller_en
     # and this UGRO's fresh database
     get_user_model().objects.all().delete()
     # when it is imported
-    done = manage(controller_env, "import_sqlite", str(old))
+    importing = ("import_sqlite", str(old))
+    done = manage(controller_env, *importing)
     # then every row is here with its own id, and the admin keeps the old password
     assert done.returncode == 0 and "rows from" in done.stdout, done.stderr
     assert Node.objects.get(name="gpu1").address == "10.0.0.2"
@@ -137,7 +138,7 @@ def test_import_sqlite_copies_an_older_ugro_with_its_ids(tmp_path, controller_en
     alice = get_user_model().objects.get(username="alice")
     assert alice.is_superuser and alice.password == old_hash
     # and a second import into a database that holds data is refused in one line, changing nothing
-    again = manage(controller_env, "import_sqlite", str(old))
+    again = manage(controller_env, *importing)
     assert again.returncode == 1 and "already holds nodes, jobs or users" in again.stderr
     assert again.stderr.strip().count("\n") == 0
     bad = tmp_path / "bad"
