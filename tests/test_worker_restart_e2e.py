@@ -99,3 +99,36 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
         assert Job.objects.get(pk=job.pk).state == Job.State.SUCCEEDED
     finally:
         kill_worker(worker)
+
+
+def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processes_vanished(lab, controller_env,
+                                                                                             tmp_path):  # fmt: skip
+    from .conftest import SLOW_TRAIN, job_pids
+
+    # given a detached job and the worker exactly as bin/start runs it: no beat beside it (its schedule is in it)
+    call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
+    job = Job.objects.get(name="vanish")
+    worker = subprocess.Popen([str(REPO / "bin" / "worker"), "-n", "alone@%h"], cwd=REPO,
+                              env={**controller_env, "UGRO_WORKER_THREADS": "4"},
+                              stdout=open(tmp_path / "alone.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)  # fmt: skip
+    try:
+        wait_for(lambda: all(r.log_lines >= 2 for r in job.ranks.all()), timeout=120, what="the worker to follow")
+        # when every process of the job is killed at once, wrappers included (no exit code recorded)
+        for pid in job_pids(job.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # then the job does not sit RUNNING: its ranks are judged lost and it fails within a few of the
+        # worker's reconcile intervals (5 s) plus the follower's lease (4 s here), with room for a busy machine
+        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=45, what="the job to end")
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_worker(worker)
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILED, job.state
+    assert "Traceback" not in (tmp_path / "alone.log").read_text()
