@@ -32,6 +32,7 @@ NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
 AGENT_FILES = ("probe.py", "agent.py")
 EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
+LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether its node went silent
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -49,6 +50,15 @@ class LinkError(Exception):
     def __init__(self, message: str, delivered: bool = False) -> None:
         super().__init__(message)
         self.delivered = delivered
+
+
+class LinkBusy(LinkError):
+    """The request was not sent: another request held the link for all of this one's timeout while the
+    node kept answering (a long request, not a silent node)."""
+
+
+class _NoAnswer(LinkError):
+    """Nothing came back in time on a link that had not closed: the node (or the path to it) is silent."""
 
 
 class AgentRequestError(Exception):
@@ -179,7 +189,7 @@ def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.soc
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError:
-        raise LinkError(
+        raise _NoAnswer(
             f"node {ep.name}: SSH did not answer within {timeout:g} s (no connection to {host}:{port})"
         ) from None
     except OSError as exc:
@@ -193,7 +203,7 @@ def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.soc
     if not first:
         sock.close()
         if first is None:
-            raise LinkError(
+            raise _NoAnswer(
                 f"node {ep.name}: SSH did not answer within {timeout:g} s "
                 f"({host}:{port} accepted the connection but sent no SSH banner)"
             )
@@ -294,7 +304,7 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
         conn.close()
         if stalled.is_set():
             waited = EXEC_TIMEOUT_FACTOR * timeout
-            raise LinkError(f"node {ep.name}: SSH did not answer within {waited:g} s (starting the agent)") from None
+            raise _NoAnswer(f"node {ep.name}: SSH did not answer within {waited:g} s (starting the agent)") from None
         raise LinkError(f"cannot reach {ep.describe()}: {exc or type(exc).__name__}") from None
 
     def send(data: bytes) -> None:
@@ -367,6 +377,12 @@ class NodeLink:
         self.connect_timeout = connect_timeout
         self.extra_source = extra_source
         self._lock = threading.Lock()
+        # Silence: set (monotonic) when a request went unanswered or a connection got no answer (not a refusal),
+        # cleared by the next answer. While set, requests that find the link taken fail at once instead of
+        # queueing behind it, and after a connection that got no answer the next attempt waits connect_timeout
+        # (its error is repeated meanwhile).
+        self.silent_since: float | None = None
+        self._connect_failed: tuple[float, str] | None = None
         self._pipe: _Pipe | None = None
         self._buf = b""
         self._ids = itertools.count(1)
@@ -396,7 +412,7 @@ class NodeLink:
             self._drop()
             if detail:
                 raise LinkError(f"agent failed to start on {self.ep.describe()}: {detail.splitlines()[-1]}") from None
-            raise LinkError(str(exc)) from None
+            raise (_NoAnswer if isinstance(exc, _NoAnswer) else LinkError)(str(exc)) from None
         self.connect_seconds = time.monotonic() - t0
 
     def _pin(self, pipe: _Pipe) -> None:
@@ -452,7 +468,7 @@ class NodeLink:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LinkError("no answer in time")
+                raise _NoAnswer("no answer in time")
             ready, _, _ = select.select([self._pipe.fileno()], [], [], left)
             if not ready or not self._pipe.pending():
                 continue
@@ -493,7 +509,7 @@ class NodeLink:
         except OSError as exc:
             raise LinkError(f"{self.ep.describe()}: the link broke: {exc}") from None
         except LinkError as exc:
-            raise LinkError(f"{self.ep.describe()}: {exc}") from None
+            raise type(exc)(f"{self.ep.describe()}: {exc}") from None
 
     def request(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
         """Send one request and wait up to `timeout` s for its answer.
@@ -502,35 +518,70 @@ class NodeLink:
         writing it (then once, on a fresh connection). A failure after it was written is not retried:
         LinkError(delivered=True), and the link is dropped (a late answer would be out of step).
         """
-        with self._lock:
-            for attempt in (1, 2):
-                if self._pipe is not None and self._gone():
-                    self._drop()
-                fresh = self._pipe is None
-                if fresh:
+        self._take(op, timeout)
+        try:
+            return self._request(op, timeout, fields)
+        finally:
+            self._lock.release()
+
+    def _take(self, op: str, timeout: float) -> None:
+        """Take the link for one request. A silent node's link is held by a request that waits out its
+        timeout: a request that finds it so fails at once (not sent: the node counts as unreachable) rather
+        than queueing behind it, so one silent node never stalls the threads that also serve other nodes."""
+        deadline = time.monotonic() + timeout
+        while not self._lock.acquire(timeout=LOCK_POLL_S):
+            silent = self.silent_since
+            if silent is not None:
+                raise LinkError(
+                    f"{self.ep.describe()}: not answering for {time.monotonic() - silent:.0f} s; {op} not sent",
+                    delivered=False,
+                )
+            if time.monotonic() >= deadline:
+                raise LinkBusy(f"{self.ep.describe()}: busy with another request for {timeout:g} s; {op} not sent")
+
+    def _request(self, op: str, timeout: float, fields: dict[str, Any]) -> dict[str, Any]:
+        failed = self._connect_failed
+        if self._pipe is None and failed is not None and time.monotonic() - failed[0] < self.connect_timeout:
+            raise LinkError(f"{failed[1]} (tried {time.monotonic() - failed[0]:.0f} s ago)", delivered=False)
+        for attempt in (1, 2):
+            if self._pipe is not None and self._gone():
+                self._drop()
+            fresh = self._pipe is None
+            if fresh:
+                try:
                     self._connect()  # LinkError(delivered=False): nothing was sent
-                try:
-                    rid = self._send({"op": op, **fields})
-                except OSError as exc:
-                    self._drop()
-                    if fresh or attempt == 2:
-                        raise LinkError(
-                            f"{self.ep.describe()}: the link broke before {op} was sent: {exc}", delivered=False
-                        ) from None
-                    continue  # the warm link was dead: the agent never saw the request
-                try:
-                    result = self._answer(rid, timeout)
-                except LinkError as exc:
-                    self._drop()
+                except _NoAnswer as exc:  # not refused: nothing came back (dropped packets, a frozen machine)
+                    now = time.monotonic()
+                    self._connect_failed = (now, str(exc))
+                    self.silent_since = self.silent_since or now
+                    raise
+                self._connect_failed = None
+            try:
+                rid = self._send({"op": op, **fields})
+            except OSError as exc:
+                self._drop()
+                if fresh or attempt == 2:
                     raise LinkError(
-                        f"{self.ep.describe()}: {op} was sent, then {exc} (timeout {timeout:g}s); "
-                        "not sent again, it may have run there",
-                        delivered=True,
+                        f"{self.ep.describe()}: the link broke before {op} was sent: {exc}", delivered=False
                     ) from None
-                if op == "hello":
-                    self.hello = result
-                return result
-            raise AssertionError("unreachable")
+                continue  # the warm link was dead: the agent never saw the request
+            sent = time.monotonic()
+            try:
+                result = self._answer(rid, timeout)
+            except LinkError as exc:
+                if isinstance(exc, _NoAnswer):
+                    self.silent_since = self.silent_since or sent
+                self._drop()
+                raise LinkError(
+                    f"{self.ep.describe()}: {op} was sent, then {exc} (timeout {timeout:g}s); "
+                    "not sent again, it may have run there",
+                    delivered=True,
+                ) from None
+            self.silent_since = None
+            if op == "hello":
+                self.hello = result
+            return result
+        raise AssertionError("unreachable")
 
 
 class LinkPool:

@@ -46,6 +46,8 @@ from .stop import stop_processes
 log = logging.getLogger(__name__)
 
 ERROR_FILE_MAX_BYTES = 256 * 1024
+# TERM to KILL for the ranks left when a node was lost: they cannot save anything consistent without it
+LOST_PEER_GRACE_S = 2.0
 
 
 def _now() -> datetime:
@@ -242,7 +244,11 @@ def teardown(job: Job) -> bool:
     job.refresh_from_db()
     if not job.is_stopping:
         return False
-    unclean = stop_processes(job)
+    grace = None
+    if job.failure_kind == FailureKind.NODE_LOST:
+        # the others are stuck in a collective with the lost node's ranks: nothing to wait for
+        grace = min(settings.UGRO["KILL_GRACE_S"], LOST_PEER_GRACE_S)
+    unclean = stop_processes(job, grace=grace)
     return finalize(job, unclean)
 
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from django.db import connections
 
-from cluster.links import AgentRequestError, LinkError
+from cluster.links import AgentRequestError, LinkBusy, LinkError
 from cluster.models import Node
 
 T = TypeVar("T")
@@ -50,7 +50,10 @@ def unreachable(err: Exception | None) -> bool:
     error or a request it took but answered late. Only the first counts as silence towards calling a
     rank lost: a controller too busy to read answers in time must not fail jobs whose nodes are fine
     (bench/reliability.py R10 at 10 jobs). A node that really fell off is unreachable on the very next
-    request: the late answer drops the link, and connecting again fails."""
+    request: the late answer drops the link and marks it silent, and the requests after it fail at once
+    (cluster/links.py) or cannot connect. A link merely busy with another long request is not silence."""
+    if isinstance(err, LinkBusy):
+        return False
     if isinstance(err, LinkError):
         return not err.delivered
     return isinstance(err, OSError)

@@ -205,7 +205,8 @@ UGRO = {
     "JOIN_TIMEOUT_S": env_int("UGRO_JOIN_TIMEOUT_S", 30, minimum=1, maximum=3600),
     "CONNECT_TIMEOUT_S": env_float("UGRO_CONNECT_TIMEOUT_S", 5.0, minimum=0.5, maximum=300.0),
     "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0, maximum=3600.0),
-    "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 20.0, minimum=1.0, maximum=86400.0),
+    # a running rank whose node has not answered for this long is lost (docs/lifecycle.md: the 30 s budget)
+    "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 15.0, minimum=1.0, maximum=86400.0),
     # how long a job whose failed ranks only saw a peer go away waits for the rank that went away to report
     # its own end (the cause) before it fails on what it knows
     "FAILURE_SETTLE_S": env_float("UGRO_FAILURE_SETTLE_S", 5.0, minimum=0.0, maximum=600.0),

@@ -1,0 +1,141 @@
+"""A silent node never stalls the requests queued behind it: a link whose request went unanswered fails the
+others at once (not sent: the node counts as unreachable); a link merely busy with a long request makes them
+wait their turn; a failed connection is not tried again within the connect timeout. Local agents (no SSH) with
+test ops sent ahead of agent.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.links import Endpoint, LinkBusy, LinkError, NodeLink
+from jobs.nodes import unreachable
+
+OPS = b"""
+import time as _test_time
+def _test_freeze(req):
+    _test_time.sleep(req.get("seconds", 30))
+    return {}
+EXTRA_OPS = dict(globals().get("EXTRA_OPS", {}), freeze=_test_freeze)
+"""
+
+
+@pytest.fixture
+def link():
+    made = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=sys.executable),
+                    connect_timeout=1.0, extra_source=OPS)  # fmt: skip
+    yield made
+    made.close()
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except Exception as exc:
+            out["error"] = exc
+        out["took"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_a_request_behind_an_unanswered_one_fails_at_once_as_unreachable(link):
+    # given a node that already left one request unanswered (the link is marked silent)
+    with pytest.raises(LinkError) as first:
+        link.request("freeze", timeout=0.5, seconds=30)
+    assert first.value.delivered and link.silent_since is not None
+    # and another request that holds the link now, waiting for an answer that will not come
+    holder, held = in_thread(lambda: link.request("freeze", timeout=4, seconds=30))
+    time.sleep(0.3)
+    # when a third request comes (as the health poll's or the reconciler's would)
+    queued, out = in_thread(lambda: link.request("hello", timeout=10))
+    queued.join(timeout=10)
+    # then it fails at once, not after the holder's 4 s or its own 10 s, and says the node is not answering
+    assert isinstance(out.get("error"), LinkError) and out["took"] < 2.0, out
+    assert not out["error"].delivered and unreachable(out["error"])
+    assert "not answering" in str(out["error"])
+    holder.join(timeout=10)
+    assert isinstance(held.get("error"), LinkError)
+
+
+def test_a_request_behind_a_long_answered_one_waits_its_turn_and_a_busy_link_is_not_silence(link):
+    link.request("hello", timeout=5)
+    # given a long request on a node that answers it
+    holder, held = in_thread(lambda: link.request("freeze", timeout=5, seconds=1.5))
+    time.sleep(0.2)
+    # when a request with room to wait comes, it gets its turn and its answer
+    patient, out = in_thread(lambda: link.request("hello", timeout=10))
+    # and one with too little room is told the link was busy, which is not the node's silence
+    with pytest.raises(LinkBusy) as busy:
+        link.request("hello", timeout=0.5)
+    assert not unreachable(busy.value)
+    patient.join(timeout=10)
+    holder.join(timeout=10)
+    assert "result" in held and "result" in out, (held, out)
+    assert link.silent_since is None
+
+
+def fake_python(tmp_path: Path, name: str, then: str) -> tuple[Path, Path]:
+    """A node 'python' that counts each agent start in a file, then runs `then` (never the agent)."""
+    attempts = tmp_path / f"{name}-attempts"
+    fake = tmp_path / name
+    fake.write_text(f"#!/bin/sh\necho try >> {attempts}\n{then}\n")
+    fake.chmod(0o755)
+    return fake, attempts
+
+
+def tries(attempts: Path) -> int:
+    return attempts.read_text().count("try") if attempts.exists() else 0
+
+
+def test_a_connection_that_got_no_answer_is_not_tried_again_within_the_connect_timeout(tmp_path):
+    # given a node that takes the connection but never answers (its agent never says hello)
+    fake, attempts = fake_python(tmp_path, "mute", "exec sleep 30")
+    link = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=str(fake)), 1.0)
+    try:
+        with pytest.raises(LinkError) as first:
+            link.request("hello", timeout=1)
+        assert unreachable(first.value) and link.silent_since is not None
+        # when another request comes at once, it fails with the same reason without trying
+        t0 = time.monotonic()
+        with pytest.raises(LinkError, match="tried 0 s ago") as again:
+            link.request("hello", timeout=1)
+        assert unreachable(again.value) and time.monotonic() - t0 < 0.5
+        assert tries(attempts) == 1
+        # and after the connect timeout it is tried again
+        time.sleep(1.1)
+        with pytest.raises(LinkError):
+            link.request("hello", timeout=1)
+        assert tries(attempts) == 2
+    finally:
+        link.close()
+
+
+def test_a_node_that_refuses_is_tried_every_time_and_an_answer_clears_silence(tmp_path):
+    # given a node that refuses (its agent exits at once): that is an answer, so no request is held back
+    fake, attempts = fake_python(tmp_path, "refusing", "exit 1")
+    link = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=str(fake)), 1.0)
+    try:
+        for _ in range(2):
+            with pytest.raises(LinkError):
+                link.request("hello", timeout=1)
+        assert tries(attempts) == 2 and link.silent_since is None
+    finally:
+        link.close()
+    # when a node that was silent answers again, the link is no longer silent
+    fixed = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=sys.executable), 1.0)
+    fixed.silent_since = time.monotonic() - 30
+    try:
+        fixed.request("hello", timeout=5)
+        assert fixed.silent_since is None
+    finally:
+        fixed.close()
