@@ -1,15 +1,17 @@
 """Node down: seconds from a node going silent to UGRO marking it DOWN, this checkout beside another.
 
 Run by hand (not a test):
-    .venv/bin/python bench/node_down.py [--peer /work/main] [--modes job idle] [--trials 3]
+    .venv/bin/python bench/node_down.py [--peer /work/main] [--how stop drop] [--modes job idle] [--trials 3]
 
 * One real sshd node on 127.0.4.2, a throwaway PostgreSQL database, Redis pointed at a closed port.
 * Beat as in production: every 5 s `cluster.monitor.poll_once()` is started in a pool of 8 threads
   (the worker's `-P threads -c 8`), so a slow poll does not hold back the next tick.
-* "Silent": the node's sshd listener and its session processes get SIGSTOP, as a machine that
-  froze or fell off the LAN: the warm link gets no answer, and new connections are accepted by
-  the kernel but never see an SSH banner. The clock starts at the SIGSTOP and stops when the
-  node's row says DOWN (the database is read every 0.1 s).
+* "Silent", two ways (`--how`): `stop`, the node's sshd listener and its session processes get SIGSTOP,
+  as a machine that froze: the warm link gets no answer, and new connections are accepted by the
+  kernel but never see an SSH banner; `drop`, every packet to and from the node's address is dropped
+  (an iptables chain of the benchmark's own), as a pulled cable or a lost Wi-Fi link: no answer, and
+  new connections get no SYN-ACK either. The clock starts at the cut and stops when the node's row
+  says DOWN (the database is read every 0.1 s).
 * Modes: `job` (a running job holds the node: 5 s poll interval) and `idle` (40 s). Each trial
   first gets one good probe over a warm link, then goes silent at a random moment within one
   poll interval (uniform), so the figures include where in its interval a failure lands.
@@ -70,13 +72,38 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def measure(code: Path, modes: list[str], trials: int, verbose: bool = False) -> dict:
+class Drop:
+    """Every packet to and from one address dropped, through an iptables chain of this process's own."""
+
+    def __init__(self, address: str) -> None:
+        self.address, self.chain, self.on = address, f"UGRO_BENCH_{os.getpid()}", False
+
+    def apply(self) -> None:
+        run = ["iptables", "-w"]
+        subprocess.run([*run, "-N", self.chain], check=True, capture_output=True)
+        for way in ("-s", "-d"):
+            subprocess.run([*run, "-A", self.chain, way, self.address, "-j", "DROP"], check=True, capture_output=True)
+        for hook in ("INPUT", "OUTPUT"):
+            subprocess.run([*run, "-I", hook, "-j", self.chain], check=True, capture_output=True)
+        self.on = True
+
+    def undo(self) -> None:
+        if not self.on:
+            return
+        for args in (("-D", "INPUT", "-j", self.chain), ("-D", "OUTPUT", "-j", self.chain), ("-F", self.chain),
+                     ("-X", self.chain)):  # fmt: skip
+            subprocess.run(["iptables", "-w", *args], capture_output=True)
+        self.on = False
+
+
+def measure(code: Path, modes: list[str], trials: int, verbose: bool = False, how: tuple[str, ...] = ("stop",)) -> dict:
     """In this process: set up Django from `code` on a throwaway database, run the trials, return the figures."""
     with throwaway_database() as database_url:
-        return measure_on(database_url, code, modes, trials, verbose)
+        return measure_on(database_url, code, modes, trials, verbose, how)
 
 
-def measure_on(database_url: str, code: Path, modes: list[str], trials: int, verbose: bool) -> dict:
+def measure_on(database_url: str, code: Path, modes: list[str], trials: int, verbose: bool,
+               how: tuple[str, ...] = ("stop",)) -> dict:  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="ugro-node-down-", dir="/tmp"))
     os.environ.update(
         DATABASE_URL=database_url,
@@ -135,17 +162,19 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
 
     clock = [time.monotonic()]  # when the node went silent (verbose lines are relative to it)
     frozen: list[int] = []
+    drop = Drop(lb.address)
     results: dict[str, list[float]] = {}
     try:
         ticker = threading.Thread(target=beat, daemon=True)
         ticker.start()
-        for mode in modes:
+        for way, mode in [(w, m) for w in how for m in modes]:
             Rank.objects.all().delete()
             Job.objects.all().delete()
             if mode == "job":
                 job = Job.objects.create(name="holder", script="x.py", state="running", tag="bench-holder")
                 Rank.objects.create(job=job, node=node, index=0, state="running", active=True)
-            results[mode] = []
+            key = f"{way}/{mode}"
+            results[key] = []
             for _ in range(trials):
                 paused.set()
                 quiet = time.monotonic() + 120
@@ -163,8 +192,11 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
                     raise RuntimeError("the node did not come back before a trial")
                 paused.clear()
                 time.sleep(random.uniform(0, INTERVAL_S[mode]))
-                frozen = [lb.proc.pid, *session_pids(lb.address, lb.port)]
-                signal_all(frozen, signal.SIGSTOP)
+                if way == "drop":
+                    drop.apply()
+                else:
+                    frozen = [lb.proc.pid, *session_pids(lb.address, lb.port)]
+                    signal_all(frozen, signal.SIGSTOP)
                 t0 = clock[0] = time.monotonic()
                 while time.monotonic() - t0 < GIVE_UP_S:
                     if Node.objects.filter(pk=node.pk, status="down").exists():
@@ -175,12 +207,14 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
                     faulthandler.dump_traceback(all_threads=True)
                 signal_all(frozen, signal.SIGCONT)
                 frozen = []
-                results[mode].append(round(took, 2))
-                print(f"{code.name} {mode}: DOWN after {took:.1f} s", file=sys.stderr, flush=True)
+                drop.undo()
+                results[key].append(round(took, 2))
+                print(f"{code.name} {key}: DOWN after {took:.1f} s", file=sys.stderr, flush=True)
                 pool.close_all()
     finally:
         stop.set()
         signal_all(frozen, signal.SIGCONT)
+        drop.undo()
         pollers.shutdown(wait=True)
         cluster.stop()
         pool.close_all()
@@ -191,8 +225,8 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
     if loaded != str(code):
         raise SystemExit(f"measured the code in {loaded}, not {code}")
     return {
-        mode: {"trials_s": vals, "median_s": statistics.median(vals), "max_s": max(vals), "min_s": min(vals)}
-        for mode, vals in results.items()
+        key: {"trials_s": vals, "median_s": statistics.median(vals), "max_s": max(vals), "min_s": min(vals)}
+        for key, vals in results.items()
     }
 
 
@@ -200,19 +234,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, help="another UGRO checkout to measure the same way")
     parser.add_argument("--modes", nargs="+", choices=sorted(INTERVAL_S), default=["job", "idle"])
+    parser.add_argument("--how", nargs="+", choices=["stop", "drop"], default=["stop", "drop"],
+                        help="silence by SIGSTOP of sshd (stop) or by dropping every packet (drop: iptables)")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--verbose", action="store_true", help="print every poll's outcome (to stderr)")
     parser.add_argument("--code", type=Path, help=argparse.SUPPRESS)  # the child: measure this checkout
     args = parser.parse_args()
     if args.code:
-        figures = measure(args.code.resolve(), args.modes, args.trials, args.verbose)
+        figures = measure(args.code.resolve(), args.modes, args.trials, args.verbose, tuple(args.how))
         print("RESULT " + json.dumps(figures), flush=True)
         return
     runs = {}
     for label, code in [("this", REPO), *([("peer", args.peer.resolve())] if args.peer else [])]:
         # each checkout in its own process: its own Django, its own cluster/ code
         cmd = [sys.executable, str(Path(__file__).resolve()), "--code", str(code), "--trials", str(args.trials),
-               "--modes", *args.modes, *(["--verbose"] if args.verbose else [])]  # fmt: skip
+               "--modes", *args.modes, "--how", *args.how, *(["--verbose"] if args.verbose else [])]  # fmt: skip
         # cwd=code: Celery puts the working directory first on sys.path, so it decides whose code is imported
         proc = subprocess.run(cmd, cwd=code, capture_output=True, text=True,
                               timeout=GIVE_UP_S * 2 * args.trials * 2 + 300)  # fmt: skip
@@ -231,11 +267,11 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "node_down.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'checkout':10} {'mode':6} {'median s':>9} {'max s':>7}  trials")
+    print(f"{'checkout':10} {'how/mode':10} {'median s':>9} {'max s':>7}  trials")
     for label, run in runs.items():
-        for mode in args.modes:
-            r = run[mode]
-            print(f"{label:10} {mode:6} {r['median_s']:9.1f} {r['max_s']:7.1f}  {r['trials_s']}")
+        for key in [f"{w}/{m}" for w in args.how for m in args.modes]:
+            r = run[key]
+            print(f"{label:10} {key:10} {r['median_s']:9.1f} {r['max_s']:7.1f}  {r['trials_s']}")
 
 
 if __name__ == "__main__":
