@@ -43,6 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+from _common import Drop  # noqa: E402
 from _db import throwaway_database  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -70,30 +71,6 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-class Drop:
-    """Every packet to and from one address dropped, through an iptables chain of this process's own."""
-
-    def __init__(self, address: str) -> None:
-        self.address, self.chain, self.on = address, f"UGRO_BENCH_{os.getpid()}", False
-
-    def apply(self) -> None:
-        run = ["iptables", "-w"]
-        subprocess.run([*run, "-N", self.chain], check=True, capture_output=True)
-        for way in ("-s", "-d"):
-            subprocess.run([*run, "-A", self.chain, way, self.address, "-j", "DROP"], check=True, capture_output=True)
-        for hook in ("INPUT", "OUTPUT"):
-            subprocess.run([*run, "-I", hook, "-j", self.chain], check=True, capture_output=True)
-        self.on = True
-
-    def undo(self) -> None:
-        if not self.on:
-            return
-        for args in (("-D", "INPUT", "-j", self.chain), ("-D", "OUTPUT", "-j", self.chain), ("-F", self.chain),
-                     ("-X", self.chain)):  # fmt: skip
-            subprocess.run(["iptables", "-w", *args], capture_output=True)
-        self.on = False
 
 
 def measure(code: Path, modes: list[str], trials: int, verbose: bool = False, how: tuple[str, ...] = ("stop",)) -> dict:

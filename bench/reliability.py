@@ -67,6 +67,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Drop  # noqa: E402
 from _dash_common import (  # noqa: E402
     CONTROLLER_PY,
     DAPHNE,
@@ -718,12 +719,14 @@ def check_viewers(viewers: list[dict], printed: dict[tuple[int, int], int], comm
     """What each viewer received against what was printed; missing lines split into those committed while
     the viewer was disconnected (within 1 s before a close and its reopening) and the rest."""
     hist: Counter = Counter()
+    by_job: dict[int, Counter] = {}
     rows = []
     lat_max = 0.0
     for v in viewers:
         data = v["data"]
         for k, c in data["latency_ms_hist"].items():
             hist[int(k)] += c
+            by_job.setdefault(v["job_id"], Counter())[int(k)] += c
         lat_max = max(lat_max, data["latency_max_ms"])
         windows = [(a - 1.0, b if b is not None else float("inf")) for a, b in data["disconnected"]]
         missing = explained = received = repeated = 0
@@ -762,15 +765,16 @@ def check_viewers(viewers: list[dict], printed: dict[tuple[int, int], int], comm
         })  # fmt: skip
     n = sum(hist.values())
 
-    def q(p: float) -> float | None:
-        if not n:
+    def q(p: float, h: Counter = hist) -> float | None:
+        total = sum(h.values())
+        if not total:
             return None
-        want, acc = p / 100 * n, 0
-        for k in sorted(hist):
-            acc += hist[k]
+        want, acc = p / 100 * total, 0
+        for k in sorted(h):
+            acc += h[k]
             if acc >= want:
                 return float(k)
-        return float(max(hist))
+        return float(max(h))
 
     return {
         "viewers": len(rows),
@@ -788,6 +792,8 @@ def check_viewers(viewers: list[dict], printed: dict[tuple[int, int], int], comm
             "max": round(lat_max, 1),
             "resolution_ms": 1,
         },  # fmt: skip
+        "latency_ms_by_job": {job: {"samples": sum(h.values()), "p50": q(50, h), "p99": q(99, h)}
+                              for job, h in sorted(by_job.items())},  # fmt: skip
         "per_viewer": rows,
     }
 
@@ -875,6 +881,31 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         for r in ranks:
             node_file(r, go_name).write_text("go")
         outage_info = None
+        cut = None
+        if kind == "rcut":
+            # one node of the last job goes silent: every packet dropped, that job's processes there frozen
+            from cluster.loopback import on_node
+
+            victim = next(r for r in ranks if r.job.pk == jobs[-1].pk)
+            pause(t_go + outage_at, controller)
+            cut = Drop(victim.node.address)
+            cut.apply()
+            frozen = on_node(tagged_pids(jobs[-1].tag), victim.node.name)
+            for pid in frozen:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGSTOP)
+            t_down = time.time()
+            pause(t_down + outage, controller)
+            cut.undo()
+            for pid in frozen:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
+            t_back = time.time()
+            cut_job = Job.objects.get(pk=jobs[-1].pk)
+            outage_info = {"t_down": t_down, "t_back": t_back, "node": victim.node.name, "job": cut_job.name,
+                           "job_state_at_back": cut_job.state, "job_failure": cut_job.failure_reason[:300]}  # fmt: skip
+            print(f"[{label}] {victim.node.name} silent from GO+{t_down - t_go:.1f}s to GO+{t_back - t_go:.1f}s; "
+                  f"{cut_job.name}: {cut_job.state}", flush=True)  # fmt: skip
         if kind == "r3":
             pause(t_go + outage_at, controller)
             sizes_down = controller.log_sizes()
@@ -898,7 +929,8 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
             sizes_after = controller.log_sizes()
             outage_info = {"t_down": t_down, "t_back": t_back, "sizes_down": sizes_down, "sizes_after": sizes_after,
                            "five_s_after_back": after_5s}  # fmt: skip
-        done = [node_file(r, f"rel-done-{r.job.tag}.json") for r in ranks]
+        # the cut job's ranks never finish printing: the others do
+        done = [node_file(r, f"rel-done-{r.job.tag}.json") for r in ranks if not (cut and r.job.pk == jobs[-1].pk)]
         wait_for(supervised(controller, lambda: all(p.exists() for p in done)), seconds + 600,
                  "every rank to finish printing", 0.2)  # fmt: skip
         t_printed = time.time()
@@ -919,6 +951,8 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         usage = sampler.end()
         samp, sampler = sampler, None
     finally:
+        if cut is not None:
+            cut.undo()
         if sampler is not None:
             sampler.halt.set()
         for v in viewers:
@@ -1211,8 +1245,8 @@ def main() -> None:
     if not 0 <= args.ranks_nice <= 19:
         sys.exit("--ranks-nice: 0 to 19")
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    if not only <= {"r3", "r10"}:
-        sys.exit(f"--only: unknown scenario in {args.only!r} (r3, r10)")
+    if not only <= {"r3", "r10", "rcut"}:
+        sys.exit(f"--only: unknown scenario in {args.only!r} (r3, r10, rcut)")
     sizes = [int(x) for x in args.r10_jobs.split(",") if x.strip()] if "r10" in only else []
     if any(n < 1 for n in sizes):
         sys.exit("--r10-jobs: job counts must be at least 1")
@@ -1231,12 +1265,14 @@ def main() -> None:
         info["database"] = (f"PostgreSQL (127.0.0.1:5432, database {DB_NAME})" if args.db == "system"
                             else "UGRO's own PostgreSQL in the data dir (socket), as bin/start runs it")  # fmt: skip
         info["channel_layer"] = f"channels_redis, the benchmark's own redis-server on 127.0.0.1:{redis.port}"
-        cluster = start_cluster(tmp, max(args.nodes, 3 * max([1, *sizes])))
+        cluster = start_cluster(tmp, max(args.nodes, 3 * max([1, *sizes, 3 if "rcut" in only else 1])))
         cookie = session_cookie()
         plan = []
         if "r3" in only:
             plan.append(("r3", "r3", 1, args.r3_rate, args.r3_seconds))
         plan += [("r10", f"r10-{n}jobs", n, args.r10_rate, args.r10_seconds) for n in sizes]
+        if "rcut" in only:  # R10's load at 3 jobs, one node of the third cut off for --outage s from --outage-at
+            plan.append(("rcut", "rcut-3jobs", 3, args.r10_rate, args.r10_seconds))
         for kind, label, n, rate, seconds in plan:
             load0 = [round(x, 2) for x in os.getloadavg()]
             print(f"[{label}] starting: {n} job(s) x 3 ranks, {rate:g} lines/s per rank for {seconds:g}s", flush=True)
@@ -1250,6 +1286,13 @@ def main() -> None:
                 entry["outage"] = outage_report(
                     {**res, "summary": {**res["summary"], "db_lines_timeline": entry["db_lines_timeline"]}}
                 )
+            if kind == "rcut":
+                info = res["_outage"]
+                entry["cut"] = {
+                    **{k: v for k, v in info.items() if not k.startswith("t_")},
+                    "from_go_s": round(info["t_down"] - res["_go"], 1),
+                    "seconds": round(info["t_back"] - info["t_down"], 1),
+                }
             entry["loadavg_before_after"] = [load0, [round(x, 2) for x in os.getloadavg()]]
             results[f"{label}-{args.suffix}" if args.suffix else label] = entry
             shown = {k: v for k, v in entry.items() if k not in ("per_rank", "db_lines_timeline", "cpu_timeline")}

@@ -44,7 +44,7 @@ from .health import (
     poll_interval,
     score_sample,
 )
-from .links import AgentRequestError, HostKeyError, LinkError
+from .links import AgentRequestError, HostKeyError, LinkBusy, LinkError
 from .models import Alert, HealthSample, Node
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,9 @@ def probe_node(node: Node, breaker: Breaker, now: float, force: bool = False):
         try:
             sample, rtt = _probe(node)
             return sample, rtt, "", False
+        except LinkBusy as exc:  # a long request holds a node that answers: no probe this time, and no failure
+            error = str(exc)
+            break
         except HostKeyError as exc:
             # not a blip: the node is DOWN at once, and stays so until someone trusts its new key
             error = str(exc)
@@ -276,7 +279,8 @@ def gone_silent(idle: list[Node], now: float) -> list[Node]:
         and (n.poll_lease_until is None or n.poll_lease_until < stamp)
         and n.link().connected
     ]
-    return [node for node, _, err in on_each(warm, lambda n: n.reach()) if err is not None]
+    return [node for node, _, err in on_each(warm, lambda n: n.reach()) if err is not None
+            and not isinstance(err, LinkBusy)]  # fmt: skip
 
 
 def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float | None = None) -> list[PollOutcome]:

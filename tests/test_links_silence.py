@@ -139,3 +139,17 @@ def test_a_node_that_refuses_is_tried_every_time_and_an_answer_clears_silence(tm
         assert fixed.silent_since is None
     finally:
         fixed.close()
+
+
+def test_a_probe_that_finds_the_link_busy_is_no_failure_towards_down(monkeypatch):
+    from cluster import monitor
+    from cluster.health import Breaker
+
+    def busy(node):
+        raise LinkBusy("box (local): busy with another request for 5 s; hello not sent")
+
+    monkeypatch.setattr(monitor, "_probe", busy)
+    breaker = Breaker()
+    sample, _, error, went_down = monitor.probe_node(object(), breaker, time.time())
+    assert sample is None and "busy" in error and not went_down
+    assert breaker.failures == 0
