@@ -12,13 +12,12 @@ import re
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from .conftest import FAST_TRAIN, REPO, SLOW_TRAIN, cluster_yaml, free_port, wait_for
-from .test_browser import CHROMIUM, CHROMIUM_ARGS
+from .test_browser import CHROMIUM, CHROMIUM_ARGS, http_ok
 from .test_dashboard_browser import BLUE, INK
 from .test_start_supervisor_e2e import started_by
 from .worker_env import redis_url_for
@@ -27,14 +26,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 REDIS_DB = 13  # not used by other tests (xdist workers use 0..N, test_start_script 12)
 PY = str(REPO / ".venv" / "bin" / "python")
 UGRO = str(REPO / ".venv" / "bin" / "ugro")
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def tail(path: Path, chars: int = 4000) -> str:

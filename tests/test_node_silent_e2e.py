@@ -26,6 +26,7 @@ from jobs.models import Attempt, Job, Rank
 from metrics.models import MetricPoint
 
 from .conftest import REPO, cluster_yaml, job_pids, rendezvous_ports, wait_for
+from .test_browser import stop
 
 pytestmark = pytest.mark.e2e
 # a long run (with --epochs 50: one epoch of the shipped text is 182 steps), a metric line a step, a checkpoint
@@ -105,12 +106,7 @@ def worker(controller_env, tmp_path):
     proc = subprocess.Popen([str(REPO / "bin" / "worker"), "-n", "cut@%h"], cwd=REPO, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     yield log
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    stop(proc)
 
 
 def launch(*args: str) -> Job:
