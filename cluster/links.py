@@ -511,31 +511,41 @@ class NodeLink:
         except LinkError as exc:
             raise type(exc)(f"{self.ep.describe()}: {exc}") from None
 
-    def request(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+    def request(self, op: str, timeout: float = 30.0, *, when_silent: bool = True, **fields: Any) -> dict[str, Any]:
         """Send one request and wait up to `timeout` s for its answer.
 
         Sent again only if it never reached the agent: the warm link was found dead before or while
         writing it (then once, on a fresh connection). A failure after it was written is not retried:
         LinkError(delivered=True), and the link is dropped (a late answer would be out of step).
+        when_silent=False: while the link is silent, fail at once instead of trying (a loop that must keep
+        its pace for other nodes leaves the reconnecting to the health poll and the reconciler).
         """
         self._take(op, timeout)
         try:
+            if not when_silent and self.silent_since is not None:
+                raise self._silence(op)
             return self._request(op, timeout, fields)
         finally:
             self._lock.release()
 
+    def _silence(self, op: str) -> LinkError:
+        """The error for a request not sent because the link is silent: unreachable once a connection got no
+        answer since (confirmed), else only LinkBusy (one late answer: an overloaded controller, perhaps)."""
+        silent = self.silent_since or time.monotonic()
+        line = f"{self.ep.describe()}: not answering for {time.monotonic() - silent:.0f} s; {op} not sent"
+        failed = self._connect_failed
+        if failed is not None and failed[0] >= silent:
+            return LinkError(f"{line} ({failed[1]})", delivered=False)
+        return LinkBusy(line)
+
     def _take(self, op: str, timeout: float) -> None:
         """Take the link for one request. A silent node's link is held by a request that waits out its
-        timeout: a request that finds it so fails at once (not sent: the node counts as unreachable) rather
-        than queueing behind it, so one silent node never stalls the threads that also serve other nodes."""
+        timeout: a request that finds it so fails at once (not sent) rather than queueing behind it, so one
+        silent node never stalls the threads that also serve other nodes."""
         deadline = time.monotonic() + timeout
         while not self._lock.acquire(timeout=LOCK_POLL_S):
-            silent = self.silent_since
-            if silent is not None:
-                raise LinkError(
-                    f"{self.ep.describe()}: not answering for {time.monotonic() - silent:.0f} s; {op} not sent",
-                    delivered=False,
-                )
+            if self.silent_since is not None:
+                raise self._silence(op)
             if time.monotonic() >= deadline:
                 raise LinkBusy(f"{self.ep.describe()}: busy with another request for {timeout:g} s; {op} not sent")
 

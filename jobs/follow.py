@@ -71,6 +71,7 @@ def follower_id() -> str:
 # The follower's node reads, on threads that are kept (jobs/nodes.py on_each). A read only waits for its node, so
 # the pool cannot deadlock; when more reads are under way than it has threads, the rest queue for a moment.
 READS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ugro-follow-read")
+PASS_READ_GRACE_S = 2.0  # beyond a pass's long-poll wait, how long it waits for a node's read
 
 MORE_WANTED_EVERY_S = 2.0
 # A follower whose passes take nothing polls less often: each quiet round doubles its idle budget (the long
@@ -265,9 +266,12 @@ class JobFollower:
         for r in ranks:
             by_node.setdefault(r.node_id, []).append(r)
         hot = self.hot_node if self.hot_node in by_node else next(iter(by_node), None)
-        # No read may outlast the lease: half of it to answer, a quarter of it to wait for lines.
+        # No read may outlast the lease: half of it (at most the connect timeout) to answer, a quarter of it to
+        # wait for lines. A node gone silent holds up this pass (and the other jobs of this follow task) once,
+        # for that long: then its link is silent, and reads of it fail at once until the health poll or the
+        # reconciler reaches it again.
         wait = min(wait, _lease_s() / 4)
-        read_timeout = _lease_s() / 2
+        read_timeout = min(_lease_s() / 2, settings.UGRO["CONNECT_TIMEOUT_S"])
 
         def tail(group: list[Rank]) -> dict:
             files = [
@@ -284,8 +288,9 @@ class JobFollower:
             ]
             node_wait = wait if group[0].node_id == hot else 0.0
             return node_request(
-                group[0].node, "tail", timeout=read_timeout + node_wait, files=files, wait_ms=int(node_wait * 1000)
-            )
+                group[0].node, "tail", timeout=read_timeout + node_wait, when_silent=False, files=files,
+                wait_ms=int(node_wait * 1000),
+            )  # fmt: skip
 
         # The lease must outlast the reads (at most 3/4 of it, above): renewed first unless it was renewed within
         # the last 1/8 of it (the pass before, as a rule: an UPDATE saved per pass). Whatever the reads bring is
@@ -294,7 +299,10 @@ class JobFollower:
             self.renew()
         now = None
         answered: list[tuple[Rank, dict, bool]] = []
-        for group, result, err in on_each(list(by_node.values()), tail, pool=READS):
+        # A node that answers nothing within its wait and PASS_READ_GRACE_S more holds up neither this pass nor
+        # the other jobs of this follow task: its read finishes on its own (unused) and this pass goes on.
+        gathered = on_each(list(by_node.values()), tail, pool=READS, within=wait + PASS_READ_GRACE_S)
+        for group, result, err in gathered:
             now = now or timezone.now()  # after the answers: a long poll may have waited
             if err is not None:
                 self._unreachable(group, err, now)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from django.db import connections
@@ -15,13 +15,15 @@ T = TypeVar("T")
 
 
 def on_each[T](
-    items: Iterable[T], fn: Callable[[T], Any], pool: ThreadPoolExecutor | None = None
+    items: Iterable[T], fn: Callable[[T], Any], pool: ThreadPoolExecutor | None = None, within: float | None = None
 ) -> list[tuple[T, Any, Exception | None]]:
     """Run fn on every item concurrently; return (item, result, error) in input order.
 
     pool: an executor whose threads are kept (the follower's node reads, every pass: a thread started per node
     per pass was a twentieth of the worker's time); fn must not wait for other work of the same pool.
-    Without it, threads of this call's own."""
+    Without it, threads of this call's own. within (with a pool): return after that many seconds with what
+    has answered; a call still running is left to finish on its own, its result unused, and its item gets
+    LinkBusy (not a sign of an unreachable node)."""
     items = list(items)
     if not items:
         return []
@@ -35,13 +37,20 @@ def on_each[T](
             connections.close_all()  # this pool thread's own connections, if it opened any
 
     if pool is not None:
-        return list(pool.map(call, items))
+        futures = [pool.submit(call, item) for item in items]
+        if within is None:
+            return [f.result() for f in futures]
+        done, _ = wait(futures, timeout=within)
+        late = f"no answer within {within:g} s; left to finish"
+        return [f.result() if f in done else (item, None, LinkBusy(late))
+                for item, f in zip(items, futures, strict=True)]  # fmt: skip
     with ThreadPoolExecutor(max_workers=min(len(items), 64)) as ex:
         return list(ex.map(call, items))
 
 
-def node_request(target: Node, op: str, /, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
-    return target.link().request(op, timeout=timeout, **fields)
+def node_request(target: Node, op: str, /, timeout: float = 30.0, when_silent: bool = True,
+                 **fields: Any) -> dict[str, Any]:  # fmt: skip
+    return target.link().request(op, timeout=timeout, when_silent=when_silent, **fields)
 
 
 def unreachable(err: Exception | None) -> bool:
