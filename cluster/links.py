@@ -528,6 +528,11 @@ class NodeLink:
         finally:
             self._lock.release()
 
+    def mark_silent(self) -> None:
+        """A request of this link is late by its caller's measure: the link counts as silent until it answers
+        (requests with when_silent=False are not tried meanwhile)."""
+        self.silent_since = self.silent_since or time.monotonic()
+
     def _silence(self, op: str) -> LinkError:
         """The error for a request not sent because the link is silent: unreachable once a connection got no
         answer since (confirmed), else only LinkBusy (one late answer: an overloaded controller, perhaps)."""

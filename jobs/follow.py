@@ -49,7 +49,7 @@ from . import checkpoints, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Job, Rank
-from .nodes import node_request, on_each, unreachable
+from .nodes import Late, node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -300,10 +300,13 @@ class JobFollower:
         now = None
         answered: list[tuple[Rank, dict, bool]] = []
         # A node that answers nothing within its wait and PASS_READ_GRACE_S more holds up neither this pass nor
-        # the other jobs of this follow task: its read finishes on its own (unused) and this pass goes on.
+        # the other jobs of this follow task: its read finishes on its own (unused), this pass goes on, and its
+        # link counts as silent until that read is answered.
         gathered = on_each(list(by_node.values()), tail, pool=READS, within=wait + PASS_READ_GRACE_S)
         for group, result, err in gathered:
             now = now or timezone.now()  # after the answers: a long poll may have waited
+            if isinstance(err, Late):  # the next passes skip it until that read answers (or times out)
+                group[0].node.link().mark_silent()
             if err is not None:
                 self._unreachable(group, err, now)
                 continue

@@ -14,6 +14,10 @@ from cluster.models import Node
 T = TypeVar("T")
 
 
+class Late(LinkBusy):
+    """on_each's `within` passed before this item's call answered (the call goes on by itself)."""
+
+
 def on_each[T](
     items: Iterable[T], fn: Callable[[T], Any], pool: ThreadPoolExecutor | None = None, within: float | None = None
 ) -> list[tuple[T, Any, Exception | None]]:
@@ -23,7 +27,7 @@ def on_each[T](
     per pass was a twentieth of the worker's time); fn must not wait for other work of the same pool.
     Without it, threads of this call's own. within (with a pool): return after that many seconds with what
     has answered; a call still running is left to finish on its own, its result unused, and its item gets
-    LinkBusy (not a sign of an unreachable node)."""
+    Late (a LinkBusy: not a sign of an unreachable node)."""
     items = list(items)
     if not items:
         return []
@@ -42,7 +46,7 @@ def on_each[T](
             return [f.result() for f in futures]
         done, _ = wait(futures, timeout=within)
         late = f"no answer within {within:g} s; left to finish"
-        return [f.result() if f in done else (item, None, LinkBusy(late))
+        return [f.result() if f in done else (item, None, Late(late))
                 for item, f in zip(items, futures, strict=True)]  # fmt: skip
     with ThreadPoolExecutor(max_workers=min(len(items), 64)) as ex:
         return list(ex.map(call, items))
