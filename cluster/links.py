@@ -383,6 +383,7 @@ class NodeLink:
         # (its error is repeated meanwhile).
         self.silent_since: float | None = None
         self._connect_failed: tuple[float, str] | None = None
+        self._tried_at = 0.0  # monotonic: when a request last went to the node (or tried to connect)
         self._pipe: _Pipe | None = None
         self._buf = b""
         self._ids = itertools.count(1)
@@ -517,13 +518,18 @@ class NodeLink:
         Sent again only if it never reached the agent: the warm link was found dead before or while
         writing it (then once, on a fresh connection). A failure after it was written is not retried:
         LinkError(delivered=True), and the link is dropped (a late answer would be out of step).
-        when_silent=False: while the link is silent, fail at once instead of trying (a loop that must keep
-        its pace for other nodes leaves the reconnecting to the health poll and the reconciler).
+        when_silent=False: while the link is silent, fail at once instead of trying, but for one try per
+        connect timeout (a loop that must keep its pace for other nodes).
         """
         self._take(op, timeout)
         try:
-            if not when_silent and self.silent_since is not None:
+            # skipped while silent, but tried again once a connect timeout has passed since the last try: no
+            # other request may come to clear the silence (a command following its own job, no worker)
+            if not when_silent and self.silent_since is not None and (
+                time.monotonic() - self._tried_at < self.connect_timeout
+            ):  # fmt: skip
                 raise self._silence(op)
+            self._tried_at = time.monotonic()
             return self._request(op, timeout, fields)
         finally:
             self._lock.release()
