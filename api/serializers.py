@@ -85,6 +85,8 @@ class JobSerializer(serializers.Serializer):
     attempt = serializers.IntegerField()
     nodes = serializers.ListField(child=serializers.CharField())
     progress = serializers.FloatField(allow_null=True, help_text="percent done, when the script's output tells")
+    step = serializers.IntegerField(allow_null=True, help_text="the last step seen (in lists: live jobs only)")
+    max_steps = serializers.IntegerField(allow_null=True, help_text="the steps in all, when the script tells")
     created_at = serializers.DateTimeField()
     started_at = serializers.DateTimeField(allow_null=True)
     finished_at = serializers.DateTimeField(allow_null=True)
@@ -140,9 +142,11 @@ class LinesSerializer(serializers.Serializer):
     lines = serializers.ListField(child=serializers.CharField())
 
 
-class ResultsSerializer(LinesSerializer):
-    job = serializers.CharField()
-    state = serializers.CharField()
+class ResultsSerializer(JobDetailSerializer):
+    """`ugro results`: the job as `ugro status NAME` shows it (the same fields, the same values) and its results."""
+
+    lines = serializers.ListField(child=serializers.CharField(), help_text="what `ugro results NAME` prints")
+    job = serializers.CharField(help_text="its name (as `name`)")
     exit_codes = serializers.DictField(child=serializers.IntegerField(allow_null=True))
     final_metrics = serializers.ListField(child=serializers.DictField())
     checkpoints = serializers.ListField(child=serializers.DictField())

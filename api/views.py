@@ -27,7 +27,6 @@ from jobs.models import Job, Rank
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
-from jobs.views import metric_names, progress
 from metrics.models import FinalMetric
 from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
@@ -70,15 +69,11 @@ def _job(name: str) -> Job:
     return job
 
 
-def job_summary(job: Job, *, with_progress: bool = True) -> dict:
+def job_summary(job: Job, prog: dict | None = None) -> dict:
+    """A job as the API lists it; `prog` is jobs.report.job_progress's answer (None: not asked, or none)."""
     ranks = list(job.ranks.all())
     nodes = [r.node.name for r in sorted(ranks, key=lambda r: r.index)] or list(job.requested_nodes or [])
-    pct = None
-    if job.state == Job.State.SUCCEEDED:
-        pct = 100.0
-    elif with_progress and job.running_at and job.is_live:  # ended jobs: no per-job metric queries in lists
-        prog = progress(job, metric_names(job))
-        pct = prog["percent"] if prog else None
+    pct = prog["percent"] if prog else (100.0 if job.state == Job.State.SUCCEEDED else None)
     return {
         "id": job.pk,
         "name": job.name,
@@ -88,6 +83,8 @@ def job_summary(job: Job, *, with_progress: bool = True) -> dict:
         "attempt": job.attempt,
         "nodes": nodes,
         "progress": pct,
+        "step": prog["step"] if prog else None,
+        "max_steps": prog["max_steps"] if prog else None,
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
@@ -95,6 +92,36 @@ def job_summary(job: Job, *, with_progress: bool = True) -> dict:
         "duration_s": job.duration(),
         "failure_kind": job.failure_kind,
         "failure_reason": job.failure_reason,
+    }
+
+
+def live_progress(job: Job) -> dict | None:
+    """Progress for lists: live jobs only (an ended job costs no metric queries there)."""
+    return report.job_progress(job) if job.running_at and job.is_live else None
+
+
+def job_detail(job: Job) -> dict:
+    """One job as `ugro status NAME` shows it; `ugro results NAME` starts from the same dict, so the two
+    cannot disagree on a field they share."""
+    ranks = list(job.ranks.select_related("node").order_by("index"))
+    return {
+        **job_summary(job, report.job_progress(job)),
+        "script": job.script,
+        "script_args": [str(a) for a in job.script_args or []],
+        "rdzv_endpoint": job.rdzv_endpoint,
+        "launch_spread_s": job.launch_spread_s,
+        "ranks": [
+            {
+                "index": r.index,
+                "node": r.node.name,
+                "state": r.state,
+                "exit_code": r.exit_code,
+                "log_lines": r.log_lines,
+                "log_offset": r.log_offset,
+            }
+            for r in ranks
+        ],  # fmt: skip
+        "lines": report.job_detail(job),
     }
 
 
@@ -124,7 +151,7 @@ class JobsView(APIView):
             if state not in Job.State.values:
                 raise ValidationError(f"state must be one of {', '.join(Job.State.values)}")
             jobs = jobs.filter(state=state)
-        return Response(s.JobSerializer([job_summary(j) for j in jobs[:limit]], many=True).data)
+        return Response(s.JobSerializer([job_summary(j, live_progress(j)) for j in jobs[:limit]], many=True).data)
 
     @extend_schema(
         summary="Launch a job (`ugro launch`): queued now, started by the worker when its nodes are free",
@@ -139,7 +166,7 @@ class JobsView(APIView):
             return Response({"lines": actions.preview(request.user, req)})
         job = actions.launch(request.user, req, web_source(request))
         request_schedule()
-        data = {**s.JobSerializer(job_summary(job)).data, "worker_alive": worker_alive()}
+        data = {**s.JobSerializer(job_summary(job, live_progress(job))).data, "worker_alive": worker_alive()}
         return Response(data, status=status.HTTP_201_CREATED)
 
 
@@ -149,28 +176,7 @@ class JobView(APIView):
     @extend_schema(summary="One job: ranks, nodes, exit codes, the failure explained (`ugro status NAME`)",
                    responses=s.JobDetailSerializer)  # fmt: skip
     def get(self, request: Request, name: str) -> Response:
-        job = _job(name)
-        ranks = list(job.ranks.select_related("node").order_by("index"))
-        data = {
-            **job_summary(job),
-            "script": job.script,
-            "script_args": [str(a) for a in job.script_args or []],
-            "rdzv_endpoint": job.rdzv_endpoint,
-            "launch_spread_s": job.launch_spread_s,
-            "ranks": [
-                {
-                    "index": r.index,
-                    "node": r.node.name,
-                    "state": r.state,
-                    "exit_code": r.exit_code,
-                    "log_lines": r.log_lines,
-                    "log_offset": r.log_offset,
-                }
-                for r in ranks
-            ],  # fmt: skip
-            "lines": report.job_detail(job),
-        }
-        return Response(s.JobDetailSerializer(data).data)
+        return Response(s.JobDetailSerializer(job_detail(_job(name))).data)
 
 
 def _parse_since(text: str) -> dict[int, int]:
@@ -248,15 +254,16 @@ class JobLogsView(APIView):
 class JobResultsView(APIView):
     policy_actions = {"GET": "view"}
 
-    @extend_schema(summary="Config, exit codes, final metrics, checkpoints, log files (`ugro results`)",
+    @extend_schema(summary="The job as `ugro status NAME` shows it, with its config, exit codes, final metrics, "
+                   "checkpoints and log files (`ugro results`)",
                    responses=s.ResultsSerializer)  # fmt: skip
     def get(self, request: Request, name: str) -> Response:
         job = _job(name)
         ranks = list(job.ranks.order_by("index"))
         cfg = job.job_dir / "config.json"
         data = {
+            **job_detail(job),
             "job": job.name,
-            "state": job.state,
             "exit_codes": {str(r.index): r.exit_code for r in ranks},
             "final_metrics": [
                 {"name": m.name, "rank": m.rank, "value": m.value, "step": m.step}
@@ -283,7 +290,7 @@ class JobCancelView(APIView):
             raise
         except ValueError as exc:
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
-        return Response(s.JobSerializer(job_summary(job, with_progress=False)).data)
+        return Response(s.JobSerializer(job_summary(job)).data)
 
 
 class JobResumeView(APIView):
@@ -306,7 +313,7 @@ class JobResumeView(APIView):
         except RecoveryError as exc:
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
         request_schedule()
-        return Response(s.JobSerializer(job_summary(job, with_progress=False)).data)
+        return Response(s.JobSerializer(job_summary(job)).data)
 
 
 class QueueView(APIView):
@@ -317,7 +324,7 @@ class QueueView(APIView):
     def get(self, request: Request) -> Response:
         entries = [
             {
-                **job_summary(e.job, with_progress=False),
+                **job_summary(e.job),
                 "position": e.decision.position,
                 "starts_now": e.decision.start,
                 "reason": None if e.decision.start else e.decision.reason,

@@ -10,6 +10,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from metrics.final import final_loss
+from metrics.series import metric_names
 
 from .models import Checkpoint, Job
 
@@ -66,6 +67,13 @@ def jobs_table(jobs: list[Job], progress: dict[int, dict | None] | None = None) 
     return rows
 
 
+def job_progress(job: Job) -> dict | None:
+    """The progress the job page shows (jobs.views.progress); none before the job ran."""
+    from .views import progress  # jobs.views imports this module
+
+    return progress(job, metric_names(job.pk)) if job.running_at else None
+
+
 def _when(value) -> str | None:
     return value.isoformat() if value else None
 
@@ -105,11 +113,14 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
     }
 
 
-def job_record(job: Job, prog: dict | None = None) -> dict:
-    """`job_summary` plus what `status NAME` shows: script, rendezvous, start spread and every rank."""
+def job_record(job: Job) -> dict:
+    """`job_summary` plus what `status NAME` shows: script, rendezvous, start spread and every rank.
+
+    `results --json` starts from this record too, so the two commands cannot disagree on a shared field.
+    """
     ranks = job.ranks.select_related("node").order_by("index")
     return {
-        **job_summary(job, prog),
+        **job_summary(job, job_progress(job)),
         "script": job.script,
         "script_args": job.script_args,
         "params": job.params,
@@ -219,7 +230,7 @@ def results(job: Job) -> list[str]:
 
 
 def results_record(job: Job) -> dict:
-    """What `results` shows, as JSON."""
+    """What `results` shows, as JSON: `job_record` and the results."""
     cfg = job.job_dir / "config.json"
     metrics = job.job_dir / "metrics.jsonl"
     loss = final_loss(job.pk)

@@ -117,3 +117,29 @@ def test_bad_input_is_one_line_and_changes_nothing(jobs):
                           (("alerts", "--limit", "0"), "--limit must be at least 1")]:  # fmt: skip
         with pytest.raises(CommandError, match=message):
             call_command(*args, stdout=io.StringIO())
+
+
+def test_status_and_results_agree_on_every_field_they_share(jobs, monkeypatch):
+    # given a finished job whose bar reached 300 of 300, seen at one fixed moment (age_s is computed per call)
+    from django.contrib.auth.models import Group
+    from django.test import Client
+
+    now = timezone.now()
+    monkeypatch.setattr(timezone, "now", lambda: now)
+    done = Job.objects.get(name="exp0")
+    JobMetrics.objects.create(job=done, step=300, total_steps=300)
+    # when status and results answer as JSON, through manage.py
+    status, results = json.loads(run("status", "exp0", "--json")), json.loads(run("results", "exp0", "--json"))
+    # then every field status shows is in results with the same value
+    assert (status["progress"], status["step"], status["max_steps"]) == (1.0, 300, 300)
+    assert {k: results.get(k, "missing") for k in status} == status
+    # and through the API the `ugro` client reads (`lines`: each command's own text)
+    viewer = get_user_model().objects.create_user("bob")
+    viewer.groups.add(Group.objects.get(name="launcher"))
+    client = Client()
+    client.force_login(viewer)
+    status = client.get("/api/v1/jobs/exp0/").json()
+    results = client.get("/api/v1/jobs/exp0/results").json()
+    assert (status["progress"], status["step"], status["max_steps"]) == (100.0, 300, 300)
+    shared = {k: v for k, v in status.items() if k != "lines"}
+    assert {k: results.get(k, "missing") for k in shared} == shared

@@ -6,18 +6,11 @@ from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
 from jobs.models import Job
-from jobs.report import get_job, job_detail, job_record, job_summary, jobs_table
-from jobs.views import progress
-from metrics.series import metric_names
+from jobs.report import get_job, job_detail, job_progress, job_record, job_summary, jobs_table
 
 # --exit-code: the job's state as the exit status, for scripts that wait on a job.
 EXIT_CODES = {Job.State.SUCCEEDED: 0, Job.State.FAILED: 1, Job.State.CANCELLED: 2}
 NOT_ENDED_EXIT = 3
-
-
-def job_progress(job: Job) -> dict | None:
-    """The same progress the job page shows (jobs.views.progress); none before the job ran."""
-    return progress(job, metric_names(job)) if job.running_at else None
 
 
 class Command(UserCommand):
@@ -50,7 +43,7 @@ class Command(UserCommand):
             return
         job = get_job(name)
         if as_json:
-            self.stdout.write(json.dumps(job_record(job, job_progress(job)), indent=2))
+            self.stdout.write(json.dumps(job_record(job), indent=2))
         else:
             for row in job_detail(job):
                 self.stdout.write(row)
