@@ -2,7 +2,9 @@
 
 The follower lists each rank's checkpoint places every CHECKPOINT_SCAN_S while it runs (through the node
 agent's `checkpoints` op: the job's output directory, `<workdir>/outputs/<job>`, and the job's own glob)
-and once more when the rank ends. A candidate is recorded with its node, path, step, size and time; it
+and once more when the rank ends; and whatever its discovery walk of the workdir finds (the agent's
+`discover`, every few seconds: Hugging Face checkpoint-N/, Lightning .ckpt, step-named .pt/.safetensors
+files changed since the rank started, wherever the script saves them). A candidate is recorded with its node, path, step, size and time; it
 becomes `ready` (offered for a resume) only when it is complete and stopped changing:
 
 - a temporary name (a leading dot, `.tmp`, `.part`, `tmp-` ...) is never recorded;
@@ -91,10 +93,38 @@ def scan(rank: Rank) -> int:
     if globs:  # which paths only the glob found (anything it names counts, whatever the suffix)
         listed = {e["path"] for e in answer["entries"]}
         by_glob = {p for p in listed if not p.startswith(output_dir(job, node) + "/")}
+    return _record(rank, answer["entries"], by_glob)
+
+
+def record_found(rank: Rank, entries: list[dict]) -> int:
+    """Record what a discovery walk of the rank's workdir found (the node agent's `discover`: entries changed
+    since the rank started): Hugging Face checkpoint-N/ directories, Lightning .ckpt files, and .pt/.pth/
+    .safetensors/.bin files whose name carries a step. A path another running job already recorded on this
+    node is that job's. Returns how many are ready."""
+    wanted = [e for e in entries if e.get("kind") == "checkpoint" and _named_as_checkpoint(e)]
+    if not wanted:
+        return 0
+    theirs = set(
+        Checkpoint.objects.filter(node=rank.node, path__in=[e["path"] for e in wanted], job__finished_at__isnull=True)
+        .exclude(job=rank.job)
+        .values_list("path", flat=True)
+    )
+    return _record(rank, [e for e in wanted if e["path"] not in theirs], set())
+
+
+def _named_as_checkpoint(entry: dict) -> bool:
+    """A found entry that names itself a checkpoint (a model.pt or train.bin written by the run may be
+    anything: only a step in its name makes it one)."""
+    name = PurePosixPath(entry["path"]).name
+    return entry["dir"] or name.endswith(".ckpt") or step_of(name) is not None
+
+
+def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
+    job, node = rank.job, rank.node
     ended = rank.state != Rank.State.RUNNING
     known = {c.path: c for c in Checkpoint.objects.filter(job=job, node=node)}
     ready = 0
-    for entry in answer["entries"]:
+    for entry in entries:
         entry["glob"] = entry["path"] in by_glob
         found = _candidate(job, entry)
         if found is None:

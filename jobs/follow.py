@@ -41,11 +41,11 @@ from django.utils import timezone
 
 from cluster.links import AgentRequestError, LinkError
 from metrics import rollup
-from metrics.files import follow_metric_files
+from metrics.files import adopt, follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
-from metrics.models import JobMetrics
+from metrics.models import JobMetrics, MetricFile
 
-from . import checkpoints, lifecycle
+from . import checkpoints, discovery, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Job, Rank
@@ -200,6 +200,7 @@ class JobFollower:
         self.seen: dict[int, int] = {}  # rank pk -> log size at the last answer (partial line included)
         self.hot_node: int | None = None  # the node whose ranks last had new lines
         self.scanned: dict[int, float] = {}  # rank pk -> monotonic time its checkpoints were last listed
+        self.discovered: dict[int, float] = {}  # rank pk -> monotonic time its workdir was last walked
         self.changed = True  # a rank ended or was lost since the job was last judged (judge on the first pass)
         # monotonic time to judge the job again with no change seen: a failure that is only a consequence waits
         # FAILURE_SETTLE_S for its cause, and may have to be decided with nothing else happening meanwhile
@@ -319,13 +320,15 @@ class JobFollower:
                 self.hot_node = rank.node_id
             self._scan_checkpoints(rank)
         taken = sum(got.values())
-        # metrics.csv / TensorBoard files the job named, written under the same lease as the logs (named at
-        # launch: whether there are any is read once, not every pass)
+        # metrics.csv / TensorBoard files the job named or a discovery walk found, written under the same lease
+        # as the logs (whether there are any is read once, then known from what discovery adopts)
         if self.metric_files is None:
             named = JobMetrics.objects.filter(job=job).values_list("files", flat=True).first()
-            self.metric_files = bool(named)
-        if self.metric_files and follow_metric_files(job, ranks, node_request, guard=self.renew):
-            self.unfolded = True
+            self.metric_files = bool(named) or MetricFile.objects.filter(job=job).exists()
+        if self.metric_files:
+            self._files_win()
+            if follow_metric_files(job, ranks, node_request, guard=self.renew):
+                self.unfolded = True
         return taken
 
     def fold(self, *, now: bool = False) -> None:
@@ -343,10 +346,19 @@ class JobFollower:
         self.unfolded = False
 
     def _scan_checkpoints(self, rank: Rank) -> None:
-        """Record the rank's checkpoints every CHECKPOINT_SCAN_S while it runs, and once when it ends
-        (jobs/checkpoints.py decides which are complete)."""
-        last = self.scanned.get(rank.pk)
+        """Walk the rank's workdir for metric files and checkpoints every DISCOVER_EVERY_S while it runs (and
+        list its named checkpoint places every CHECKPOINT_SCAN_S), once more when it ends (jobs/discovery.py;
+        jobs/checkpoints.py decides which checkpoints are complete)."""
         ended = rank.state != Rank.State.RUNNING
+        last = self.discovered.get(rank.pk)
+        if ended or last is None or time.monotonic() - last >= discovery.DISCOVER_EVERY_S:
+            self.discovered[rank.pk] = time.monotonic()
+            found = discovery.walk(rank, rank.started_at or self.job.started_at or timezone.now())
+            if found:
+                if adopt(self.job, rank, found):
+                    self.metric_files = True
+                checkpoints.record_found(rank, found)
+        last = self.scanned.get(rank.pk)
         every = float(settings.UGRO.get("CHECKPOINT_SCAN_S", 30.0))
         if not ended and last is not None and time.monotonic() - last < every:
             return
@@ -355,6 +367,12 @@ class JobFollower:
             checkpoints.scan(rank)
         except (LinkError, AgentRequestError) as exc:
             log.info("checkpoints of %s: %s", rank, exc)
+
+    def _files_win(self) -> None:
+        """A job that reads metric files takes only steps and progress from its progress bars, not their
+        rounded values (the file's are exact, at the framework's own steps)."""
+        for stream in self.streams.values():
+            stream.parser.bar_metrics = False
 
     def recover(self) -> int:
         """Fetch what lost ranks wrote after they were lost, once their node answers again. A rank is

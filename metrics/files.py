@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from jobs.events import publish_job
@@ -74,7 +75,8 @@ def check_paths(paths: Iterable[str]) -> list[str]:
 
 
 def kind_of(name: str) -> str | None:
-    """The kind of metric file a file name is, or None."""
+    """The kind of metric file a file name (or path) is, or None."""
+    name = name.rsplit("/", 1)[-1]
     if name == CSV_NAME or name.endswith(".csv"):
         return MetricFile.Kind.CSV
     if TFEVENTS.match(name):
@@ -99,17 +101,36 @@ def follow_metric_files(
     guard: called first inside every transaction that writes (the follower renews its lease there,
     which also locks the job's row); when it raises, nothing of that transaction is written."""
     _guard.set(guard)
-    settings = JobMetrics.objects.filter(job=job).first()
-    if settings is None or not settings.files:
-        return []
+    configured = JobMetrics.objects.filter(job=job).values_list("files", flat=True).first() or []
     saved: list[MetricPoint] = []
     for rank in ranks:
         try:
-            _discover(job, rank, settings.files, request)
+            if configured:
+                _discover(job, rank, configured, request)
             saved.extend(_take(job, rank, request))
         except Exception as exc:  # a node's trouble, or one odd file: the logs are followed all the same
             log.warning("metric files of %s rank %s: %s", job.name, rank.index, exc)
     return saved
+
+
+def adopt(job: Job, rank: Rank, entries: list[dict]) -> int:
+    """Follow the metric files a discovery walk of the rank's workdir found (jobs/discovery.py): files
+    changed since the rank started. One another running job already follows is that job's; the same path
+    on a second node of the job (a shared filesystem) is followed once, from the lowest rank. Returns how
+    many are new."""
+    paths = [e["path"] for e in entries if e.get("kind") == "metrics" and kind_of(e["path"])]
+    if not paths:
+        return 0
+    taken = set(
+        MetricFile.objects.filter(path__in=paths)
+        .filter(Q(job=job) | Q(job__finished_at__isnull=True))
+        .values_list("path", flat=True)
+    )
+    new = [p for p in paths if p not in taken]
+    room = MAX_FILES - MetricFile.objects.filter(job=job).count()
+    for path in new[: max(room, 0)]:
+        MetricFile.objects.get_or_create(job=job, rank=rank.index, path=path, defaults={"kind": kind_of(path)})
+    return min(len(new), max(room, 0))
 
 
 def _discover(job: Job, rank: Rank, paths: list[str], request: Request) -> None:
@@ -251,9 +272,23 @@ def events_points(path: Path, skip: int) -> tuple[list[tuple[int, str, float]], 
                 array = tensor_util.make_ndarray(value.tensor)
                 if array.size == 1 and array.dtype.kind in "fiu":
                     number = float(array.reshape(()))
-            if number is not None and math.isfinite(number) and value.tag and len(value.tag) <= 100:
-                points.append((int(event.step), value.tag, float(number)))
+            name = series_name(value.tag)
+            if number is not None and math.isfinite(number) and name and len(name) <= 100:
+                points.append((int(event.step), name, float(number)))
     return points, count
+
+
+# The Hugging Face Trainer's TensorBoard tags (its rewrite_logs: train/loss, eval/loss, test/...) under the
+# names its printed log dicts give the same values (loss, eval_loss, test_...): one series each, not two.
+_HF_TAGS = {"train/": "", "eval/": "eval_", "test/": "test_"}
+
+
+def series_name(tag: str) -> str:
+    """The series a TensorBoard tag feeds."""
+    head, sep, rest = tag.partition("/")
+    if sep and rest and "/" not in rest and head + "/" in _HF_TAGS:
+        return _HF_TAGS[head + "/"] + rest
+    return tag
 
 
 def _copy(job: Job, rank: Rank, f: MetricFile) -> Path:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from django.db import connection
 
-from .models import FinalMetric, JobMetrics, MetricPoint
+from .models import FinalMetric, JobMetrics, MetricFile, MetricPoint
 from .parsing import MAX_LINE_CHARS, LineParser, Point, compile_pattern
 
 
@@ -84,8 +84,8 @@ def configure(stream: RankStream, job_id: int, rank_index: int) -> None:
                 parser.pattern = compile_pattern(settings.pattern)
             except ValueError:
                 pass  # validated at launch; a pattern that broke since is no reason to stop following
-        parser.bar_metrics = not settings.files
         stream.progress_saved = (settings.step, settings.total_steps)
+    parser.bar_metrics = not (settings and settings.files) and not MetricFile.objects.filter(job_id=job_id).exists()
     rank = Rank.objects.select_related("job").filter(job_id=job_id, index=rank_index).first()
     if rank is not None and rank.log_offset > 0:
         known_step = parser.last_step

@@ -19,8 +19,11 @@ What is read without any change to the script:
   ``key: value`` pairs of the lines it matches (or its named groups).
 
 Steps come from the framework's own counter: a ``step``/``global_step`` key,
-else the progress bar: ``N`` of its ``N/M`` (``epoch * M + N`` for Lightning's
-``Epoch k`` bars). A Trainer dict takes the state its bar is redrawn with
+else the progress bar's ``N`` of ``N/M`` where the bar counts global steps (the
+Trainer's). Lightning's ``Epoch k`` bars count the batch within an epoch: their
+values are not stored at a step (the framework's metric file gives them with
+their steps, metrics/files.py), and ``epoch * M + N`` stands for progress only.
+A Trainer dict takes the state its bar is redrawn with
 right after it (tqdm.write() redraws the bar at once; the state drawn before
 the dict can lag a few steps behind). Only a script that shows no counter at
 all gets consecutive numbers. ``total_steps`` is the bar's ``M`` (over all
@@ -144,7 +147,8 @@ class LineParser:
         self._train_m: int | None = None  # the training bar's N/M total, once one was drawn
         self._bar_seen = False
         self._pending: list[dict[Any, Any]] = []  # Trainer dicts waiting for the bar's redraw
-        self._rich_step: int | None = None  # step of the rich bar whose metric rows follow, if open
+        self._rich_open = False  # a rich training bar was drawn: its metric rows follow
+        self._rich_step: int | None = None  # that bar's global step (None: it shows only the batch in an epoch)
         self._shown: dict[str, float] = {}  # last value a bar showed for each metric
 
     def feed(self, line: str) -> list[Point]:
@@ -182,11 +186,11 @@ class LineParser:
         bar = self._parse_bar(text)
         if bar is not None:
             return bar
-        if self._rich_step is not None:
+        if self._rich_open:
             row = _RICH_ROW.match(text)
             if row:
                 return self._bar_values(self._rich_step, [(row["key"], row["value"])])
-            self._rich_step = None
+            self._rich_open = False
         if stripped.startswith(METRIC_PREFIX):
             return self._parse_marked(stripped[len(METRIC_PREFIX) :])
         if stripped.startswith("{"):
@@ -224,13 +228,20 @@ class LineParser:
                 self._train_m = m
             training = m == self._train_m
         step, total = n, m
+        # An "Epoch k" bar's N/M is the batch within the epoch, not the global step (gradient accumulation,
+        # max_steps, a validation pass make them differ): epoch x M + N stands for progress only, and the
+        # values it shows are not stored at a step (a metric file the framework writes gives their steps)
+        global_step: int | None = step
         if epoch and m:
             step = int(epoch["k"]) * m + n
+            global_step = None
             # rich says "Epoch k/last": the run's total is known; tqdm's "Epoch k" does not say it
             total = (int(epoch["last"]) + 1) * m if epoch["last"] else None
         elif epoch:
             total = None
-        self._rich_step = step if rich and training else None
+            global_step = None
+        self._rich_open = rich and training
+        self._rich_step = global_step
         points: list[Point] = []
         if not training:
             return points
@@ -243,11 +254,12 @@ class LineParser:
             self.counter = self.last_step = step
         if not rich and match["info"]:
             pairs = [item.split("=", 1) for item in match["info"].split(", ") if "=" in item]
-            points.extend(self._bar_values(step, [(k.strip(), v.strip()) for k, v in pairs]))
+            points.extend(self._bar_values(global_step, [(k.strip(), v.strip()) for k, v in pairs]))
         return points
 
-    def _bar_values(self, step: int, pairs: list[tuple[str, str]]) -> list[Point]:
-        """A bar's metrics: only values that changed since the bar last showed them (it redraws often)."""
+    def _bar_values(self, step: int | None, pairs: list[tuple[str, str]]) -> list[Point]:
+        """A bar's metrics: only values that changed since the bar last showed them (it redraws often);
+        none at all when the bar does not show the global step."""
         points = []
         for key, raw in pairs:
             if key in NOT_METRICS or not key or len(key) > MAX_NAME_CHARS or not _NUMBER_RE.match(raw):
@@ -256,7 +268,7 @@ class LineParser:
             if value is None or self._shown.get(key) == value:
                 continue
             self._shown[key] = value
-            if self.bar_metrics:
+            if self.bar_metrics and step is not None:
                 points.append(Point(step=step, name=key, value=value, rank=None))
         return points
 

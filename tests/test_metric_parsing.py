@@ -287,8 +287,8 @@ def test_follower_splits_at_newlines_only():
 
 
 def test_a_bar_line_longer_than_the_limit_is_read_state_by_state() -> None:
-    # given one log line of 3000 carriage-return states of a Lightning bar (no newline for a whole epoch)
-    states = [f"Epoch 0:  {n // 30:2d}%|##  | {n}/3000 [00:01<00:02, 9.9it/s, v_num=0, loss={1 + n / 1e4:.4f}]"
+    # given one log line of 3000 carriage-return states of a training bar (no newline for a whole run)
+    states = [f"Training:  {n // 30:2d}%|##  | {n}/3000 [00:01<00:02, 9.9it/s, v_num=0, loss={1 + n / 1e4:.4f}]"
               for n in range(1, 3001)]  # fmt: skip
     line = "\r" + "\r".join(states)
     assert len(line) > MAX_LINE_CHARS
@@ -308,8 +308,22 @@ def test_a_trainer_dict_at_the_end_of_the_stream_takes_the_last_bar_step() -> No
 
 def test_bars_give_only_steps_when_the_job_reads_a_metrics_file() -> None:
     parser = LineParser(bar_metrics=False)
+    assert parser.feed(" 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, train_loss=0.5]") == []
+    assert (parser.counter, parser.last_step) == (10, 10)
+    # and a bar that counts global steps gives its values otherwise
+    assert LineParser().feed(" 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, train_loss=0.5]") == [
+        Point(10, "train_loss", 0.5, None)
+    ]
+
+
+def test_an_epoch_bar_never_gives_a_step_to_its_values() -> None:
+    # given Lightning's bars: N/M is the batch within the epoch
+    parser = LineParser()
     assert parser.feed("Epoch 1: 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, v_num=0, train_loss=0.5]") == []
-    assert (parser.counter, parser.last_step) == (30, 30)
+    assert parser.feed("Epoch 1/2 ━━━━━━━━━━━━━━━━━━━━ 20/20 0:00:01 • 0:00:00 12.3it/s v_num: 0") == []
+    assert parser.feed("train_loss: 0.062") == []  # a metric row of that bar, not a log line
+    # then the counter stands for progress only
+    assert (parser.counter, parser.total_steps) == (40, 60)
 
 
 @pytest.mark.parametrize("pattern", ["(", "x" * 501, "a\x00b"])

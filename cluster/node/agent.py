@@ -4,6 +4,7 @@
 import base64
 import glob
 import hashlib
+import heapq
 import json
 import os
 import shutil
@@ -545,6 +546,81 @@ def op_checkpoints(req):
     return {"entries": out}
 
 
+# Directories a discovery walk never enters: caches, environments, version control, and UGRO's own (hidden).
+DISCOVER_SKIP = frozenset(("__pycache__", "node_modules", "site-packages", "venv", "env", "wandb", "mlruns"))
+DISCOVER_SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors", ".bin")
+
+
+def _discover_entry(path, name, st, is_dir):
+    """A discovered file or directory as the controller reads it, or None for anything else."""
+    if is_dir:
+        if not (name.startswith("checkpoint-") and name[11:].isdigit()):
+            return None
+        size, mtime, files = _tree(path)
+        return {
+            "path": path, "kind": "checkpoint", "dir": True, "size": size, "mtime": max(mtime, st.st_mtime),
+            "files": files, "trainer_state": os.path.isfile(os.path.join(path, "trainer_state.json")),
+        }
+    if name == "metrics.csv" or name.startswith("events.out.tfevents."):
+        return {"path": path, "kind": "metrics", "dir": False, "size": st.st_size, "mtime": st.st_mtime}
+    if name.endswith(DISCOVER_SUFFIXES):
+        return {"path": path, "kind": "checkpoint", "dir": False, "size": st.st_size, "mtime": st.st_mtime}
+    return None
+
+
+def op_discover(req):
+    """Metric files (metrics.csv, TensorBoard event files) and checkpoint candidates (checkpoint-N/
+    directories, .ckpt/.pt/.pth/.safetensors/.bin files) under req['root'], changed at or after req['since']
+    (seconds since the epoch, this node's clock).
+
+    Bounded, so a working directory with a million files costs little: at most req['max_depth'] levels,
+    req['max_entries'] directory entries and req['budget_s'] seconds; hidden directories and DISCOVER_SKIP
+    are never entered, and a checkpoint-N/ directory is reported whole, not walked. The newest directory
+    known is read next, at any depth (a directory's mtime moves when an entry is created in it), so what a
+    run just created is reached before old trees. 'complete' is false when a bound stopped the walk."""
+    root = _expand(req["root"])
+    since = float(req.get("since") or 0)
+    max_depth = int(req.get("max_depth", 6))
+    left = int(req.get("max_entries", 20000))
+    deadline = time.monotonic() + float(req.get("budget_s", 0.5))
+    found, complete = [], True
+    heap = [(0.0, 0, root)]  # (-mtime, depth, path): the newest directory is read next, whatever its depth
+    while heap:
+        if left <= 0 or time.monotonic() > deadline:
+            complete = False
+            break
+        _newest, depth, directory = heapq.heappop(heap)
+        try:
+            entries = os.scandir(directory)
+        except OSError:
+            continue
+        for entry in entries:
+            left -= 1
+            if left < 0:  # a huge directory is not read to its end either
+                complete = False
+                break
+            name = entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_dir and (name.startswith(".") or name in DISCOVER_SKIP):
+                continue
+            if st.st_mtime >= since:
+                item = _discover_entry(entry.path, name, st, is_dir)
+                if item is not None:
+                    found.append(item)
+                    continue
+            if is_dir and not (name.startswith("checkpoint-") and name[11:].isdigit()):
+                if depth < max_depth:
+                    heapq.heappush(heap, (-st.st_mtime, depth + 1, entry.path))
+                else:
+                    complete = False
+        entries.close()
+    return {"entries": found, "complete": complete, "now": time.time()}
+
+
 def op_files(req):
     """Every file under a path (the path itself when it is a file): relative name, size, sha256."""
     root = _expand(req["path"])
@@ -638,6 +714,7 @@ def _catches(pid, signum):
 
 OPS = {
     "checkpoints": op_checkpoints,
+    "discover": op_discover,
     "files": op_files,
     "put": op_put,
     "dump_stacks": op_dump_stacks,

@@ -1,0 +1,143 @@
+"""Finding what a run writes without being told where: the node agent's bounded `discover` walk (a real agent
+process), and what the controller adopts of it (metric files, checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from cluster.links import Endpoint, NodeLink
+from cluster.models import Node
+from jobs import checkpoints
+from jobs.models import Checkpoint, Job, Rank
+from metrics import files
+from metrics.models import MetricFile
+
+
+@pytest.fixture
+def agent():
+    link = NodeLink(Endpoint(name="local-agent", address="127.0.0.1", transport="local"), connect_timeout=10)
+    yield link
+    link.close()
+
+
+def touch(path: Path, data: bytes = b"x", age_s: float = 0.0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    if age_s:
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+    return path
+
+
+def walk(link, root: Path, since: float, **bounds) -> dict:
+    return link.request("discover", timeout=10, root=str(root), since=since, **bounds)
+
+
+def test_the_walk_finds_what_the_run_wrote_and_nothing_older_hidden_or_cached(agent, tmp_path):
+    # given a workdir holding an earlier run's files and this run's
+    touch(tmp_path / "lightning_logs" / "version_0" / "metrics.csv", age_s=3600)
+    touch(tmp_path / "outputs" / "old" / "checkpoint-5" / "trainer_state.json", age_s=3600)
+    os.utime(tmp_path / "outputs" / "old" / "checkpoint-5", (time.time() - 3600,) * 2)
+    since = time.time() - 1
+    new = {
+        touch(tmp_path / "lightning_logs" / "version_1" / "metrics.csv"),
+        touch(tmp_path / "lightning_logs" / "version_1" / "events.out.tfevents.1.host.1.0"),
+        touch(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "epoch=1-step=300.ckpt"),
+        touch(tmp_path / "my_run" / "runs" / "Nov26_host" / "events.out.tfevents.2.host.2.0"),
+        touch(tmp_path / "ckpt" / "model_step_120.safetensors"),
+    }
+    hf = tmp_path / "my_run" / "checkpoint-100"
+    touch(hf / "trainer_state.json")
+    touch(hf / "model.safetensors", b"w" * 1000)
+    touch(tmp_path / ".git" / "metrics.csv")  # hidden: never entered
+    touch(tmp_path / "__pycache__" / "x_step_1.pt")  # a cache: never entered
+    # when the node walks it
+    answer = walk(agent, tmp_path, since)
+    # then this run's metric files and checkpoint candidates are found, each once; an HF checkpoint whole
+    assert answer["complete"] is True
+    by_path = {e["path"]: e for e in answer["entries"]}
+    assert set(by_path) == {str(p) for p in new} | {str(hf)}
+    assert by_path[str(hf)]["dir"] and by_path[str(hf)]["trainer_state"] and by_path[str(hf)]["size"] >= 1001
+    assert by_path[str(hf)]["files"] == 2
+    kinds = {Path(p).name: e["kind"] for p, e in by_path.items()}
+    assert kinds["metrics.csv"] == "metrics" and kinds["epoch=1-step=300.ckpt"] == "checkpoint"
+
+
+def test_a_workdir_with_many_files_costs_a_bounded_walk_and_new_directories_come_first(agent, tmp_path):
+    # given a dataset directory of 3000 old files and, beside it, the run's new log directory
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3000):
+        (data / f"{i:05d}.jpg").write_bytes(b"")
+    then = time.time() - 3600
+    os.utime(data, (then, then))
+    since = time.time() - 1
+    csv = touch(tmp_path / "zzz_logs" / "version_0" / "metrics.csv")
+    # when the walk may read 200 entries only
+    answer = walk(agent, tmp_path, since, max_entries=200)
+    # then it stops at its bound (says so), having reached the newest directory first
+    assert answer["complete"] is False
+    assert [e["path"] for e in answer["entries"]] == [str(csv)]
+    # and a depth bound holds too
+    deep = touch(tmp_path / "a" / "b" / "c" / "d" / "metrics.csv")
+    found = {e["path"] for e in walk(agent, tmp_path, since, max_depth=2)["entries"]}
+    assert str(deep) not in found
+    assert str(deep) in {e["path"] for e in walk(agent, tmp_path, since, max_depth=4)["entries"]}
+
+
+def test_a_missing_workdir_finds_nothing(agent, tmp_path):
+    assert walk(agent, tmp_path / "nope", 0)["entries"] == []
+
+
+@pytest.fixture
+def rank(db, tmp_path):
+    node = Node.objects.create(name="gpu1", address="127.0.0.9", workdir=str(tmp_path))
+    job = Job.objects.create(name="disc", script="x.py", state=Job.State.RUNNING, started_at=timezone.now())
+    return Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING)
+
+
+def entry(path: str, kind: str, **more) -> dict:
+    return {"path": path, "kind": kind, "dir": False, "size": 10, "mtime": 1.0, **more}
+
+
+def test_found_metric_files_are_followed_once_and_another_running_jobs_are_left_to_it(rank, tmp_path):
+    other = Job.objects.create(name="other", script="y.py", state=Job.State.RUNNING)
+    MetricFile.objects.create(job=other, rank=0, path=f"{tmp_path}/theirs/metrics.csv", kind="csv")
+    found = [
+        entry(f"{tmp_path}/lightning_logs/version_3/metrics.csv", "metrics"),
+        entry(f"{tmp_path}/lightning_logs/version_3/events.out.tfevents.1.h.1.0", "metrics"),
+        entry(f"{tmp_path}/theirs/metrics.csv", "metrics"),
+        entry(f"{tmp_path}/ck/epoch=0-step=9.ckpt", "checkpoint"),
+    ]
+    assert files.adopt(rank.job, rank, found) == 2
+    assert files.adopt(rank.job, rank, found) == 0  # the next walk finds the same: nothing new
+    mine = dict(MetricFile.objects.filter(job=rank.job).values_list("path", "kind"))
+    assert mine == {found[0]["path"]: "csv", found[1]["path"]: "tfevents"}
+    # and a finished job's file is no claim (a rerun rewrote it since this job started)
+    Job.objects.filter(pk=other.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    assert files.adopt(rank.job, rank, found) == 1
+
+
+def test_found_checkpoints_need_a_step_in_their_name_or_a_framework_shape(rank, tmp_path):
+    found = [
+        {**entry(f"{tmp_path}/run/checkpoint-100", "checkpoint", dir=True, trainer_state=True), "files": 3},
+        {**entry(f"{tmp_path}/run/checkpoint-200", "checkpoint", dir=True, trainer_state=False), "files": 1},
+        entry(f"{tmp_path}/lightning_logs/version_0/checkpoints/epoch=1-step=300.ckpt", "checkpoint"),
+        entry(f"{tmp_path}/lightning_logs/version_0/checkpoints/last.ckpt", "checkpoint"),
+        entry(f"{tmp_path}/ck/model_step_50.safetensors", "checkpoint"),
+        entry(f"{tmp_path}/model.pt", "checkpoint"),  # no step: anything the run saves
+        entry(f"{tmp_path}/data/train.bin", "checkpoint"),
+        entry(f"{tmp_path}/logs/metrics.csv", "metrics"),
+    ]
+    checkpoints.record_found(rank, found)
+    recorded = {Path(c.path).name: c.step for c in Checkpoint.objects.filter(job=rank.job)}
+    assert recorded == {"checkpoint-100": 100, "checkpoint-200": 200, "epoch=1-step=300.ckpt": 300,
+                        "last.ckpt": None, "model_step_50.safetensors": 50}  # fmt: skip
+    # when the next walk finds them unchanged: complete ones are offered, newest step first
+    checkpoints.record_found(rank, found)
+    assert [c.step for c in checkpoints.offered(rank.job)] == [300, 100, 50]
