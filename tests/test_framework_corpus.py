@@ -41,8 +41,14 @@ def test_the_corpus_holds_every_framework_version_tested() -> None:
         "hf5_seq2seq",
         "hf5_trainer",
         "lightning_rich",
+        "lightning_rich_100sps",
+        "lightning_rich_10sps",
+        "lightning_rich_1sps",
         "lightning_rich_live",
         "lightning_tqdm",
+        "lightning_tqdm_100sps",
+        "lightning_tqdm_10sps",
+        "lightning_tqdm_1sps",
     ]
     assert "transformers 4.57.6" in (CORPUS / "hf4_trainer" / "rank_0.log").read_text()
     assert "transformers 5.23.0" in (CORPUS / "hf5_trainer" / "rank_0.log").read_text()
@@ -104,36 +110,52 @@ def test_seq2seq_trainer() -> None:
     assert parser.total_steps == 20
 
 
-def test_lightning_tqdm_bar_postfix() -> None:
+def test_lightning_tqdm_bar_postfix_gives_progress_but_no_steps() -> None:
     # given Lightning's tqdm bar over 2 epochs of 20 batches, training loss on the bar at every batch
     points, parser = read("lightning_tqdm")
-    # then the loss is read once per batch at epoch * 20 + N, validation after each epoch, v_num never
-    assert steps_of(points, "train_loss") == list(range(1, 41))
-    assert steps_of(points, "val_loss") == [20, 40]
-    assert "v_num" not in {p.name for p in points}
-    by_step = {p.step: p.value for p in points if p.name == "train_loss"}
-    assert by_step[1] == 2.35 and by_step[20] == 0.214 and by_step[40] == 0.0228
-    # and its thousands of carriage-return states became one point per state that changed
-    assert max(Counter((p.step, p.name) for p in points).values()) == 1
+    # then its values are not stored: "Epoch 1: 21/20" counts the batch within the epoch, not Lightning's
+    # global step (its metrics.csv has train_loss at 4, 9, ... 39; epoch x 20 + N would say 5, 10, ... 40)
+    assert [p for p in points if not p.final] == []
+    # and the bar's counter is progress only: 2 epochs of 20
+    assert parser.counter == 40
     assert parser.total_steps is None  # "Epoch k" does not say how many epochs
 
 
 def test_lightning_rich_bar_printed_once_when_not_a_terminal() -> None:
-    # given Lightning's rich bar written to a log file (drawn once, at the end)
+    # given Lightning's rich bar written to a log file (drawn once, at the end: "Epoch 1/1 ... 20/20")
     points, parser = read("lightning_rich")
-    # then the metric rows under it are read at the bar's step, v_num is not
-    assert [(p.step, p.name, p.value) for p in points] == [(40, "train_loss", 0.023), (40, "val_loss", 0.069)]
+    # then the metric rows under it give no point at an invented step (the "step 88"), and no log line
+    assert points == [] and parser.malformed == 0
     assert parser.total_steps == 40  # "Epoch 1/1": two epochs of 20
 
 
 def test_lightning_rich_bar_redrawn_live() -> None:
     # given the rich bar as drawn on a terminal (cursor moves and colours, rows redrawn each batch)
     points, parser = read("lightning_rich_live")
-    # then the rows are read at each redraw's step, a repeated value once
-    assert steps_of(points, "val_loss") == [0, 6, 12]  # the sanity check's, then after each epoch
-    assert steps_of(points, "train_loss") == [2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
-    assert max(Counter((p.step, p.name) for p in points).values()) == 1
-    assert parser.total_steps == 12
+    # then its rows give progress, not points
+    assert points == [] and parser.malformed == 0
+    assert parser.total_steps == 12 and parser.counter == 12
+
+
+@pytest.mark.parametrize("bar", ["tqdm", "rich"])
+@pytest.mark.parametrize(("pace", "batches", "every"), [("1sps", 6, 2), ("10sps", 30, 5), ("100sps", 150, 10)])
+def test_lightning_in_a_log_file_at_any_pace_gets_its_steps_from_its_files_never_from_the_bar(
+    bar: str, pace: str, batches: int, every: int
+) -> None:
+    # given Lightning's bar written to a log file (not a terminal) at 1, 10 and 100 steps a second, 2 epochs
+    name = f"lightning_{bar}_{pace}"
+    points, parser = read(name)
+    # then the bar gives no point at an invented step, only progress (rich says the total: "Epoch k/1")
+    assert [p for p in points if not p.final] == [] and parser.malformed == 0
+    assert parser.total_steps == (2 * batches if bar == "rich" else None)
+    assert parser.counter == 2 * batches
+    # and the files Lightning wrote hold every logged step, Lightning's own (counted from 0)
+    base = CORPUS / name / "lightning_logs"
+    header, _, rows = (base / "version_0" / "metrics.csv").read_text().partition("\n")
+    logged = list(range(every - 1, 2 * batches, every))
+    assert sorted(s for s, n, _ in csv_points(header, rows, 0)[0] if n == "train_loss") == logged
+    tb_file = next((base / "version_1").glob("events.out.tfevents.*"))
+    assert sorted(s for s, n, _ in events_points(tb_file, 0)[0] if n == "train_loss") == logged
 
 
 def test_lightning_metric_files_agree() -> None:

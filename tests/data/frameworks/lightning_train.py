@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import pytorch_lightning as pl
 import torch
@@ -21,11 +22,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class TinyRegressor(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, step_sleep: float = 0.0) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.step_sleep = step_sleep
 
     def training_step(self, batch, batch_idx):
+        if self.step_sleep:
+            time.sleep(self.step_sleep)  # a model's pace: 1, 10 or 100 steps a second
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, prog_bar=True)
@@ -55,6 +59,13 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=20, help="training batches per epoch and rank")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--log-dir", default=".")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps")
+    p.add_argument("--max-steps", type=int, default=-1)
+    # "default": the logger and checkpoints Lightning sets up by itself (TensorBoardLogger when tensorboard is
+    # installed, else CSVLogger; ModelCheckpoint under lightning_logs/version_N/checkpoints), as most scripts
+    # leave them; "both": CSVLogger and TensorBoardLogger, no checkpoints (the recordings)
+    p.add_argument("--loggers", choices=["both", "default"], default="both")
+    p.add_argument("--ckpt-path", default=None, help="resume from this checkpoint (Trainer.fit's ckpt_path)")
     args = p.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -68,13 +79,14 @@ def main() -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
         strategy="ddp" if world > 1 else "auto",
+        max_steps=args.max_steps,
         log_every_n_steps=args.log_every,
-        logger=[CSVLogger(args.log_dir), TensorBoardLogger(args.log_dir)],
+        logger=True if args.loggers == "default" else [CSVLogger(args.log_dir), TensorBoardLogger(args.log_dir)],
         callbacks=[bar],
-        enable_checkpointing=False,
+        enable_checkpointing=args.loggers == "default",
         enable_model_summary=False,
     )
-    trainer.fit(TinyRegressor(), train, val)
+    trainer.fit(TinyRegressor(args.step_sleep), train, val, ckpt_path=args.ckpt_path)
     if torch.distributed.is_initialized():  # leave the process group together (see hf_trainer.py)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

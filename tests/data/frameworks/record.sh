@@ -50,4 +50,11 @@ record lightning_rich -- lightning_train.py --bar rich --epochs 2 --batches 20 -
 # rich as it draws on a terminal (or wherever TTY_INTERACTIVE forces it): live redraws with cursor moves
 record lightning_rich_live TTY_INTERACTIVE=1 TTY_COMPATIBLE=1 -- lightning_train.py --bar rich --epochs 2 \
   --batches 6 --log-every 2
+# written to a log file (not a terminal), at a model's pace of 1, 10 and 100 steps a second
+record lightning_tqdm_1sps -- lightning_train.py --bar tqdm --epochs 2 --batches 6 --log-every 2 --step-sleep 1
+record lightning_rich_1sps -- lightning_train.py --bar rich --epochs 2 --batches 6 --log-every 2 --step-sleep 1
+record lightning_tqdm_10sps -- lightning_train.py --bar tqdm --epochs 2 --batches 30 --log-every 5 --step-sleep 0.1
+record lightning_rich_10sps -- lightning_train.py --bar rich --epochs 2 --batches 30 --log-every 5 --step-sleep 0.1
+record lightning_tqdm_100sps -- lightning_train.py --bar tqdm --epochs 2 --batches 150 --log-every 10 --step-sleep 0.01
+record lightning_rich_100sps -- lightning_train.py --bar rich --epochs 2 --batches 150 --log-every 10 --step-sleep 0.01
 record accelerate_loop -- accelerate_loop.py --epochs 2 --steps-per-epoch 20 --log-every 5
