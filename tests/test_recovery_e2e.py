@@ -458,27 +458,31 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
     for node in recovery_settings.nodes[:3]:
         (node.workdir / "frameworks").mkdir(exist_ok=True)
         shutil.copy(frameworks / "hf_trainer.py", node.workdir / "frameworks" / "hf_trainer.py")
-    # given an unmodified Trainer script that saves checkpoint-<N>/ every 10 steps and crashes at step 15
+    # given an unmodified Trainer script with its own output_dir (not outputs/<job>: UGRO is told nothing of
+    # it), saving checkpoint-<N>/ every 10 steps and crashing at step 25
     run("launch", "--name", "hfr", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
         "--resume-template=--resume_from_checkpoint {checkpoint}", "--detach", "--",
-        "--max-steps", "30", "--logging-steps", "5", "--save-steps", "10", "--fail-at-step", "15")  # fmt: skip
+        "--max-steps", "30", "--logging-steps", "5", "--save-steps", "10", "--fail-at-step", "25",
+        "--output-dir", "my_runs/hf")  # fmt: skip
     job = Job.objects.get(name="hfr")
     follow_until(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the crash")
     job.refresh_from_db()
     assert job.state == Job.State.FAILED, job.state
+    # then both of its checkpoints were found where it wrote them, and the latest is offered
+    assert [c.step for c in checkpoints.offered(job)] == [20, 10]
     ckpt = checkpoints.choose(job, "latest")
-    assert (ckpt.step, ckpt.kind) == (10, "dir") and ckpt.path.endswith("outputs/hfr/checkpoint-10")
+    assert (ckpt.step, ckpt.kind) == (20, "dir") and ckpt.path.endswith("my_runs/hf/checkpoint-20")
     # when it is resumed on two nodes without that directory
     others = [n for n in ("node1", "node2", "node3") if n != ckpt.node.name]
     run("resume", "hfr", "--nodes", ",".join(others))
     run("logs", "hfr", "--follow")
     job.refresh_from_db()
-    # then the Trainer went on from step 10 (its own global step) with the copied directory, and finished
+    # then the Trainer went on from step 20 (its own global step) with the copied directory, and finished
     assert job.state == Job.State.SUCCEEDED, job.failure_reason
     rank0 = job.ranks.select_related("node").get(index=0).node
-    copied = Path(rank0.workdir) / "outputs" / "hfr" / "checkpoint-10"
+    copied = Path(rank0.workdir) / "my_runs" / "hf" / "checkpoint-20"
     assert (copied / "trainer_state.json").read_bytes() == (Path(ckpt.path) / "trainer_state.json").read_bytes()
     steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
-    assert steps == [15, 20, 25, 30], steps
+    assert steps == [25, 30], steps
     config = json.loads((job.job_dir / "config.json").read_text())
-    assert config["ranks"][0]["command"][-2:] == ["--resume_from_checkpoint", "outputs/hfr/checkpoint-10"]
+    assert config["ranks"][0]["command"][-2:] == ["--resume_from_checkpoint", "my_runs/hf/checkpoint-20"]
