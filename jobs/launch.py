@@ -574,7 +574,7 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
         f"--local-addr={node.address}",
         "--max-restarts=0",
     ]
-    args = _with_local_batch(job.script_args, getattr(rank, "local_batch", None))
+    args = _with_places(_with_local_batch(job.script_args, getattr(rank, "local_batch", None)), job, node)
     # the batch and resume arguments after the user's: argparse keeps the last value
     extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
     return [*prefix, script_path(node, job.script), *args, *extra], len(prefix)
@@ -587,6 +587,19 @@ def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
     return [a.replace("{local_batch}", str(local_batch)) for a in args]
 
 
+def job_dir_on(job: Job, node) -> str:
+    """The job's own directory on a node (UGRO_JOB_DIR, {job_dir} in its arguments): <workdir>/outputs/<job>,
+    the same for every attempt, where UGRO looks for its checkpoints first."""
+    return checkpoints.output_dir(job, node)
+
+
+def _with_places(args: list[str], job: Job, node) -> list[str]:
+    """{job} and {job_dir} filled in every argument, those after `--` too (a script opts into the convention
+    with e.g. `-- --output_dir {job_dir}`)."""
+    job_dir = job_dir_on(job, node)
+    return [a.replace("{job_dir}", job_dir).replace("{job}", job.name) for a in args]
+
+
 def rank_env(job: Job, rank: Rank) -> dict[str, str]:
     env = {str(k): str(v) for k, v in (rank.node.env or {}).items()}
     env.update({
@@ -595,6 +608,7 @@ def rank_env(job: Job, rank: Rank) -> dict[str, str]:
         "UGRO_JOB_NAME": job.name,
         "UGRO_JOB_ID": str(job.pk),
         "UGRO_NODE_RANK": str(rank.index),
+        "UGRO_JOB_DIR": job_dir_on(job, rank.node),
         "PYTHONUNBUFFERED": "1",
         # torchrun writes the failing worker's error (exit code, traceback) here, as it documents
         "TORCHELASTIC_ERROR_FILE": rank.remote_error,
@@ -685,7 +699,7 @@ def launch(job: Job) -> Job:
         result = node_request(
             rank.node, "start", timeout=left, argv=argv, script_index=script_index,
             env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
-            key=rank.start_key, record=rank.start_record,
+            key=rank.start_key, record=rank.start_record, mkdirs=[job_dir_on(job, rank.node)],
         )  # fmt: skip
         rank.pid = result["pid"]
         return time.monotonic()

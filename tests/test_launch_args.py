@@ -85,6 +85,17 @@ def test_dry_run_prints_each_ranks_exact_command_and_creates_nothing(nodes):
     assert "--local-addr=127.0.0.3" in shlex.split(lines[5])
 
 
+def test_the_job_and_its_directory_reach_the_script_after_the_double_dash_too(nodes):
+    # when a script opts into the convention with {job} and {job_dir} in its own arguments
+    out = dry("--name", "exp2", "--nodes", "2", "--", "--output_dir", "{job_dir}", "--run-name", "{job}-a")
+    lines = out.splitlines()
+    # then each rank gets its node's directory for the job, in its arguments and as UGRO_JOB_DIR
+    assert shlex.split(lines[2])[-4:] == ["--output_dir", "/srv/w0/outputs/exp2", "--run-name", "exp2-a"]
+    assert "UGRO_JOB_DIR=/srv/w0/outputs/exp2" in shlex.split(lines[3])
+    assert shlex.split(lines[5])[-4:] == ["--output_dir", "/srv/w1/outputs/exp2", "--run-name", "exp2-a"]
+    assert "UGRO_JOB_DIR=/srv/w1/outputs/exp2" in shlex.split(lines[6])
+
+
 def test_dry_run_refuses_a_bad_request_in_one_line(nodes):
     with pytest.raises(CommandError, match=r"^the metrics pattern is not a valid regular expression: .*"):
         dry("--name", "bad", "--metrics-pattern", "loss=(")

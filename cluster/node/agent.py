@@ -213,6 +213,8 @@ def op_start(req):
             raise AgentError("script %s is not a file on this node" % script)
         argv[script_index] = script
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    for directory in req.get("mkdirs") or []:  # the job's own directory (UGRO_JOB_DIR), made before it starts
+        os.makedirs(_expand(directory), exist_ok=True)
     boot_id = _boot_id()
     if record is not None:
         os.makedirs(os.path.dirname(record), exist_ok=True)
