@@ -365,7 +365,7 @@ class HealthView(APIView):
     def get(self, request: Request) -> Response:
         send_task("cluster.tasks.poll_health")  # enqueue only: readings arrive with the worker's next poll
         running = _running_by_node()
-        nodes = [node_summary(n, running) for n in Node.objects.order_by("order", "name")]
+        nodes = [node_summary(n, running) for n in Node.objects.order_by("order", "name").prefetch_related("gpus")]
         return Response(s.NodeSerializer(nodes, many=True).data)
 
 

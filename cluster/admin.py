@@ -45,6 +45,9 @@ class NodeAdmin(admin.ModelAdmin):
         ("Health", {"fields": health_fields}),
     )
 
+    def get_queryset(self, request):
+        return super().get_queryset(request).prefetch_related("gpus")  # gpu_label reads each node's GPU rows
+
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         audit.record(request.user, "node_change" if change else "node_add", obj.name,

@@ -12,6 +12,28 @@ from typing import Any
 from .models import GPU, Node
 
 
+def gpu_text(node: Node, rows: Iterable[GPU]) -> str:
+    """The node's GPUs as people read them: `1× NVIDIA H200 140 GB`; mixed models each with its count, in
+    device order (`1× RTX 4070 8 GB, 1× RTX 3070 Ti 8 GB`). Rows hold what the probe read (NVML, else
+    nvidia-smi) and the declared model and memory until a reading came."""
+    if not node.gpu_count:
+        return "no GPU"
+    pairs = [(g.model, g.vram_mb) for g in rows] or [(node.gpu_model, node.gpu_vram_gb * 1024)] * node.gpu_count
+    counts: dict[tuple[str, str], int] = {}
+    for model, mb in pairs:
+        key = (model or "GPU", _gb_text(mb))
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n}× {model}{' ' + gb if gb else ''}" for (model, gb), n in counts.items())
+
+
+def _gb_text(mb: float) -> str:
+    """`140 GB` (NVML's 143771 MiB), `8 GB` (8188 MiB): whole GB, as cards are sold; '' when unknown."""
+    gb = (mb or 0) / 1024
+    if gb <= 0:
+        return ""
+    return f"{gb:.0f} GB" if gb >= 1 else f"{gb:.1f} GB"
+
+
 def sync_gpus(node: Node) -> None:
     """Make the node's GPU rows match its gpu_count: indices 0..count-1, declared model and VRAM
     where no reading said otherwise. Rows past the count are removed (allocations name the index,

@@ -20,7 +20,7 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .models import Alert, HealthSample, Node
+from .models import GPU, Alert, HealthSample, Node
 
 NODE_GAUGES = (
     ("cpu_percent", "ugro_node_cpu_percent", "CPU busy, percent"),
@@ -81,6 +81,14 @@ class ClusterCollector:
                     if (v := _number(gpu.get(field))) is not None:
                         gauge.add_metric(labels, v)
         yield from (up, score, status, age, *node_gauges.values(), *gpu_gauges.values())
+
+        # The model the probe last read, also for a node whose latest probe failed (one series per GPU).
+        info = GaugeMetricFamily("ugro_gpu_info", "1 per GPU, labelled with its model as the probe read it",
+                                 labels=["node", "gpu", "name"])  # fmt: skip
+        names = {n.pk: n.name for n in nodes}
+        for gpu in GPU.objects.filter(node__in=list(names)).order_by("node_id", "index"):
+            info.add_metric([names[gpu.node_id], str(gpu.index), gpu.model], 1.0)
+        yield info
 
         jobs = GaugeMetricFamily("ugro_jobs", "Jobs by state", labels=["state"])
         counts = dict(Job.objects.values_list("state").annotate(n=Count("id")))

@@ -179,11 +179,11 @@ class Node(models.Model):
 
     @property
     def gpu_label(self) -> str:
-        if not self.gpu_count:
-            return "no GPU"
-        vram = f" ({self.gpu_vram_gb:g}GB)" if self.gpu_vram_gb else ""
-        count = f"{self.gpu_count}x " if self.gpu_count > 1 else ""
-        return f"{count}{self.gpu_model or 'GPU'}{vram}"
+        """`1× NVIDIA H200 140 GB`: the model and memory the probe read (cluster.gpus.gpu_text); prefetch
+        `gpus` when labelling many nodes."""
+        from .gpus import gpu_text  # cluster.gpus imports this module
+
+        return gpu_text(self, self.gpus.all() if self.pk else [])
 
     @property
     def host_key_fingerprint(self) -> str:

@@ -12,6 +12,7 @@ from django.views.decorators.http import require_GET
 
 from jobs.models import Allocation, Job, Rank
 
+from .gpus import gpu_text
 from .history import MAX_BUCKETS, history
 from .models import GPU, Alert, ClusterSettings, HealthSample, Node
 
@@ -66,6 +67,7 @@ def node_cards(nodes: list[Node]) -> list[dict[str, Any]]:
         cards.append(
             {
                 "node": node,
+                "gpu_text": gpu_text(node, gpu_rows.get(node.pk, [])),
                 "ranks": ranks,
                 "rank": ranks[0] if ranks else None,
                 "job": ranks[0].job if ranks else None,

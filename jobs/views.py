@@ -441,7 +441,8 @@ class LaunchForm(forms.Form):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fields["nodes"].choices = [
-            (n.name, f"{n.name} ({n.role}, {n.gpu_label})") for n in Node.objects.filter(enabled=True)
+            (n.name, f"{n.name} ({n.role}, {n.gpu_label})")
+            for n in Node.objects.filter(enabled=True).prefetch_related("gpus")
         ]
 
     def clean_time_limit(self) -> int | None:

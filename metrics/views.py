@@ -75,7 +75,9 @@ def metric_facts(job: Job, name: str) -> dict:
 
 def config_rows(jobs: list[Job]) -> list[dict]:
     """What each job ran with, one row per setting, marked where the jobs differ."""
-    ranks = {job.pk: list(job.ranks.select_related("node").order_by("index")) for job in jobs}
+    ranks = {
+        job.pk: list(job.ranks.select_related("node").prefetch_related("node__gpus").order_by("index")) for job in jobs
+    }
     columns: dict[str, list[str]] = {
         "script": [job.script for job in jobs],
         "args": [shlex.join(str(a) for a in job.script_args or []) for job in jobs],

@@ -219,7 +219,7 @@ def test_health_command_lists_every_node_and_exits_1_when_one_is_down(lab):
     text = out.getvalue()
     # then one line per node, failing checks listed under the bad one, exit status 1
     lines = text.splitlines()
-    assert lines[0].startswith("✓ node1") and "RTX 4070 (8GB) - Ready" in lines[0]
+    assert lines[0].startswith("✓ node1") and "1× NVIDIA GeForce RTX 4070 8 GB - Ready" in lines[0]
     assert any(line.startswith("✓ node2") for line in lines)
     bad = next(i for i, line in enumerate(lines) if line.startswith("✗ node3"))
     assert "DEGRADED" in lines[bad]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import getpass
 import io
+import sys
+import types
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -75,3 +77,48 @@ def test_demo_node_keeps_a_torchrun_that_still_runs_and_fixes_a_moved_workdir(se
     assert node.torchrun_command == mine
     assert node.workdir == str(settings.BASE_DIR)
     assert "torchrun_command" not in out.getvalue() and "workdir" in out.getvalue()
+
+
+class FakeNVML(types.ModuleType):
+    """pynvml as nvidia-ml-py has it, with `count` GPUs (None: the driver library cannot be loaded)."""
+
+    def __init__(self, count: int | None) -> None:
+        super().__init__("pynvml")
+        self.count = count
+
+    def nvmlInit(self) -> None:  # noqa: N802 (NVML's names)
+        if self.count is None:
+            raise OSError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return self.count
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        pass
+
+
+def _fake_nvidia_smi(directory, gpus: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    exe = directory / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(gpus))
+    exe.write_text(f'#!/bin/sh\n[ "$1" = -L ] || exit 2\n{lines}')
+    exe.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    ("nvml", "smi_lines", "expected"),
+    [(8, 2, 8), (0, 2, 0), (None, 2, 2), (None, None, 0)],
+    ids=["nvml-counts", "nvml-says-none", "no-nvml-smi-lines", "neither"],
+)
+def test_demo_node_counts_gpus_with_nvml_else_nvidia_smi_lines(monkeypatch, tmp_path, nvml, smi_lines, expected):
+    # given NVML answering (or failing) and nvidia-smi listing some GPUs (or missing)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(nvml))
+    if smi_lines is not None:
+        _fake_nvidia_smi(tmp_path / "bin", smi_lines)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    # when demo_node adds this machine
+    out = io.StringIO()
+    call_command("demo_node", stdout=out)
+    # then the node has the GPUs NVML counted, else the lines nvidia-smi -L printed, else none
+    assert Node.objects.get().gpu_count == expected
+    assert f"{expected} GPU(s)" in out.getvalue()

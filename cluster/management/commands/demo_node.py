@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 from django.conf import settings
@@ -17,6 +18,28 @@ def detect_torchrun(repo: Path) -> str:
     """The repo's node env (`bin/setup --node-env`) when it exists, else torchrun on PATH."""
     local_env = repo / ".venv-node" / "bin" / "torchrun"
     return str(local_env) if local_env.exists() else (shutil.which("torchrun") or "torchrun")
+
+
+def local_gpu_count() -> int:
+    """This machine's GPUs: NVML's count (nvidia-ml-py), else the `GPU n:` lines of `nvidia-smi -L`, else 0."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no package, no driver library, a driver mismatch: each means ask nvidia-smi
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
 
 
 def runnable(command: str) -> bool:
@@ -51,7 +74,7 @@ class Command(BaseCommand):
             self.stdout.write(f"cluster has {Node.objects.count()} node(s); no demo node added")
             return
         torchrun = torchrun or detect_torchrun(repo)
-        gpus = 1 if shutil.which("nvidia-smi") else 0
+        gpus = local_gpu_count()
         Node.objects.create(
             name=DEMO_NAME, hostname="localhost", address="127.0.0.1", transport=Node.Transport.LOCAL,
             role=Node.Role.MASTER, gpu_count=gpus, torchrun_command=torchrun, workdir=str(repo),

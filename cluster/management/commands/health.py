@@ -12,7 +12,7 @@ from ugro_site.celery import NO_SCHEDULER, scheduler_alive
 
 
 def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
-    """`✓ gpu-master   RTX 5070 Ti (12GB) - Ready`, or ✗ with the status and failing checks under it.
+    """`✓ gpu-master   1× NVIDIA GeForce RTX 5070 Ti 12 GB - Ready (score 97)`, or ✗ with the status and failing checks under it.
 
     `failed` is this poll's error when the node did not answer it but is not DOWN yet (the breaker
     waits for 3 failures in a row): the line says so instead of showing the last good reading.
@@ -44,7 +44,7 @@ class Command(UserCommand):
         outcomes = monitor.poll_once(force=True)
         # Not answering this poll, yet not DOWN (it answered before): say so rather than show old readings.
         failed = {o.node: o.reason for o in outcomes if not o.ok and o.status != Node.Status.DOWN}
-        nodes = list(Node.objects.filter(enabled=True))
+        nodes = list(Node.objects.filter(enabled=True).prefetch_related("gpus"))
         if as_json:
             self.stdout.write(_as_json(nodes, failed))
         else:
