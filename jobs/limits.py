@@ -4,8 +4,11 @@ earlier runs (the health monitor's per-GPU memory readings while they ran)."""
 from __future__ import annotations
 
 import re
+import statistics
+from collections.abc import Iterable
 
-from django.db.models import Count
+from django.db.models import Count, F, Window
+from django.db.models.functions import RowNumber
 
 from cluster.models import HealthSample
 
@@ -121,3 +124,27 @@ def learned_speeds(script: str, nodes: list) -> dict[str, float]:
         mean = sum(speeds.values()) / len(speeds)
         speeds = {n.name: speeds.get(n.name, mean) for n in nodes}
     return speeds
+
+
+RUNS_FOR_ESTIMATE = 5  # the latest few: a script's run time drifts as it is edited
+
+
+def typical_durations(scripts: Iterable[str]) -> dict[str, float]:
+    """Per script: the median run (started to finished, seconds) of its latest successful runs, in one
+    query. The queue's estimate for a job with no time limit of its own; scripts never run to success
+    are left out (their jobs' ends are unknown)."""
+    scripts = set(scripts)
+    if not scripts:
+        return {}
+    latest = (
+        Job.objects.filter(
+            script__in=scripts, state=Job.State.SUCCEEDED, started_at__isnull=False, finished_at__isnull=False
+        )
+        .annotate(nth=Window(RowNumber(), partition_by=F("script"), order_by=F("finished_at").desc()))
+        .filter(nth__lte=RUNS_FOR_ESTIMATE)
+        .values_list("script", "started_at", "finished_at")
+    )
+    runs: dict[str, list[float]] = {}
+    for script, started, finished in latest:
+        runs.setdefault(script, []).append((finished - started).total_seconds())
+    return {script: statistics.median(seconds) for script, seconds in runs.items()}

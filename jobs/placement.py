@@ -13,7 +13,10 @@ The rules, in the manner of Slurm's backfill scheduler:
   free up, from running jobs' time limits, on GPUs chosen then. A later job may use a reserved GPU
   only if its own time limit ends before the reservation starts (backfill); it may always use GPUs
   no reservation needs.
-- Jobs further down get an estimated start from the same timeline (not binding).
+- Jobs further down are placed on the same timeline (not binding). Their estimated start, and the
+  reserved job's, come from what is known of each holder's end: its user's time limit, else the
+  median run of its script (Running.typical_end, Demand.typical_s), else none: the estimate is then
+  unknown. A cluster default limit bounds reservations and backfill but is never shown as an estimate.
 - A job whose owner would exceed the GPU quota, or whose sweep already runs its maximum of trials,
   waits with reason "quota".
 - A retry after a lost node (without --min-nodes, or too few nodes left) waits with reason "node" until
@@ -57,6 +60,7 @@ class Slot:
     index: int
     vram_mb: float = 0.0
     free_at: float = 0.0  # when it is (or will be) free; the timeline estimates move it on
+    expect_at: float | None = 0.0  # when it is expected to be free by what is known; None: unknown
     busy: bool = False  # held right now
     reserved_from: float = INF  # the earliest binding reservation on it
     loan: tuple[int, tuple] | None = None  # (job, its queue order key) of a job on loan here: preemptible
@@ -97,6 +101,15 @@ class Demand:
     group: int | None = None  # its sweep
     waits_for: str = ""  # why a job it depends on keeps it waiting ("" when none does)
     waits_for_nodes: tuple[str, ...] = ()  # lost nodes it waits for before it may start anywhere
+    limit_set: bool = True  # time_limit is its user's own (False: the cluster default)
+    typical_s: float | None = None  # median run of its script's earlier runs, when known
+
+    @property
+    def expected_s(self) -> float | None:
+        """How long it is expected to run: its user's limit, else its script's median run, else unknown."""
+        if self.limit_set:
+            return self.time_limit
+        return None if self.typical_s is None else min(self.typical_s, self.time_limit)
 
 
 @dataclass
@@ -111,6 +124,17 @@ class Running:
     priority: int = 0
     submitted: float = 0.0
     loan: bool = False  # started on reserved GPUs past the reservation: may be preempted (requeued)
+    limit_set: bool = True  # ends_at comes from its user's own time limit (False: the cluster default)
+    typical_end: float | None = None  # its start plus its script's median run, when known
+
+    def expected_end(self, now: float) -> float | None:
+        """When it is expected to end: at its user's limit, else after its script's median run; None when
+        unknown, or when it has already outlived that median."""
+        if self.limit_set:
+            return self.ends_at
+        if self.typical_end is None or self.typical_end < now:
+            return None
+        return min(self.typical_end, self.ends_at)
 
 
 @dataclass
@@ -294,7 +318,7 @@ def plan(
     usage = usage or {}
     slots = {(s.node, s.index): s for n in nodes for s in n.slots}
     for s in slots.values():
-        s.free_at, s.busy, s.reserved_from, s.loan = now, False, INF, None
+        s.free_at, s.expect_at, s.busy, s.reserved_from, s.loan = now, now, False, INF, None
     held: dict[int | None, int] = {}
     group_running: dict[int, int] = {}
     for r in running:
@@ -302,6 +326,7 @@ def plan(
             s = slots.get(key)
             if s is not None:
                 s.busy, s.free_at = True, max(s.free_at, r.ends_at, now)
+                s.expect_at = _later(s.expect_at, r.expected_end(now))
                 if limits.preempt and r.loan:
                     s.loan = (r.job, _order_key(r, usage))
         held[r.owner] = held.get(r.owner, 0) + len(r.slots)
@@ -376,9 +401,11 @@ def plan(
                     + (f"job {first_waiting.job}" if first_waiting else "a job ahead")
                     + "; requeued from its last checkpoint when that job can start"
                 )
+            expected = d.expected_s
             for _, f in fit:
                 for s in f:
                     s.busy, s.free_at = True, end
+                    s.expect_at = None if expected is None else now + expected
             free_now -= count
             held[d.owner] = held.get(d.owner, 0) + count
             if d.group is not None:
@@ -402,22 +429,25 @@ def plan(
         if at is None:  # cannot happen: earliest() found the time from these slots
             dec.reason, dec.detail = Reason.NO_FIT, _no_fit_detail(d, nodes)
             continue
-        dec.est_start = t
+        dec.est_start = est = _expected_start(at, now, free_at)
         dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in at]
         if free_at is not _free_at and t <= now:
             dec.preempt = sorted({s.loan[0] for _, f in at for s in f if s.busy and s.loan})
             for s in slots.values():  # requeued once: no other job of this pass counts on them
                 if s.loan and s.loan[0] in dec.preempt:
                     s.loan = None
+        expected = d.expected_s
         for _, f in at:
             for s in f:
                 s.free_at = max(s.free_at, t + d.time_limit)
+                s.expect_at = None if est is None or expected is None else est + expected
                 if binding:
                     s.reserved_from = min(s.reserved_from, t)
         if binding:
             reserved += 1
             dec.reserved = True
-            dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {_fmt_in(t - now)}"
+            when = _fmt_in(est - now) if est is not None else "(when they free up: unknown)"
+            dec.reason, dec.detail = Reason.RESOURCES, f"next to start: GPUs reserved for it {when}"
             if dec.preempt:
                 dec.reason = Reason.PREEMPTING
                 dec.detail = "next to start: requeueing job(s) on loan on its GPUs: " + ", ".join(map(str, dec.preempt))
@@ -431,6 +461,25 @@ def plan(
             not_free.add(shape)
             dec.reason, dec.detail = Reason.PRIORITY, "jobs ahead of it take the GPUs it needs"
     return decisions
+
+
+def _later(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else max(a, b)
+
+
+def _expected_start(at: list[tuple[NodeView, list[Slot]]], now: float, free_at) -> float | None:
+    """When the chosen slots are expected to be free, by what is known of their holders; None when the
+    end of one holder is unknown. Never later than the timeline's own bound (free_at)."""
+    latest = now
+    for _, f in at:
+        for s in f:
+            bound = free_at(s)
+            if bound <= now:  # free now, or on loan and requeued for this job
+                continue
+            if s.expect_at is None:
+                return None
+            latest = max(latest, min(s.expect_at, bound))
+    return latest
 
 
 def _free_at_preempting(s: Slot, now: float, key: tuple) -> float:

@@ -306,9 +306,10 @@ def queue_table(entries: list, holders: dict[str, list[str]]) -> list[str]:
 
 def _eta_text(at, now) -> str:
     local = timezone.localtime(at)
-    if (at - now).total_seconds() < 60:
+    seconds = int((at - now).total_seconds())
+    if seconds < 1:
         return "now"
     fmt = "%H:%M" if local.date() == timezone.localtime(now).date() else "%m-%d %H:%M"
-    minutes = int((at - now).total_seconds() // 60)
-    left = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+    minutes = seconds // 60
+    left = f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m" if minutes else f"{seconds}s"
     return f"in {left} ({local.strftime(fmt)})"

@@ -15,13 +15,14 @@ from django.utils import timezone
 
 from cluster.models import GPU, ClusterSettings, Node
 
+from .limits import typical_durations
 from .models import Allocation, Job, Sweep
 from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decayed_usage, plan
 
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
 DEMAND_FIELDS = (
     "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
-    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "wait_nodes",
+    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "wait_nodes", "script",
 )  # fmt: skip
 AFTER = DEMAND_FIELDS.index("after_id")
 JSON_LISTS = ("requested_nodes", "wait_nodes")  # read as text: the usual "[]" needs no decoding
@@ -77,15 +78,19 @@ class Snapshot:
 
         held: dict[int, Running] = {}
         self.holders: dict[tuple[int, int], tuple[int, str]] = {}
+        # job -> (its script, when it started; now while it waits): the estimates look up earlier runs by it
+        self.scripts: dict[int, tuple[str, float]] = {}
         allocations = Allocation.objects.filter(active=True).values_list(
             "job_id", "job__name", "node_id", "gpu_index", "job__started_at", "job__time_limit_s", "job__owner_id",
-            "job__sweep_id",
+            "job__sweep_id", "job__script",
         )  # fmt: skip
-        for job_id, name, node_id, index, started, limit, owner, sweep in allocations:
+        for job_id, name, node_id, index, started, limit, owner, sweep, script in allocations:
             r = held.get(job_id)
             if r is None:
                 start = (started or self.now_dt).timestamp()
-                r = held[job_id] = Running(job_id, [], start + (limit or self.cs.default_time_limit_s), owner, sweep)
+                r = held[job_id] = Running(job_id, [], start + (limit or self.cs.default_time_limit_s), owner, sweep,
+                                           limit_set=limit is not None)  # fmt: skip
+                self.scripts[job_id] = (script, start)
             r.slots.append((node_id, index))
             self.holders[(node_id, index)] = (job_id, name)
         self.running = list(held.values())
@@ -128,15 +133,16 @@ class Snapshot:
     def _demand(self, row: tuple) -> Demand:
         """The planner's view of a queued job: row holds its DEMAND_FIELDS, in that order (a plain tuple
         per job: the queue may hold thousands)."""
-        pk, priority, owner, created, limit, gpus, count, requested, per_node, vram, sweep, after, wait = row
+        pk, priority, owner, created, limit, gpus, count, requested, per_node, vram, sweep, after, wait, script = row
         requested = _json_list(requested)
+        self.scripts[pk] = (script, self.now)
         return Demand(
             job=pk, priority=priority, owner=owner, submitted=created.timestamp(),
             time_limit=float(limit or self.cs.default_time_limit_s), gpus=gpus,
             nodes=None if requested else (count or 1), per_node=per_node,
             named=tuple(self.by_name.get(name, -1) for name in requested),
             min_vram_mb=float(vram) if vram else None, group=sweep, waits_for=self._waits_for(after) if after else "",
-            waits_for_nodes=tuple(_json_list(wait)),
+            waits_for_nodes=tuple(_json_list(wait)), limit_set=limit is not None,
         )  # fmt: skip
 
     def _waits_for(self, after_id: int | None) -> str:
@@ -157,7 +163,22 @@ class Snapshot:
         """The planner's decisions; extra: unsaved jobs to consider too (a dry run); estimates=False:
         only what starts now (and the reservations) is decided, as a scheduling pass needs."""
         demands = self.demands + [self._demand(tuple(getattr(j, f) for f in DEMAND_FIELDS)) for j in extra]
+        if estimates:
+            self._learn_durations(demands)
         return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits, estimates)
+
+    def _learn_durations(self, demands: list[Demand]) -> None:
+        """Give each running or waiting job without a time limit of its own its script's median run (one
+        query): the estimates use it; what starts never depends on it."""
+        unlimited = [x for x in (*self.running, *demands) if not x.limit_set]
+        typical = typical_durations(self.scripts[x.job][0] for x in unlimited)
+        for x in unlimited:
+            script, start = self.scripts[x.job]
+            seconds = typical.get(script)
+            if isinstance(x, Running):
+                x.typical_end = None if seconds is None else start + seconds
+            else:
+                x.typical_s = seconds
 
 
 def queue(snapshot: Snapshot | None = None) -> list[Entry]:

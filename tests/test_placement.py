@@ -245,3 +245,31 @@ def test_gpus_reserved_to_start_soon_are_not_lent():
     d = by_job(plan(NOW, nodes, running, queued, limits=Limits(preempt=True, min_loan_s=600)))
     # then the long job waits: a loan that short would be requeued before it could checkpoint
     assert not d[11].start and d[11].reason == Reason.RESERVATION
+
+
+def test_estimates_come_from_user_limits_and_earlier_runs_never_the_default_limit():
+    # given one GPU held by a job with the default limit (a day) whose script usually runs 40 s; it began 10 s ago
+    day = 86400.0
+    nodes = cluster((8,))
+    running = [Running(job=1, slots=[(1, 0)], ends_at=NOW - 10 + day, limit_set=False, typical_end=NOW + 30)]
+    # and behind it a job like it, then one whose user set 100 s, then one with nothing known
+    queued = [
+        Demand(job=10, time_limit=day, gpus=1, submitted=1, limit_set=False, typical_s=40),
+        Demand(job=11, time_limit=100, gpus=1, submitted=2),
+        Demand(job=12, time_limit=day, gpus=1, submitted=3, limit_set=False),
+        Demand(job=13, time_limit=60, gpus=1, submitted=4),
+    ]
+    d = by_job(plan(NOW, nodes, running, queued))
+    # then each starts when the one before is expected to end; after the unknown one, nothing is known
+    assert [d[j].est_start for j in (10, 11, 12, 13)] == [NOW + 30, NOW + 70, NOW + 170, None]
+    assert d[10].detail == "next to start: GPUs reserved for it in 30s"
+    # what starts and what is reserved still follow the limits: the reservation's bound is a day away
+    assert d[10].reserved and not any(d[j].start for j in (11, 12, 13))
+    # and a holder whose end is unknown, or which outlived its earlier runs, makes the estimate unknown
+    for typical_end in (None, NOW - 5):
+        running[0].typical_end = typical_end
+        first = plan(NOW, nodes, running, queued[:1])[0]
+        assert (
+            first.est_start is None
+            and first.detail == "next to start: GPUs reserved for it (when they free up: unknown)"
+        )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from django.contrib.auth.models import User
@@ -137,10 +138,11 @@ def test_a_scheduling_pass_costs_the_same_queries_for_10_or_200_queued_jobs(djan
         Job.objects.bulk_create(Job(name=f"q{n}-{i}", script="s.py", gpus=1 + i % 3, priority=i % 5) for i in range(n))
         with django_assert_max_num_queries(10):
             assert place_queued() == []
-        with django_assert_max_num_queries(10):
+        # the queue reads one more: the earlier runs its estimates learn from (a pass needs no estimates)
+        with django_assert_max_num_queries(11):
             entries = queue()
         assert len(entries) == Job.objects.filter(state=Job.State.QUEUED).count()
-        with django_assert_max_num_queries(10):
+        with django_assert_max_num_queries(11):
             call_command("queue", stdout=io.StringIO())
 
 
@@ -169,6 +171,52 @@ def test_queue_shows_position_reason_and_estimated_start():
         (2, "small", None),
     ]
     assert data["queue"][1]["starts_now"] and data["holding"] == {"big": ["gpu0:0"]}
+
+
+def _estimates(client) -> dict[str, tuple]:
+    """Each waiting job's estimate as `queue --json`, `queue` (its text row), the API and the queue page give it."""
+    out = io.StringIO()
+    call_command("queue", "--json", stdout=out)
+    cli = {q["name"]: q["estimated_start"] for q in json.loads(out.getvalue())["queue"]}
+    out = io.StringIO()
+    call_command("queue", stdout=out)
+    rows = {line.split()[1]: line for line in out.getvalue().splitlines()[1:] if line.split()[:1] != []}
+    api = {q["name"]: q["estimated_start"] for q in client.get("/api/v1/queue").json()}
+    page = client.get("/jobs/queue/").content.decode()
+    return {name: (cli[name], rows[name], api[name], page) for name in cli}
+
+
+def test_a_job_behind_one_with_no_time_limit_is_estimated_from_earlier_runs_of_its_script_else_unknown(client):
+    # given one GPU, held for 10 s by a job of fast.py that set no time limit (the cluster default applies)
+    lab_nodes((8,))
+    client.force_login(User.objects.create_superuser("ops"))
+    quick = create_job(LaunchRequest(name="quick", gpus=1, script="fast.py"))
+    place_queued()
+    started = timezone.now() - timedelta(seconds=10)
+    Job.objects.filter(pk=quick.pk).update(started_at=started)
+    create_job(LaunchRequest(name="next", gpus=1, script="fast.py"))
+    # when fast.py never ran to the end before: the estimate is unknown, never the default limit
+    (entry,) = queue()
+    assert (
+        entry.est_start is None
+        and entry.decision.detail == "next to start: GPUs reserved for it (when they free up: unknown)"
+    )
+    cli, row, api, page = _estimates(client)["next"]
+    assert cli is None and api is None and " unknown " in row and "23h" not in row
+    assert re.search(r'<tr data-job="next".*?<span class="muted">unknown</span>', page, re.S)
+    # given three earlier runs of 40 s (a failed run says nothing of how long the script takes)
+    end = timezone.now() - timedelta(hours=2)
+    for i in range(3):
+        Job.objects.create(name=f"earlier{i}", script="fast.py", state=Job.State.SUCCEEDED,
+                           started_at=end - timedelta(seconds=40), finished_at=end)  # fmt: skip
+    Job.objects.create(name="broke", script="fast.py", state=Job.State.FAILED,
+                       started_at=end - timedelta(hours=5), finished_at=end)  # fmt: skip
+    # then it is expected to start when the running one has run 40 s: about 30 s from now
+    (entry,) = queue()
+    assert abs((entry.est_start - (started + timedelta(seconds=40))).total_seconds()) < 2
+    cli, row, api, _ = _estimates(client)["next"]
+    assert abs((datetime.fromisoformat(cli) - (started + timedelta(seconds=40))).total_seconds()) < 2
+    assert re.search(r" in \d+s \(", row) and cli[:19] == api[:19]
 
 
 def test_a_job_past_its_time_limit_is_stopped_with_kind_timeout():
