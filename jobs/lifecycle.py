@@ -312,7 +312,11 @@ class NextAttempt:
 def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
     """Inside requeue's transaction: the Attempt row, the ranks removed, the curve cut, the job QUEUED."""
     ranks = list(job.ranks.select_related("node").order_by("index"))
-    last_step = MetricPoint.objects.filter(job=job, attempt=number).order_by("-step").values_list("step", flat=True)
+    last_step = (
+        MetricPoint.objects.filter(job=job, attempt=number, step__isnull=False)
+        .order_by("-step")
+        .values_list("step", flat=True)
+    )
     from_step = nxt.checkpoint.step if nxt.checkpoint is not None else None
     ended = {
         "tag": job.tag, "state": job.state, "failure_kind": job.failure_kind,

@@ -155,7 +155,8 @@ def backoff_s(attempt: int) -> float:
 
 
 def last_step(job: Job, attempt: int) -> int | None:
-    return MetricPoint.objects.filter(job=job, attempt=attempt).order_by("-step").values_list("step", flat=True).first()
+    points = MetricPoint.objects.filter(job=job, attempt=attempt, step__isnull=False)
+    return points.order_by("-step").values_list("step", flat=True).first()
 
 
 def decide(job: Job) -> tuple[lifecycle.NextAttempt | None, str]:

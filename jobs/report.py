@@ -6,10 +6,11 @@ import json
 import time
 
 from django.core.management.base import CommandError
-from django.db.models import F
+from django.db.models import F, Max
 from django.utils import timezone
 
 from metrics.final import final_loss
+from metrics.models import LAST_FIRST, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
 from .models import Checkpoint, Job
@@ -53,7 +54,7 @@ def _nodes_text(job: Job) -> str:
 def jobs_table(jobs: list[Job], progress: dict[int, dict | None] | None = None) -> list[str]:
     """Recent jobs, one row each: name, state, progress, nodes, age (since created) and owner.
 
-    `progress` maps job id to jobs.views.progress()'s answer (the one definition the pages use too).
+    `progress` maps job id to progress()'s answer (the one definition the pages use too).
     """
     progress = progress or {}
     now = timezone.now()
@@ -67,10 +68,62 @@ def jobs_table(jobs: list[Job], progress: dict[int, dict | None] | None = None) 
     return rows
 
 
-def job_progress(job: Job) -> dict | None:
-    """The progress the job page shows (jobs.views.progress); none before the job ran."""
-    from .views import progress  # jobs.views imports this module
+def _max_steps(job: Job) -> int | None:
+    """The script's --max-steps, if it was given one (the reference script's option)."""
+    args = [str(a) for a in job.script_args or []]
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith("--max-steps=") else None
+        if arg == "--max-steps" and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None:
+            try:
+                steps = int(value)
+            except ValueError:
+                continue
+            return steps if steps > 0 else None
+    return None
 
+
+def progress(job: Job, names: list[str]) -> dict | None:
+    """Best-effort progress and ETA: from the step and total steps the script shows (a bar's N/M, a logged
+    max_steps), else from --max-steps and the last step seen, else from the epoch metric; 100 % at success."""
+    if not job.running_at:
+        return None
+    bar = JobMetrics.objects.filter(job=job, total_steps__gt=0, step__isnull=False).first()
+    if not names and bar is None and job.state != Job.State.SUCCEEDED:
+        return None
+    fraction = None
+    last = None
+    max_steps = None
+    if bar is not None:
+        last, max_steps = bar.step, bar.total_steps
+        fraction = min(1.0, max(0.0, last / max_steps))
+    elif names:
+        name = "loss" if "loss" in names else names[0]
+        last = MetricPoint.objects.filter(job=job, name=name, superseded=False).aggregate(step=Max("step"))["step"]
+        max_steps = _max_steps(job)
+    if fraction is None and max_steps and last is not None:
+        fraction = min(1.0, last / max_steps)
+    if fraction is None and "epoch" in names and (job.params or {}).get("epochs"):
+        epochs = MetricPoint.objects.filter(job=job, name="epoch").order_by(LAST_FIRST, "-id")
+        epoch = epochs.values_list("value", flat=True).first()
+        if epoch is not None:
+            fraction = min(1.0, max(0.0, epoch / float(job.params["epochs"])))
+    if job.state == Job.State.SUCCEEDED:
+        # A run that ended well is done, whatever its last counter said (0-based epochs, a bar not redrawn).
+        fraction = 1.0
+        if max_steps:
+            last = max_steps
+    if fraction is None:
+        return None
+    end = job.finished_at or timezone.now()
+    elapsed = (end - job.running_at).total_seconds()
+    eta = elapsed * (1 - fraction) / fraction if fraction > 0 and job.is_live else None
+    return {"fraction": fraction, "percent": round(fraction * 100, 1), "step": last, "max_steps": max_steps, "eta": eta}
+
+
+def job_progress(job: Job) -> dict | None:
+    """The progress the job page shows; none before the job ran."""
     return progress(job, metric_names(job.pk)) if job.running_at else None
 
 
@@ -206,7 +259,8 @@ def results(job: Job) -> list[str]:
         out.append(f"  metrics: {metrics}")
     loss = final_loss(job.pk)
     if loss is not None:
-        out.append(f"  final loss: {loss.text} at step {loss.step} (last loss logged by rank {loss.rank})")
+        at = f" at step {loss.step}" if loss.step is not None else ""
+        out.append(f"  final loss: {loss.text}{at} (last loss logged by rank {loss.rank})")
     for m in job.final_metrics.order_by("rank", "name"):
         out.append(f"  final {m.name} rank {m.rank}: {m.value:.6g} at step {m.step}")
     ckpts = checkpoints(job)

@@ -10,7 +10,7 @@ from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
-from django.db.models import Count, Max, Prefetch
+from django.db.models import Count, Prefetch
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -23,7 +23,7 @@ from accounts.policy import Refused
 from cluster.history import history
 from cluster.models import GPU, Node
 from metrics.final import final_loss, format_value
-from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.models import LAST_FIRST, FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
 from . import lifecycle, recovery, report
@@ -111,73 +111,19 @@ def queue_page(request: HttpRequest) -> HttpResponse:
     return render(request, "jobs/queue.html", {"entries": entries, "gpus": gpus, "nav": "queue"})
 
 
-def _max_steps(job: Job) -> int | None:
-    """The script's --max-steps, if it was given one (the reference script's option)."""
-    args = [str(a) for a in job.script_args or []]
-    for i, arg in enumerate(args):
-        value = arg.partition("=")[2] if arg.startswith("--max-steps=") else None
-        if arg == "--max-steps" and i + 1 < len(args):
-            value = args[i + 1]
-        if value is not None:
-            try:
-                steps = int(value)
-            except ValueError:
-                continue
-            return steps if steps > 0 else None
-    return None
-
-
-def progress(job: Job, names: list[str]) -> dict | None:
-    """Best-effort progress and ETA: from the step and total steps the script shows (a bar's N/M, a logged
-    max_steps), else from --max-steps and the last step seen, else from the epoch metric; 100 % at success."""
-    if not job.running_at:
-        return None
-    bar = JobMetrics.objects.filter(job=job, total_steps__gt=0, step__isnull=False).first()
-    if not names and bar is None and job.state != Job.State.SUCCEEDED:
-        return None
-    fraction = None
-    last = None
-    max_steps = None
-    if bar is not None:
-        last, max_steps = bar.step, bar.total_steps
-        fraction = min(1.0, max(0.0, last / max_steps))
-    elif names:
-        name = "loss" if "loss" in names else names[0]
-        last = MetricPoint.objects.filter(job=job, name=name, superseded=False).aggregate(step=Max("step"))["step"]
-        max_steps = _max_steps(job)
-    if fraction is None and max_steps and last is not None:
-        fraction = min(1.0, last / max_steps)
-    if fraction is None and "epoch" in names and (job.params or {}).get("epochs"):
-        epoch = MetricPoint.objects.filter(job=job, name="epoch").order_by("-step").values_list("value", flat=True)
-        epoch = epoch.first()
-        if epoch is not None:
-            fraction = min(1.0, max(0.0, epoch / float(job.params["epochs"])))
-    if job.state == Job.State.SUCCEEDED:
-        # A run that ended well is done, whatever its last counter said (0-based epochs, a bar not redrawn).
-        fraction = 1.0
-        if max_steps:
-            last = max_steps
-    if fraction is None:
-        return None
-    end = job.finished_at or timezone.now()
-    elapsed = (end - job.running_at).total_seconds()
-    eta = elapsed * (1 - fraction) / fraction if fraction > 0 and job.is_live else None
-    return {"fraction": fraction, "percent": round(fraction * 100, 1), "step": last, "max_steps": max_steps, "eta": eta}
-
-
 def final_metrics(job: Job, names: list[str]) -> tuple[list[int], list[dict]]:
     """The last value of each metric on each rank (the 'results' of a run): (ranks, one row per metric)."""
     rows, ranks = [], set()
     for name in names:
         last_by_rank: dict[int, MetricPoint] = {}
-        for point in MetricPoint.objects.filter(job=job, name=name, superseded=False).order_by("-step")[:64]:
+        for point in MetricPoint.objects.filter(job=job, name=name, superseded=False).order_by(LAST_FIRST, "-id")[:64]:
             last_by_rank.setdefault(point.rank, point)
         ranks.update(last_by_rank)
         rows.append({"name": name, "last": last_by_rank})
     order = sorted(ranks)
     for row in rows:
         last = row.pop("last")
-        row["step"] = max(p.step for p in last.values())
+        row["step"] = max((p.step for p in last.values() if p.step is not None), default=None)
         row["values"] = [format_value(last[r].value) if r in last else "—" for r in order]
     return order, rows
 
@@ -199,7 +145,7 @@ def summary_metrics(job: Job) -> tuple[list[int], list[dict]]:
 def detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = get_object_or_404(_with_ranks(Job.objects.all()), pk=pk)
     names = metric_names(job.pk)
-    prog = progress(job, names)
+    prog = report.progress(job, names)
     elapsed = ((job.finished_at or timezone.now()) - job.running_at).total_seconds() if job.running_at else None
     chart_names = [n for n in CHART_METRICS if n in names] + [n for n in names if n not in CHART_METRICS]
     # Every panel's series in one answer, named in the page's head so that the browser fetches it while it

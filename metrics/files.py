@@ -338,6 +338,9 @@ def _save(
         if points:
             _append_jsonl(job, points, now)
             MetricPoint.objects.bulk_create(points, batch_size=2000)  # the follower folds them into the rollup
+            # the values a progress bar showed of these metrics before the file was found had no step: the
+            # file's, at the framework's steps, replace them (one series, not two)
+            MetricPoint.objects.filter(job=job, step__isnull=True, name__in={p.name for p in points}).delete()
             Job.objects.filter(pk=job.pk).update(metrics_bytes=job.metrics_bytes)
         MetricFile.objects.filter(pk=f.pk).update(offset=offset, header=header, records=records)
     f.offset, f.header, f.records = offset, header, records

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from django.db.models import Max, Min
 
-from metrics.models import MetricPoint
+from metrics.models import LAST_FIRST, MetricPoint
 
 LOSS = "loss"
 
@@ -50,7 +50,7 @@ def final_value(job_id: int, name: str, *, extremes: bool = False) -> FinalValue
     rank = 0 if points.filter(rank=0).exists() else points.aggregate(first=Min("rank"))["first"]
     if rank is None:
         return None
-    step, value = points.filter(rank=rank).order_by("-step", "-id").values_list("step", "value").first()
+    step, value = points.filter(rank=rank).order_by(LAST_FIRST, "-id").values_list("step", "value").first()
     found = points.aggregate(lowest=Min("value"), highest=Max("value")) if extremes else {}
     return FinalValue(name=name, rank=rank, step=step, value=value, **found)
 

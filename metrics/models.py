@@ -6,6 +6,10 @@ from django.db import models
 
 from jobs.models import Job
 
+# A series' points newest step first; points with no step (placed by time) after them, the latest first
+# when a series has only those (add "-id")
+LAST_FIRST = models.F("step").desc(nulls_last=True)
+
 
 class MetricPoint(models.Model):
     """One value of one named metric at one step, as printed by one rank."""
@@ -20,7 +24,9 @@ class MetricPoint(models.Model):
         Job, on_delete=models.CASCADE, related_name="metric_points", db_index=False, db_constraint=False
     )
     rank = models.IntegerField(help_text="Node rank whose log carried the line (the line's own 'rank' wins).")
-    step = models.BigIntegerField()
+    step = models.BigIntegerField(
+        null=True, help_text="The framework's step; none when only the time is known (a Lightning bar's value)."
+    )
     name = models.CharField(max_length=100)
     value = models.FloatField()
     time = models.DateTimeField()

@@ -21,8 +21,9 @@ What is read without any change to the script:
 Steps come from the framework's own counter: a ``step``/``global_step`` key,
 else the progress bar's ``N`` of ``N/M`` where the bar counts global steps (the
 Trainer's). Lightning's ``Epoch k`` bars count the batch within an epoch: their
-values are not stored at a step (the framework's metric file gives them with
-their steps, metrics/files.py), and ``epoch * M + N`` stands for progress only.
+values are points with no step (placed by time; the framework's metric file,
+once found, gives them with their steps: metrics/files.py), and ``epoch * M + N``
+stands for progress only.
 A Trainer dict takes the state its bar is redrawn with
 right after it (tqdm.write() redraws the bar at once; the state drawn before
 the dict can lag a few steps behind). Only a script that shows no counter at
@@ -82,7 +83,9 @@ _TQDM = re.compile(r"^(?P<desc>.*?)(?:\s*\d{1,3}%)?\|[^|]*\|\s*(?P<n>\d+)/(?P<m>
 # rich (Lightning's RichProgressBar): "{desc} ━━━━╸━━━ {n}/{total} 0:00:01 • 0:00:02 12.3it/s {v_num: 0}"
 _RICH = re.compile(r"^(?P<desc>\S.*?)\s+[━╸╺─]+\s+(?P<n>\d+)/(?P<m>\d+|\?)(?:\s|$)")
 _RICH_CHARS = frozenset("━╸╺─")
-_RICH_ROW = re.compile(rf"^\s*(?P<key>[A-Za-z_][\w./-]*): (?P<value>{_NUMBER})\s*$")
+_RICH_ROW_PAIR = re.compile(rf"(?<![\w.])(?P<key>[A-Za-z_][\w./-]*): (?P<value>{_NUMBER})(?![\w.])")
+# what else a rich bar's wrapped rows hold beside their metrics: its elapsed/remaining times and rate
+_RICH_ROW_REST = re.compile(r"^(?:\s|•|-:--:--|\d+:\d\d(?::\d\d)?|[\d.]+\s?it/s)*$")
 _EPOCH = re.compile(r"^\s*epoch\s+(?P<k>\d+)(?:\s*/\s*(?P<last>\d+))?", re.IGNORECASE)
 _PAIR = re.compile(rf"(?<![\w.])(?P<key>[A-Za-z_][\w./-]*)\s*(?:=|:)\s*(?P<value>{_NUMBER})(?![\w.%])")
 _N_OF_M = re.compile(r"(?<![\w./])(?P<n>\d+)\s*/\s*(?P<m>\d+)(?![\w./])")
@@ -92,7 +95,7 @@ class Point(NamedTuple):
     """One value of one named metric at one step (a named tuple: the follower makes thousands a second,
     and a frozen dataclass's __init__ cost a tenth of parsing a line)."""
 
-    step: int
+    step: int | None  # None: the step is not known (a Lightning bar's value), only the time
     name: str
     value: float
     rank: int | None  # the line's own "rank" field if it carried an int one, else None
@@ -187,9 +190,9 @@ class LineParser:
         if bar is not None:
             return bar
         if self._rich_open:
-            row = _RICH_ROW.match(text)
-            if row:
-                return self._bar_values(self._rich_step, [(row["key"], row["value"])])
+            pairs = _rich_row(text)
+            if pairs:
+                return self._bar_values(self._rich_step, pairs)
             self._rich_open = False
         if stripped.startswith(METRIC_PREFIX):
             return self._parse_marked(stripped[len(METRIC_PREFIX) :])
@@ -230,7 +233,7 @@ class LineParser:
         step, total = n, m
         # An "Epoch k" bar's N/M is the batch within the epoch, not the global step (gradient accumulation,
         # max_steps, a validation pass make them differ): epoch x M + N stands for progress only, and the
-        # values it shows are not stored at a step (a metric file the framework writes gives their steps)
+        # values it shows get no step (a metric file the framework writes gives their steps)
         global_step: int | None = step
         if epoch and m:
             step = int(epoch["k"]) * m + n
@@ -258,8 +261,8 @@ class LineParser:
         return points
 
     def _bar_values(self, step: int | None, pairs: list[tuple[str, str]]) -> list[Point]:
-        """A bar's metrics: only values that changed since the bar last showed them (it redraws often);
-        none at all when the bar does not show the global step."""
+        """A bar's metrics: only values that changed since the bar last showed them (it redraws often).
+        step None: the bar does not show the global step, the points keep only their time."""
         points = []
         for key, raw in pairs:
             if key in NOT_METRICS or not key or len(key) > MAX_NAME_CHARS or not _NUMBER_RE.match(raw):
@@ -268,7 +271,7 @@ class LineParser:
             if value is None or self._shown.get(key) == value:
                 continue
             self._shown[key] = value
-            if self.bar_metrics and step is not None:
+            if self.bar_metrics:
                 points.append(Point(step=step, name=key, value=value, rank=None))
         return points
 
@@ -395,6 +398,15 @@ class LineParser:
                 step = self.counter = int(counter["n"])
                 self.total_steps = int(counter["m"])
         return self._points(obj, step)
+
+
+def _rich_row(text: str) -> list[tuple[str, str]] | None:
+    """The metrics of a row under a rich bar ("train_loss: 0.062"; wrapped to the console's width in a log
+    file, a row also holds the bar's times: "0:00:00   train_loss: 0.006"), None for any other line."""
+    pairs = [(m["key"], m["value"]) for m in _RICH_ROW_PAIR.finditer(text)]
+    if not pairs or not _RICH_ROW_REST.match(_RICH_ROW_PAIR.sub("", text)):
+        return None
+    return pairs
 
 
 def _has_values(obj: dict[Any, Any]) -> bool:

@@ -243,7 +243,8 @@ def _fold_in_sql(job_id: int, first: int, last: int) -> int:
     finest-level buckets (the last value is the one of the greatest step, of the point stored last on a
     tie), those crossed with every level (a row per point and level sorted spilled to disk at a second's
     points), and the result merged into the stored rows by upsert()'s rules, in upsert()'s key order
-    (names by code point, as Python sorts them). The points folded (superseded ones are skipped)."""
+    (names by code point, as Python sorts them). The points folded (superseded ones, and points with no
+    step, which charts place by time, are skipped)."""
     qn = connection.ops.quote_name
     table = qn(MetricRollup._meta.db_table)
     points = qn(MetricPoint._meta.db_table)
@@ -253,7 +254,7 @@ def _fold_in_sql(job_id: int, first: int, last: int) -> int:
         cursor.execute("SET LOCAL work_mem = '64MB'")  # sorts in memory; this transaction only
         cursor.execute(
             f"WITH pending AS MATERIALIZED (SELECT id, name, rank, step, value, time FROM {points}"
-            " WHERE job_id = %s AND id >= %s AND id <= %s AND NOT superseded),"
+            " WHERE job_id = %s AND id >= %s AND id <= %s AND NOT superseded AND step IS NOT NULL),"
             f" fine AS (SELECT name, rank, step >> {LEVELS[0]} AS bucket, count(*) AS n, min(value) AS v_min,"
             " max(value) AS v_max, sum(value) AS v_sum, min(step) AS first_step, max(step) AS last_step,"
             " (array_agg(value ORDER BY step DESC, id DESC))[1] AS last_value, min(time) AS t_min,"
@@ -272,7 +273,9 @@ def _fold_in_sql(job_id: int, first: int, last: int) -> int:
 def _fold_in_python(job_id: int, first: int, last: int) -> int:
     """_fold_in_sql's result the slow way, fold_points and upsert with the points read in chunks: nothing
     in the product calls it; tests/test_rollup.py checks the fold in SQL against it. The points folded."""
-    rows = MetricPoint.objects.filter(job_id=job_id, id__gte=first, id__lte=last, superseded=False).order_by("id")
+    rows = MetricPoint.objects.filter(
+        job_id=job_id, id__gte=first, id__lte=last, superseded=False, step__isnull=False
+    ).order_by("id")
     folded = 0
 
     def counted() -> Iterator[Sequence]:

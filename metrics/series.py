@@ -130,6 +130,10 @@ def series_of(
             level = rollup.level_for(bounds.lo, bounds.hi, buckets) if bounds is not None else None
             if bounds is None or level is None or bounds.points <= RAW_FACTOR * buckets:
                 out[name] = _from_points(name, _points(job_id, name, rank), bounds, buckets, with_time)
+                if not out[name]["total_points"]:
+                    timed = _by_time(name, _points(job_id, name, rank, stepless=True), buckets)
+                    if timed["total_points"]:
+                        out[name] = timed
             else:
                 by_level.setdefault(level, []).append((name, bounds))
         for level, group in by_level.items():
@@ -151,9 +155,29 @@ def series_of(
     return {name: out[name] for name in names}
 
 
-def _points(job_id: int, name: str, rank: int | None) -> QuerySet[MetricPoint]:
-    points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False)  # a resume's curve
+def _points(job_id: int, name: str, rank: int | None, *, stepless: bool = False) -> QuerySet[MetricPoint]:
+    """A series' points at steps (stepless: its points that have only a time)."""
+    points = MetricPoint.objects.filter(job_id=job_id, name=name, superseded=False, step__isnull=stepless)
     return points if rank is None else points.filter(rank=rank)
+
+
+def _by_time(name: str, points: QuerySet[MetricPoint], buckets: int) -> dict[str, Any]:
+    """A series whose points have no step (a Lightning bar's values), placed by time: x is each point's
+    time (unix seconds), as `times` is; the latest RAW_FACTOR * buckets points of each rank. Marked
+    "by_time" (a chart draws it on a time axis)."""
+    per_rank: dict[int, dict[str, list]] = {}
+    times: dict[int, list[float]] = {}
+    total = 0
+    for point_rank in points.order_by().values_list("rank", flat=True).distinct():
+        rows = list(points.filter(rank=point_rank).order_by("-id").values_list("time", "value")[: RAW_FACTOR * buckets])
+        rows.reverse()
+        stamps = [round(t.timestamp(), 3) for t, _ in rows]
+        per_rank[point_rank] = {"x": stamps, "y": [v for _, v in rows]}
+        times[point_rank] = stamps
+        total += len(rows)
+    result = _result(name, _by_rank_key(per_rank), {"x": [], "y": []}, total, times)
+    result["by_time"] = True
+    return result
 
 
 def _result(name: str, ranks: dict, mean: dict, total: int, times: dict[int, list[float]] | None) -> dict[str, Any]:
@@ -170,7 +194,7 @@ def _past_mark(job_id: int, known: dict[str, rollup.Bounds], rank: int | None) -
     if past is None:
         return {}
     rows = MetricPoint.objects.filter(
-        job_id=job_id, name__in=list(known), superseded=False, id__gte=past[0], id__lte=past[1]
+        job_id=job_id, name__in=list(known), superseded=False, id__gte=past[0], id__lte=past[1], step__isnull=False
     )
     if rank is not None:
         rows = rows.filter(rank=rank)

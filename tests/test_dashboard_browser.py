@@ -404,3 +404,32 @@ def keep_shots(tmp_path: Path, *names: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     for name in names:
         shutil.copy(tmp_path / name, SHOTS / name)
+
+
+def test_values_with_no_step_are_drawn_by_time_until_the_frameworks_file_gives_their_steps(web, chromium):  # noqa: F811
+    # given a running Lightning job whose bar showed train_loss three times (no step: the bar counts batches)
+    node = Node.objects.order_by("name").first()
+    job = ran_job("bar-only", [node], minutes=2, state=Job.State.RUNNING, finished_at=None)
+    Rank.objects.filter(job=job).update(state=Rank.State.RUNNING, active=True, exit_code=None)
+    start = job.running_at
+    for i, value in enumerate([2.3, 1.1, 0.7]):
+        MetricPoint.objects.create(job=job, rank=0, step=None, name="train_loss", value=value,
+                                   time=start + timedelta(seconds=10 * (i + 1)))  # fmt: skip
+    # when its page opens (showing steps, the default)
+    page, errors = open_job_page(chromium, web, job)
+    # then the panel draws them by time: three points, on a time axis
+    panel = "UGRO.jobBoard.panels.get('train_loss')"
+    wait_for(lambda: page.evaluate(INK, ["train_loss", list(BLUE)]) > 10, timeout=10, what="the points drawn")
+    assert page.evaluate(f"[{panel}.byTime, {panel}.xMode(), {panel}.plot.data[0].length]") == [True, "wall", 3]
+    # and a live value with no step is appended by its time
+    send_job_event(job, "points", {"points": [[0, None, "train_loss", 0.5]]})
+    wait_for(lambda: page.evaluate(f"{panel}.plot.data[0].length") == 4, timeout=10, what="the live point")
+    # when the framework's file is found: its values at their steps replace the bar's
+    MetricPoint.objects.filter(job=job, step__isnull=True).delete()
+    for step, value in [(4, 2.31), (9, 1.05)]:
+        MetricPoint.objects.create(job=job, rank=0, step=step, name="train_loss", value=value, time=timezone.now())
+    send_job_event(job, "points", {"points": [[0, 9, "train_loss", 1.05]]})
+    # then the panel shows steps again, reloaded from the database
+    wait_for(lambda: page.evaluate(f"[{panel}.byTime, {panel}.xMode(), {panel}.lines.get('0').x]")
+             == [False, "step", [4, 9]], timeout=10, what="the file's steps")  # fmt: skip
+    assert not errors, errors

@@ -141,3 +141,42 @@ def test_found_checkpoints_need_a_step_in_their_name_or_a_framework_shape(rank, 
     # when the next walk finds them unchanged: complete ones are offered, newest step first
     checkpoints.record_found(rank, found)
     assert [c.step for c in checkpoints.offered(rank.job)] == [300, 100, 50]
+
+
+def test_a_bars_values_keep_their_time_until_the_frameworks_file_replaces_them(rank, tmp_path):
+    import base64
+
+    from metrics.ingest import RankStream, parse_lines, save_points
+    from metrics.models import MetricPoint
+    from metrics.series import series
+
+    job = rank.job
+    # given Lightning's bar showed train_loss twice (the batch in an epoch, not the step)
+    stream = RankStream()
+    bar = "Epoch 0:  {}%|##| {}/20 [00:01<00:01, 9.9it/s, v_num=0, train_loss={}]"
+    lines = [bar.format(25, 5, "0.91"), bar.format(50, 10, "0.52")]
+    points, _ = parse_lines(job.pk, 0, lines, stream, timezone.now())
+    save_points(points)
+    # then they are stored with no step, and the chart gets them by time
+    assert list(MetricPoint.objects.filter(job=job).values_list("step", "value")) == [(None, 0.91), (None, 0.52)]
+    drawn = series(job.pk, "train_loss", with_time=True)
+    assert drawn["by_time"] is True and drawn["ranks"]["0"]["y"] == [0.91, 0.52]
+    assert drawn["ranks"]["0"]["x"] == drawn["times"]["0"] and drawn["total_points"] == 2
+    # when the walk finds the framework's metrics.csv and it is read
+    path = f"{tmp_path}/lightning_logs/version_0/metrics.csv"
+    files.adopt(job, rank, [entry(path, "metrics")])
+    data = b"epoch,step,train_loss\n0,4,0.9132\n0,9,0.5187\n"
+
+    def request(node, op, **kwargs):
+        assert op == "tail"
+        return {"files": [{"key": f["key"], "size": len(data), "data": base64.b64encode(data[f["offset"]:]).decode()}
+                          for f in kwargs["files"]]}  # fmt: skip
+
+    files.follow_metric_files(job, [rank], request)
+    # then the file's values at Lightning's steps replace the bar's: one series, nothing twice
+    assert sorted(MetricPoint.objects.filter(job=job, name="train_loss").values_list("step", "value")) == [
+        (4, 0.9132), (9, 0.5187)]  # fmt: skip
+    assert "by_time" not in series(job.pk, "train_loss")
+    # and a follower configured from now on takes no more values from the bar
+    later = RankStream()
+    assert parse_lines(job.pk, 0, [bar.format(75, 15, "0.33")], later, timezone.now())[0] == []

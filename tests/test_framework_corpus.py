@@ -9,7 +9,6 @@ logging interval, max steps, epochs) so that the expected files are not the only
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -113,9 +112,15 @@ def test_seq2seq_trainer() -> None:
 def test_lightning_tqdm_bar_postfix_gives_progress_but_no_steps() -> None:
     # given Lightning's tqdm bar over 2 epochs of 20 batches, training loss on the bar at every batch
     points, parser = read("lightning_tqdm")
-    # then its values are not stored: "Epoch 1: 21/20" counts the batch within the epoch, not Lightning's
+    # then its values have no step: "Epoch 1: 21/20" counts the batch within the epoch, not Lightning's
     # global step (its metrics.csv has train_loss at 4, 9, ... 39; epoch x 20 + N would say 5, 10, ... 40)
-    assert [p for p in points if not p.final] == []
+    assert {p.step for p in points} == {None}
+    values = [p.value for p in points if p.name == "train_loss"]
+    assert values[0] == 2.35 and values[-1] == 0.0228
+    assert "v_num" not in {p.name for p in points}
+    # and its thousands of carriage-return states became one point per value shown that changed
+    changes = [p.value for p in points if p.name == "train_loss"]
+    assert all(a != b for a, b in zip(changes, changes[1:], strict=False))
     # and the bar's counter is progress only: 2 epochs of 20
     assert parser.counter == 40
     assert parser.total_steps is None  # "Epoch k" does not say how many epochs
@@ -124,16 +129,18 @@ def test_lightning_tqdm_bar_postfix_gives_progress_but_no_steps() -> None:
 def test_lightning_rich_bar_printed_once_when_not_a_terminal() -> None:
     # given Lightning's rich bar written to a log file (drawn once, at the end: "Epoch 1/1 ... 20/20")
     points, parser = read("lightning_rich")
-    # then the metric rows under it give no point at an invented step (the "step 88"), and no log line
-    assert points == [] and parser.malformed == 0
+    # then the metric rows under it are points with no step (not at an invented one: the "step 88")
+    assert [(p.step, p.name, p.value) for p in points] == [(None, "train_loss", 0.023), (None, "val_loss", 0.069)]
+    assert parser.malformed == 0
     assert parser.total_steps == 40  # "Epoch 1/1": two epochs of 20
 
 
 def test_lightning_rich_bar_redrawn_live() -> None:
     # given the rich bar as drawn on a terminal (cursor moves and colours, rows redrawn each batch)
     points, parser = read("lightning_rich_live")
-    # then its rows give progress, not points
-    assert points == [] and parser.malformed == 0
+    # then its rows are points with no step, a repeated value once
+    assert {p.step for p in points} == {None} and parser.malformed == 0
+    assert [p.value for p in points if p.name == "val_loss"] == [2.015, 1.114, 0.388]  # sanity check, 2 epochs
     assert parser.total_steps == 12 and parser.counter == 12
 
 
@@ -145,8 +152,9 @@ def test_lightning_in_a_log_file_at_any_pace_gets_its_steps_from_its_files_never
     # given Lightning's bar written to a log file (not a terminal) at 1, 10 and 100 steps a second, 2 epochs
     name = f"lightning_{bar}_{pace}"
     points, parser = read(name)
-    # then the bar gives no point at an invented step, only progress (rich says the total: "Epoch k/1")
-    assert [p for p in points if not p.final] == [] and parser.malformed == 0
+    # then the bar gives no point at an invented step: its values keep only their time, and progress
+    # (rich says the total: "Epoch k/1")
+    assert points and {p.step for p in points} == {None} and parser.malformed == 0
     assert parser.total_steps == (2 * batches if bar == "rich" else None)
     assert parser.counter == 2 * batches
     # and the files Lightning wrote hold every logged step, Lightning's own (counted from 0)

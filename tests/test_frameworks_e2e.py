@@ -92,6 +92,7 @@ def test_lightning_as_people_run_it_gets_every_logged_step_and_its_checkpoint_wi
     assert train[rank] == [4, 9, 14, 19, 24, 29, 34, 39]
     assert curve(job, "val_loss") == {rank: [19, 39]}
     assert not MetricPoint.objects.filter(job=job, name="v_num").exists()
+    assert not MetricPoint.objects.filter(job=job, step__isnull=True).exists()  # the bar's went when the file came
     (events,) = job.metric_files.values_list("path", flat=True)
     node = job.ranks.get(index=rank).node
     assert events.startswith(f"{node.workdir}/lightning_logs/version_") and "tfevents" in events

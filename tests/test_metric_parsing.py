@@ -319,9 +319,10 @@ def test_bars_give_only_steps_when_the_job_reads_a_metrics_file() -> None:
 def test_an_epoch_bar_never_gives_a_step_to_its_values() -> None:
     # given Lightning's bars: N/M is the batch within the epoch
     parser = LineParser()
-    assert parser.feed("Epoch 1: 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, v_num=0, train_loss=0.5]") == []
+    bar = "Epoch 1: 50%|#####     | 10/20 [00:01<00:01, 9.9it/s, v_num=0, train_loss=0.5]"
+    assert parser.feed(bar) == [Point(None, "train_loss", 0.5, None)]
     assert parser.feed("Epoch 1/2 ━━━━━━━━━━━━━━━━━━━━ 20/20 0:00:01 • 0:00:00 12.3it/s v_num: 0") == []
-    assert parser.feed("train_loss: 0.062") == []  # a metric row of that bar, not a log line
+    assert parser.feed("train_loss: 0.062") == [Point(None, "train_loss", 0.062, None)]  # a row of that bar
     # then the counter stands for progress only
     assert (parser.counter, parser.total_steps) == (40, 60)
 

@@ -83,7 +83,8 @@
    * One metric's panel. Lines are keyed (a rank, a job, a GPU) and hold x (step), y and t (unix s).
    * options: {name, title, key (line key -> label), primary (keys shown by default), complete (a promise
    *   that every line is loaded, before a CSV), xModes (allowed),
-   *           syncKey, height, timeOnly (x is always t, wall clock)}
+   *           syncKey, height, timeOnly (x is always t, wall clock)}; panel.byTime: its points have no
+   *           step (x is t, as in timeOnly, while the page shows steps)
    * view (shared by every panel of a page): {smoothing, xMode, log, allLines}
    */
   UGRO.Panel = function (parent, options, view) {
@@ -203,7 +204,10 @@
   };
 
   UGRO.Panel.prototype.xMode = function () {
-    return this.options.timeOnly ? "wall" : this.view.xMode;
+    if (this.options.timeOnly) return "wall";
+    // a series whose points have no step (a Lightning bar's values) is placed by time on a step axis
+    if (this.byTime && this.view.xMode === "step") return "wall";
+    return this.view.xMode;
   };
 
   UGRO.Panel.prototype.xsOf = function (line, key) {

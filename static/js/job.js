@@ -72,6 +72,7 @@
     for (const [rank, xy] of Object.entries(json.ranks || {})) {
       byKey[rank] = { x: xy.x, y: xy.y, t: (json.times || {})[rank] };
     }
+    panel.byTime = Boolean(json.by_time);
     panel.load(byKey);
     for (const [key, line] of live) {
       const loaded = panel.lines.get(key);
@@ -173,7 +174,18 @@
     for (const [rank, step, name, value] of points) {
       if (!Number.isFinite(value) || typeof name !== "string") continue;
       const panel = board.panel(name);
-      panel.add(String(rank), step, value, now);
+      if (step === null) {
+        // a value with no step (a Lightning bar's) is drawn by time, unless the series has steps
+        if (!panel.count) panel.byTime = true;
+        if (!panel.byTime) continue;
+        panel.add(String(rank), now, value, now);
+      } else if (panel.byTime) {
+        // the framework's file now gives this series with its steps: they replace the bar's values
+        panel.byTime = false;
+        panel.load({});
+        panel.add(String(rank), step, value, now);
+        if (!loading.has(name)) loadPanel(name).catch(function () {});
+      } else panel.add(String(rank), step, value, now);
       added = true;
       if (panel.count > RELOAD_AFTER_POINTS && !loading.has(name)) loadPanel(name).catch(function () {});
     }
