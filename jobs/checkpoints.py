@@ -3,9 +3,10 @@
 The follower lists each rank's checkpoint places every CHECKPOINT_SCAN_S while it runs (through the node
 agent's `checkpoints` op: the job's output directory, `<workdir>/outputs/<job>`, and the job's own glob)
 and once more when the rank ends; and whatever its discovery walk of the workdir finds (the agent's
-`discover`, every few seconds: Hugging Face checkpoint-N/, Lightning .ckpt, step-named .pt/.safetensors
-files changed since the rank started, wherever the script saves them). A candidate is recorded with its node, path, step, size and time; it
-becomes `ready` (offered for a resume) only when it is complete and stopped changing:
+`discover`, every few seconds: Hugging Face checkpoint-N/, Lightning .ckpt, step-named .pt and
+.safetensors files changed since the rank started, wherever the script saves them). A candidate is
+recorded with its node, path, step, size and time; it becomes `ready` (offered for a resume) only when
+it is complete and stopped changing:
 
 - a temporary name (a leading dot, `.tmp`, `.part`, `tmp-` ...) is never recorded;
 - a Hugging Face `checkpoint-<N>/` directory counts only once it holds `trainer_state.json`

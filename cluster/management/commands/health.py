@@ -12,7 +12,8 @@ from ugro_site.celery import NO_SCHEDULER, scheduler_alive
 
 
 def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
-    """`✓ gpu-master   1× NVIDIA GeForce RTX 5070 Ti 12 GB - Ready (score 97)`, or ✗ with the status and failing checks under it.
+    """`✓ gpu-master   1× NVIDIA GeForce RTX 5070 Ti 12 GB - Ready (score 97)`, or ✗ with the status and the
+    failing checks under it.
 
     `failed` is this poll's error when the node did not answer it but is not DOWN yet (the breaker
     waits for 3 failures in a row): the line says so instead of showing the last good reading.
