@@ -539,6 +539,12 @@ class NodeLink:
         (requests with when_silent=False are not tried meanwhile)."""
         self.silent_since = self.silent_since or time.monotonic()
 
+    def heard_again(self) -> None:
+        """The node answered a connection of another kind (the health monitor's TCP knock): the next request
+        connects at once instead of failing on the last connection's missing answer until
+        connect_timeout has passed."""
+        self._connect_failed = None
+
     def _silence(self, op: str) -> LinkError:
         """The error for a request not sent because the link is silent: unreachable once a connection got no
         answer since (confirmed), else only LinkBusy (one late answer: an overloaded controller, perhaps)."""

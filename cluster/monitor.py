@@ -15,12 +15,14 @@ CONNECT_TIMEOUT_S rather than PROBE_TIMEOUT_S. Between its probes, a node with a
 that hello on every tick (`gone_silent`); when it fails, that counts as the first failure and the
 node is probed at once (two more) rather than when its interval comes round. DOWN within about
 25 s of going silent, idle or busy (measured: bench/node_down.py). A node that has never answered
-is DOWN on its first failed poll: there is no good record to protect from flapping.
+is DOWN on its first failed poll: there is no good record to protect from flapping. A DOWN node waiting
+out its breaker's backoff gets a TCP knock on every tick and is probed as soon as it answers (`knocked`).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -283,6 +285,35 @@ def gone_silent(idle: list[Node], now: float) -> list[Node]:
             and not isinstance(err, LinkBusy)]  # fmt: skip
 
 
+KNOCK_TIMEOUT_S = 1.0  # a TCP connect to a DOWN node's SSH port: a silent one never answers, a live one in ms
+_knock_answered: dict[int, bool] = {}  # node pk -> whether its last knock (in this process) was answered
+
+
+def knocked(waiting: list[Node]) -> list[Node]:
+    """DOWN nodes waiting out their breaker's backoff (5, 10, 20 ... 300 s) that answer again: probed now.
+
+    Every tick each such node gets a knock, a TCP connect to its SSH port (no login, no database work;
+    KNOCK_TIMEOUT_S at most, all at once). One that answers a knock for the first time since it went DOWN
+    (or since it last did not) is back, or may be (a cable plugged in again, a machine rebooted): its probe
+    goes ahead of the backoff, so its leftovers are killed and a job waiting for it starts within a tick.
+    One that keeps answering knocks but not probes (sshd hung) keeps the backoff."""
+    from jobs.nodes import on_each
+
+    def knock(node: Node) -> bool:
+        try:
+            socket.create_connection((node.address, node.ssh_port), timeout=KNOCK_TIMEOUT_S).close()
+        except OSError:
+            return False
+        return True
+
+    back = []
+    for node, answered, _err in on_each([n for n in waiting if n.transport == Node.Transport.SSH], knock):
+        if answered and not _knock_answered.get(node.pk):
+            back.append(node)
+        _knock_answered[node.pk] = bool(answered)
+    return back
+
+
 def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float | None = None) -> list[PollOutcome]:
     """One monitor step: probe every due (or, with force, every) enabled node concurrently.
 
@@ -296,13 +327,18 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     context = _job_context(nodes)
     due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
     silent = [] if force else gone_silent([n for n in nodes if n not in due], now)
-    due += silent
+    back = [] if force else knocked([n for n in nodes if n not in due and Breaker.from_dict(n.breaker).state == "open"])
+    due += silent + back
     if not due:
         return []
     due = _claim(due, force)
     if not due:
         return []
     breakers = {n.pk: Breaker.from_dict(n.breaker) for n in due}
+    for node in back:
+        if node.pk in breakers:  # it answers again: the backoff is over, and the link connects at once
+            breakers[node.pk].open_until = now
+            node.link().heard_again()
     for node in silent:
         if node.pk in breakers:  # its hello was a failed attempt; the probe makes the other two at once
             breakers[node.pk].record_failure(now)

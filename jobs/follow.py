@@ -30,7 +30,8 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
@@ -74,6 +75,8 @@ READS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ugro-follow-read"
 PASS_READ_GRACE_S = 2.0  # beyond a pass's long-poll wait, how long it waits for a node's read
 
 MORE_WANTED_EVERY_S = 2.0
+LANES = 8  # jobs whose passes run side by side when one follower takes every job (the CLI's, the tests')
+ROUND_GRACE_S = 0.25  # beyond its long-poll wait, how long a round waits for its jobs' passes
 # A follower whose passes take nothing polls less often: each quiet round doubles its idle budget (the long
 # polls' wait, or the sleep), up to QUIET_MAX_FACTOR x idle_sleep; a round that takes anything resets it.
 # An idle job cost about 4 % of a CPU in round trips and queries (R10 before GO: 10 jobs, 34-56 % of one).
@@ -553,6 +556,8 @@ def follow(
     if job_ids is not None:
         listing = listing.filter(pk__in=job_ids)
     listing_sql = listing.values_list(*_Listed._fields).query.sql_with_params()
+    lanes: ThreadPoolExecutor | None = None  # the jobs' passes, side by side (made when two jobs are followed)
+    inflight: dict[int, tuple[_Listed, Future]] = {}  # job pk -> its pass still running on a lane
     try:
         while time.monotonic() < deadline and not (stopping is not None and stopping()):
             started = time.monotonic()
@@ -568,7 +573,10 @@ def follow(
             held = len(active) if max_jobs is None else min(len(active), max_jobs)
             wait = min(budget / max(1, held), max(0.0, deadline - time.monotonic()))
             left_over = False
+            passes: list[tuple[_Listed, JobFollower]] = []
             for job in active:
+                if job.pk in inflight:  # its pass from an earlier round still waits for its node
+                    continue
                 if max_jobs is not None and job.pk not in followers and len(followers) >= max_jobs:
                     left_over = left_over or followed_by_nobody(job, timezone.now())
                     continue
@@ -587,25 +595,34 @@ def follow(
                         followers.pop(job.pk, None)
                         continue
                     f = followers[job.pk] = JobFollower(row, owner)
-                try:
-                    taken += f.step(wait=wait)
-                    ended = f.changed
-                    due = f.judge_at is not None and time.monotonic() >= f.judge_at
-                    if ended or due:  # only a rank's end or loss can end the job: not every pass
-                        f.changed = False
-                        f.job.refresh_from_db()
-                        f.judge_at = None
-                        if not lifecycle.judge(f.job) and lifecycle.failure_settling(f.job):
-                            f.judge_at = time.monotonic() + float(settings.UGRO["FAILURE_SETTLE_S"])
-                    f.fold(now=ended)  # after a rank's last lines at once: an ended job's rollup is whole
-                except LeaseLost as exc:
-                    log.info("following %s: %s", job.name, exc)
+                passes.append((job, f))
+            # Each job's pass on a thread of its own when several are followed: a pass that waits for a silent
+            # node (up to its wait + PASS_READ_GRACE_S) holds up neither the other jobs' passes nor the rounds
+            # after this one, which go on without that job until its pass is back
+            if len(passes) > 1 or inflight:
+                if lanes is None:
+                    lanes = ThreadPoolExecutor(max_workers=max_jobs or LANES, thread_name_prefix="ugro-follow-job")
+                for job, f in passes:
+                    inflight[job.pk] = (job, lanes.submit(_one_pass, f, wait))
+                futures_wait([fut for _, fut in inflight.values()], timeout=wait + ROUND_GRACE_S)
+                results = []
+                for pk, (job, fut) in list(inflight.items()):
+                    if fut.done():
+                        del inflight[pk]
+                        results.append((job, fut.exception() or fut.result()))
+            else:
+                results = [(job, _catching(_one_pass, f, wait)) for job, f in passes]
+            for job, result in results:
+                if isinstance(result, LeaseLost):
+                    log.info("following %s: %s", job.name, result)
                     followers.pop(job.pk, None)
-                except (LinkError, AgentRequestError) as exc:
-                    log.warning("following %s: %s", job.name, exc)
-                except Exception:  # one job's trouble must not stop the others being followed
-                    log.exception("following %s failed; starting afresh next pass", job.name)
+                elif isinstance(result, (LinkError, AgentRequestError)):
+                    log.warning("following %s: %s", job.name, result)
+                elif isinstance(result, BaseException):  # one job's trouble must not stop the others being followed
+                    log.error("following %s failed; starting afresh next pass", job.name, exc_info=result)
                     followers.pop(job.pk, None)
+                else:
+                    taken += result
             if left_over and more_wanted is not None and time.monotonic() - asked_more > MORE_WANTED_EVERY_S:
                 asked_more = time.monotonic()
                 more_wanted()
@@ -626,6 +643,50 @@ def follow(
                 time.sleep(max(0.0, min(budget - (time.monotonic() - started), deadline - time.monotonic())))
                 budget = min(budget * 2, idle_sleep * QUIET_MAX_FACTOR)
     finally:
+        if inflight:  # their reads end within their own timeouts
+            futures_wait([fut for _, fut in inflight.values()])
+        if lanes is not None:
+            _close_lanes(lanes, max_jobs or LANES)
         for job_id, f in list(followers.items()):
             f.fold(now=True)
             release(job_id, owner)
+
+
+def _one_pass(f: JobFollower, wait: float) -> int:
+    """One job's pass: its new lines and points taken, the job judged when a rank ended (or a settling failure
+    is due), its rollup folded. Bytes taken; raises LeaseLost, a link error, or whatever went wrong."""
+    taken = f.step(wait=wait)
+    ended = f.changed
+    due = f.judge_at is not None and time.monotonic() >= f.judge_at
+    if ended or due:  # only a rank's end or loss can end the job: not every pass
+        f.changed = False
+        f.job.refresh_from_db()
+        f.judge_at = None
+        if not lifecycle.judge(f.job) and lifecycle.failure_settling(f.job):
+            f.judge_at = time.monotonic() + float(settings.UGRO["FAILURE_SETTLE_S"])
+    f.fold(now=ended)  # after a rank's last lines at once: an ended job's rollup is whole
+    return taken
+
+
+def _catching(fn: Callable[..., int], *args) -> int | BaseException:
+    try:
+        return fn(*args)
+    except Exception as exc:  # handed to the caller, as a pool's future hands it
+        return exc
+
+
+def _close_lanes(lanes: ThreadPoolExecutor, workers: int) -> None:
+    """Close each lane thread's database connection (one each; left open, they would outlive the follow task
+    and hold the database), then the pool."""
+    gate = threading.Barrier(workers, timeout=5)
+
+    def close() -> None:
+        try:
+            gate.wait()  # every thread takes one: none closes twice while another keeps its connection
+        except threading.BrokenBarrierError:
+            pass
+        connection.close()
+
+    for _ in range(workers):
+        lanes.submit(close)
+    lanes.shutdown(wait=True)

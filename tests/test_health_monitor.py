@@ -291,3 +291,42 @@ def test_poll_pushes_node_status_to_the_cluster_group(lab):
     msg = got["node1"]
     assert msg["type"] == "cluster.event" and msg["kind"] == "node"
     assert msg["data"]["status"] in ("healthy", "degraded") and "cpu_percent" in msg["data"]["sample"]
+
+
+def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(db, monkeypatch):
+    import socket
+    import time
+
+    from cluster.health import Breaker
+
+    # given a DOWN node waiting out a long backoff, whose SSH port answers nothing
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    now = time.time()
+    breaker = Breaker(failures=9, open_until=now + 300, state="open").to_dict()
+    node = Node.objects.create(name="away", address="127.0.0.1", ssh_port=port, status=Node.Status.DOWN,
+                               breaker=breaker, last_seen=timezone.now())  # fmt: skip
+    probed = []
+    monkeypatch.setattr(monitor, "probe_node", lambda n, b, t, force=False: probed.append(n.name) or _fail(b, t))
+    # when ticks go by: it is knocked, not probed
+    monitor._knock_answered.pop(node.pk, None)
+    monitor.poll_once(now=now)
+    assert probed == [] and monitor._knock_answered[node.pk] is False
+    # when its port answers again (the cable is back)
+    listener = socket.create_server(("127.0.0.1", port))
+    try:
+        monitor.poll_once(now=now + 5)
+        # then it is probed on that tick, 295 s before its backoff ended
+        assert probed == ["away"]
+        # and a node that answers knocks but fails its probes keeps its backoff (no probe every tick)
+        monitor.poll_once(now=now + 10)
+        assert probed == ["away"]
+    finally:
+        listener.close()
+
+
+def _fail(breaker, now):
+    breaker.record_failure(now)
+    return None, None, "connect timed out", False
