@@ -6,8 +6,10 @@ from rest_framework import serializers
 
 from accounts.policy import PRIORITY_MAX, PRIORITY_MIN
 from cluster.names import SAFE_NAME
+from jobs.batches import parse_weights
 from jobs.launch import LaunchRequest
 from jobs.limits import parse_duration, parse_size_mb
+from jobs.sweeps import SweepRequest
 
 
 class LaunchSerializer(serializers.Serializer):
@@ -44,6 +46,27 @@ class LaunchSerializer(serializers.Serializer):
                                      help_text="memory each GPU needs, e.g. 10G")  # fmt: skip
     after = serializers.CharField(required=False, allow_blank=True, default="", max_length=64,
                                   help_text="start only after this job succeeded")  # fmt: skip
+    batch_per_gpu = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=1_000_000,
+        help_text="the even split's batch per GPU: fills {local_batch}",
+    )  # fmt: skip
+    batch_weights = serializers.CharField(
+        required=False, allow_blank=True, default="", max_length=2000,
+        help_text="uneven GPUs: NODE=WEIGHT,... or auto (docs/uneven-gpus.md)",
+    )  # fmt: skip
+    retry = serializers.CharField(required=False, allow_blank=True, default="", max_length=200,
+                                  help_text="failure kinds resumed automatically, e.g. node-lost,oom")  # fmt: skip
+    max_attempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
+    min_nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    resume_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
+                                            help_text="the script's resume argument, with {checkpoint}")  # fmt: skip
+    checkpoint_glob = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    batch_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
+                                           help_text="e.g. --batch-size {batch} --grad-accum {accum}")  # fmt: skip
+    batch = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
+    grad_accum = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
+    hang_after_s = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=30 * 86400,
+                                          help_text="seconds without a metric line that make the job HUNG")  # fmt: skip
 
     def validate(self, data):
         if data.get("nodes") and data.get("count") is not None:
@@ -51,6 +74,9 @@ class LaunchSerializer(serializers.Serializer):
         try:
             data["time_limit_s"] = parse_duration(data["time_limit"]) if data.get("time_limit") else None
             data["min_vram_mb"] = parse_size_mb(data["min_vram"]) if data.get("min_vram") else None
+            weights = data.get("batch_weights", "").strip()
+            data["batch_weights_auto"] = weights == "auto"
+            data["weights"] = parse_weights(weights) if weights and weights != "auto" else {}
         except ValueError as exc:
             raise serializers.ValidationError(str(exc)) from None
         return data
@@ -63,7 +89,11 @@ class LaunchSerializer(serializers.Serializer):
             nproc_per_node=d.get("nproc_per_node"), extra_args=list(d["extra_args"]), priority=d["priority"],
             metrics_pattern=d["metrics_pattern"], metrics_files=list(d["metrics_files"]), gpus=d.get("gpus"),
             gpus_per_node=d.get("gpus_per_node"), time_limit_s=d.get("time_limit_s"),
-            min_vram_mb=d.get("min_vram_mb"), after=d.get("after") or "",
+            min_vram_mb=d.get("min_vram_mb"), after=d.get("after") or "", batch_per_gpu=d.get("batch_per_gpu"),
+            batch_weights=d["weights"], batch_weights_auto=d["batch_weights_auto"], retry=d["retry"],
+            max_attempts=d.get("max_attempts"), min_nodes=d.get("min_nodes"), resume_template=d["resume_template"],
+            checkpoint_glob=d["checkpoint_glob"], batch_template=d["batch_template"], batch=d.get("batch"),
+            grad_accum=d.get("grad_accum"), hang_after_s=d.get("hang_after_s"),
         )  # fmt: skip
 
 
@@ -174,3 +204,53 @@ class ControllerSerializer(serializers.Serializer):
     worker_alive = serializers.BooleanField()
     scheduler_alive = serializers.BooleanField()
     problem = serializers.CharField(help_text="One line for people when something is missing, else empty.")
+
+
+class SweepSerializer(serializers.Serializer):
+    """The `sweep` command's options (jobs/sweeps.py checks the search space and each trial's launch)."""
+
+    name = serializers.RegexField(SAFE_NAME, max_length=48, error_messages={"invalid": "sweep name: use letters, "
+                                  "digits, '.', '_' or '-', starting with a letter or digit"})  # fmt: skip
+    script = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    grid = serializers.ListField(child=serializers.CharField(max_length=2000), required=False, default=list,
+                                 max_length=20, help_text="NAME=V1,V2,...")  # fmt: skip
+    random = serializers.ListField(child=serializers.CharField(max_length=2000), required=False, default=list,
+                                   max_length=20, help_text="NAME=uniform(a,b) | loguniform(a,b) | ...")  # fmt: skip
+    trials = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    seed = serializers.IntegerField(required=False, default=0, min_value=0, max_value=2**31 - 1)
+    max_concurrent = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    metric = serializers.CharField(required=False, default="loss", max_length=100)
+    mode = serializers.ChoiceField(choices=["min", "max"], required=False, default="min")
+    median_stop = serializers.BooleanField(required=False, default=False)
+    median_min_steps = serializers.IntegerField(required=False, default=10, min_value=0, max_value=10**12)
+    gpus = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=65536)
+    nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    gpus_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
+    time_limit = serializers.CharField(required=False, allow_blank=True, default="", max_length=20)
+    min_vram = serializers.CharField(required=False, allow_blank=True, default="", max_length=20)
+    priority = serializers.IntegerField(required=False, default=0, min_value=PRIORITY_MIN, max_value=PRIORITY_MAX)
+    extra_args = serializers.ListField(
+        child=serializers.CharField(max_length=4096, allow_blank=True, trim_whitespace=False),
+        required=False, default=list, max_length=500,
+    )  # fmt: skip
+
+    def validate(self, data):
+        try:
+            data["time_limit_s"] = parse_duration(data["time_limit"]) if data.get("time_limit") else None
+            data["min_vram_mb"] = parse_size_mb(data["min_vram"]) if data.get("min_vram") else None
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return data
+
+    def sweep_request(self) -> SweepRequest:
+        d = self.validated_data
+        base = LaunchRequest(
+            name="", script=d["script"].strip(), count=d.get("nodes"), gpus=d.get("gpus"),
+            gpus_per_node=d.get("gpus_per_node"), time_limit_s=d.get("time_limit_s"),
+            min_vram_mb=d.get("min_vram_mb"), priority=d["priority"], extra_args=list(d["extra_args"]),
+        )  # fmt: skip
+        return SweepRequest(
+            name=d["name"], base=base, grid=list(d["grid"]), random=list(d["random"]), trials=d.get("trials"),
+            max_concurrent=d.get("max_concurrent"), seed=d["seed"], metric=d["metric"], mode=d["mode"],
+            median_stop=d["median_stop"], median_min_steps=d["median_min_steps"],
+        )  # fmt: skip

@@ -44,6 +44,12 @@ urlpatterns = [
         "v1/nodes/<str:name>/undrain", login_not_required(views.NodeDrainView.as_view(enable=True)), name="node-undrain"
     ),  # fmt: skip
     path("v1/audit", api(views.AuditView), name="audit"),
+    path("v1/alerts", api(views.AlertsView), name="alerts"),
+    path("v1/cluster", api(views.ClusterConfigView), name="cluster"),
+    path("v1/nodes/<str:name>/trust", api(views.NodeTrustView), name="node-trust"),
+    path("v1/sweeps/", api(views.SweepsView), name="sweeps"),
+    path("v1/sweeps/<str:name>/", api(views.SweepView), name="sweep"),
+    path("v1/sweeps/<str:name>/cancel", api(views.SweepCancelView), name="sweep-cancel"),
     path("v1/me", api(views.MeView), name="me"),
     path("v1/controller", api(views.ControllerView), name="controller"),
     path("schema", api(SchemaView), name="schema"),

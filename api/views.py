@@ -1,6 +1,7 @@
 """The REST API (/api/v1/): everything the `ugro` client does. Handlers only read or enqueue: no request
 talks to a node (launch queues the job and asks the worker to schedule it; cancel moves the job to
-CANCELLING and the worker stops its processes)."""
+CANCELLING and the worker stops its processes), but one: `trust` reads the key a node offers now, bounded
+by the connect timeout."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView, exception_handler
 
-from accounts import actions, policy
+from accounts import actions, audit, policy
 from accounts.audit import web_source
 from accounts.models import AuditEvent
-from cluster.models import Node
+from cluster.alerts import alert_record
+from cluster.config_yaml import ConfigError, export_cluster, import_cluster
+from cluster.hostkeys import trust
+from cluster.links import LinkError
+from cluster.models import Alert, Node
 from jobs import report
 from jobs.launch import LaunchError
-from jobs.logs import LogLine, job_lines, rank_lines
-from jobs.models import Job, Rank
+from jobs.logs import LogLine, attempt_ranks, job_lines, rank_lines
+from jobs.models import Job, Rank, Sweep
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
+from jobs.sweeps import trial_rows
 from metrics.models import FinalMetric
 from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
@@ -218,6 +224,7 @@ class JobLogsView(APIView):
             OpenApiParameter("rank", int, description="one rank only"),
             OpenApiParameter("tail", int, description="the last N lines (default 200; without `since`)"),
             OpenApiParameter("since", str, description="rank:offset,... from a previous answer's `offsets`"),
+            OpenApiParameter("attempt", int, description="an earlier attempt's lines (default: the current one)"),
         ],
         responses=s.LogsSerializer,
     )
@@ -227,8 +234,11 @@ class JobLogsView(APIView):
         try:
             rank = int(q["rank"]) if q.get("rank", "") != "" else None
             tail = min(MAX_TAIL, max(1, int(q.get("tail", 200))))
+            attempt = int(q["attempt"]) if q.get("attempt", "") != "" else None
         except ValueError:
-            raise ValidationError("rank and tail must be integers") from None
+            raise ValidationError("rank, tail and attempt must be integers") from None
+        if attempt is not None and attempt != job.attempt:
+            return self._earlier(job, attempt, rank, tail, "since" in q)
         ranks = list(job.ranks.order_by("index"))
         if rank is not None:
             if rank not in {r.index for r in ranks}:
@@ -248,6 +258,20 @@ class JobLogsView(APIView):
             "offsets": {str(k): v for k, v in offsets.items()},
             "more": more,
         }
+        return Response(s.LogsSerializer(data).data)
+
+    def _earlier(self, job: Job, attempt: int, rank: int | None, tail: int, following: bool) -> Response:
+        """An earlier attempt's lines: ended, so all of them at once (settled), never followed."""
+        ranks = attempt_ranks(job, attempt)
+        if ranks is None:
+            raise ValidationError(f"job {job.name} has no attempt {attempt} (attempts 1-{job.attempt})")
+        if following:
+            raise ValidationError(f"attempt {attempt} of job {job.name} has ended: follow the current one")
+        if rank is not None and rank not in [r.index for r in ranks]:
+            raise ValidationError(f"attempt {attempt} of job {job.name} has no rank {rank}")
+        lines = job_lines(job, rank_index=rank, tail=tail, ranks=ranks)
+        data = {"job": job.name, "state": job.state, "settled": True, "more": False, "offsets": {},
+                "lines": [[ln.time, ln.rank, ln.text] for ln in lines]}  # fmt: skip
         return Response(s.LogsSerializer(data).data)
 
 
@@ -422,3 +446,132 @@ class MeView(APIView):
         scope = getattr(request.auth, "scope", None)
         return Response({"username": request.user.get_username(), "role": policy.role_of(request.user),
                          "scope": scope})  # fmt: skip
+
+
+class AlertsView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Open alerts, newest first (`ugro alerts`; all=1: resolved ones and INFO events too)",
+                   parameters=[OpenApiParameter("all", bool), OpenApiParameter("limit", int)])  # fmt: skip
+    def get(self, request: Request) -> Response:
+        try:
+            limit = min(LIST_MAX, max(1, int(request.query_params.get("limit", 50))))
+        except ValueError:
+            raise ValidationError("limit must be an integer") from None
+        alerts = Alert.objects.select_related("node")
+        if request.query_params.get("all", "") not in ("1", "true"):
+            alerts = alerts.filter(resolved_at__isnull=True)
+        return Response({"alerts": [alert_record(a) for a in alerts[:limit]]})
+
+
+class ClusterConfigView(APIView):
+    """cluster.yaml, in the user's format: read back (`ugro export_cluster`), or imported all or nothing
+    (`ugro import_cluster FILE`, operators)."""
+
+    policy_actions = {"GET": "view", "POST": "nodes"}
+
+    @extend_schema(summary="The cluster (nodes and settings) as cluster.yaml (`ugro export_cluster`)")
+    def get(self, request: Request) -> Response:
+        return Response({"yaml": export_cluster()})
+
+    @extend_schema(summary='Import cluster.yaml, all or nothing (`ugro import_cluster`): body {"yaml": TEXT}')
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        text = body.get("yaml")
+        if not isinstance(text, str):
+            raise ValidationError("yaml: the text of a cluster.yaml is required")
+        source = web_source(request)
+        try:
+            summary = import_cluster(text.encode())
+        except ConfigError as exc:
+            audit.record(request.user, "import_cluster", "api", source=source, outcome=f"refused: {exc}")
+            raise ValidationError(f"{exc}; nothing was imported") from None
+        audit.record(request.user, "import_cluster", "api", source=source, summary=str(summary))
+        return Response({"summary": str(summary)})
+
+
+class NodeTrustView(APIView):
+    policy_actions = {"POST": "nodes"}
+
+    @extend_schema(summary='Pin the SSH host key a node offers now (`ugro trust NODE`): body {"fingerprint": '
+                   '"SHA256:..."} to pin only that key. The one request that talks to a node: it reads the '
+                   "node's key (bounded by the connect timeout)", request=None)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        body = request.data if isinstance(request.data, dict) else {}
+        fingerprint = str(body.get("fingerprint") or "")[:200]
+        source = web_source(request)
+        try:
+            old, new = trust(node, fingerprint)
+        except (ValueError, LinkError) as exc:
+            audit.record(request.user, "trust", name, source=source, outcome=f"refused: {exc}")
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        audit.record(request.user, "trust", name, source=source, old=old, new=new)
+        return Response({"node": name, "old": old, "new": new})
+
+
+def _sweep(name: str) -> Sweep:
+    sweep = Sweep.objects.filter(name=name).first()
+    if sweep is None:
+        raise Http404(f"no sweep named {name!r}")
+    return sweep
+
+
+def sweep_detail(sweep: Sweep) -> dict:
+    return {
+        "name": sweep.name,
+        "id": sweep.pk,
+        "metric": sweep.metric,
+        "mode": sweep.mode,
+        "max_concurrent": sweep.max_concurrent,
+        "cancelled": sweep.cancelled_at is not None,
+        "trials": [
+            {
+                "name": r.job.name,
+                "state": r.job.state,
+                "params": r.params,
+                "final": r.final,
+                "best": r.best,
+                "steps": r.steps,
+                "is_best": r.is_best,
+            }
+            for r in trial_rows(sweep)
+        ],  # fmt: skip
+    }
+
+
+class SweepsView(APIView):
+    policy_actions = {"POST": "launch"}
+
+    @extend_schema(summary="Create a sweep (`ugro sweep NAME --grid ... | --random ...`): one queued job per "
+                   "trial", request=s.SweepSerializer)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        data = s.SweepSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        try:
+            sweep = actions.launch_sweep(request.user, data.sweep_request(), web_source(request))
+        except ValueError as exc:  # LaunchError is one
+            raise ValidationError(str(exc)) from None
+        request_schedule()
+        return Response(sweep_detail(sweep), status=status.HTTP_201_CREATED)
+
+
+class SweepView(APIView):
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="A sweep's trials, their state and metric, the best marked (`ugro sweep NAME --show`)")
+    def get(self, request: Request, name: str) -> Response:
+        return Response(sweep_detail(_sweep(name)))
+
+
+class SweepCancelView(APIView):
+    policy_actions = {"POST": "cancel"}
+
+    @extend_schema(summary="Cancel every trial not yet ended (`ugro sweep NAME --cancel`); the worker stops them",
+                   request=None)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        sweep = _sweep(name)
+        actions.cancel_sweep_as(request.user, sweep, web_source(request))
+        return Response(sweep_detail(Sweep.objects.get(pk=sweep.pk)))

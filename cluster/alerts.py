@@ -220,3 +220,17 @@ def notify(alert: Alert) -> None:
         return
     body = payload(alert)
     transaction.on_commit(lambda: _senders.submit(_deliver, body, webhook, emails))
+
+
+def alert_record(a: Alert) -> dict:
+    return {
+        "id": a.pk,
+        "severity": a.severity,
+        "key": a.key,
+        "node": a.node.name if a.node_id else None,
+        "job": a.job_name or None,
+        "message": a.message,
+        "open": a.is_open,
+        "opened_at": a.opened_at.isoformat(),
+        "resolved_at": a.resolved_at.isoformat() if a.resolved_at else None,
+    }

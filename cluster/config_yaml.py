@@ -319,6 +319,8 @@ def export_cluster() -> str:
             "env": n.env or {},
             "gpu_reader": n.gpu_reader or "auto",
         }
+        if not n.user:  # none set: left out, so an import takes its default (the importing user), not '' (refused)
+            del nodes[n.name]["user"]
     training = dict(cs.training or {})
     training.setdefault("script", cs.default_script)
     if cs.script_args_template:

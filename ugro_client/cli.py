@@ -18,11 +18,16 @@ GROUPS = [
         ("cancel", "stop every process of a job on every node"),
         ("resume", "a new attempt of a failed or cancelled job, from its checkpoint"),
         ("queue", "queued jobs in the order they will start"),
+        ("sweep", "a grid or random search, one job per trial; --show, --cancel"),
     ]),
     ("Cluster", [
         ("health", "every node's health; exit 1 if one is not healthy"),
+        ("alerts", "open alerts (--all: resolved ones and events too)"),
         ("drain", "place no new job on a node (operators)"),
         ("undrain", "place jobs on a drained node again (operators)"),
+        ("import_cluster", "import cluster.yaml: nodes and settings, all or nothing (operators)"),
+        ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
+        ("trust", "pin the SSH host key a node offers now (operators)"),
     ]),
     ("Account", [
         ("whoami", "the account, role and token scope the client acts as"),
@@ -70,8 +75,21 @@ def build_parser() -> Parser:
     p.add_argument("--priority", type=int, default=0, help="0-100 (launchers: up to the server's bound)")
     p.add_argument("--metrics-pattern", default="", dest="metrics_pattern")
     p.add_argument("--metrics-file", action="append", default=[], dest="metrics_files")
+    p.add_argument("--batch-per-gpu", type=int, dest="batch_per_gpu", help="the even split's batch per GPU")
+    p.add_argument("--batch-weights", default="", dest="batch_weights", help="NODE=WEIGHT,... or auto")
+    rec = p.add_argument_group("recovery (docs/recovery.md)")
+    rec.add_argument("--retry", default="", help="failure kinds resumed automatically, e.g. node-lost,oom")
+    rec.add_argument("--max-attempts", type=int, dest="max_attempts", help="most attempts in all")
+    rec.add_argument("--min-nodes", type=int, dest="min_nodes", help="a node-lost retry may run on this few")
+    rec.add_argument("--resume-template", default="", dest="resume_template", help="e.g. '--resume-from {checkpoint}'")
+    rec.add_argument("--checkpoint-glob", default="", dest="checkpoint_glob", help="more checkpoints to record")
+    rec.add_argument("--batch-template", default="", dest="batch_template", help="e.g. '--batch-size {batch}'")
+    rec.add_argument("--batch", type=int, help="per-rank batch for --batch-template")
+    rec.add_argument("--grad-accum", type=int, dest="grad_accum", help="accumulation for --batch-template")
+    rec.add_argument("--hang-after", type=float, dest="hang_after_s", help="seconds without a metric line: HUNG")
     p.add_argument("--detach", action="store_true", help="return once the job is queued")
     p.add_argument("--dry-run", action="store_true", dest="dry_run", help="print each rank's exact command only")
+    p.add_argument("--json", action="store_true", help="the queued job as JSON (with --detach)")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     p = sub.add_parser("status", help="jobs, or one job")
@@ -86,25 +104,60 @@ def build_parser() -> Parser:
     p.add_argument("--rank", type=int)
     p.add_argument("--tail", type=int, default=200, help="the last N lines first (default 200)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the job ends")
+    p.add_argument("--attempt", type=int, help="an earlier attempt's lines (default: the current one)")
     p.add_argument("--json", action="store_true", help="one JSON object per line: time, rank, text")
 
     for name in ("results", "cancel"):
         p = sub.add_parser(name, help=dict(dict(GROUPS)["Jobs"])[name])
         p.add_argument("name")
-        if name == "results":
-            p.add_argument("--json", action="store_true")
-        else:
+        p.add_argument("--json", action="store_true")
+        if name == "cancel":
             p.add_argument("--no-wait", action="store_true", dest="no_wait", help="return once it is cancelling")
-    p = sub.add_parser("resume", help="a new attempt of a job")
+    p = sub.add_parser("resume", help="a new attempt of a job, followed to its end like launch")
     p.add_argument("name")
     p.add_argument("--from", dest="from_step", default="latest", help="a checkpoint step, latest, or scratch")
-    p.add_argument("--nodes", nargs="+", metavar="NODE", help="run the new attempt on these nodes")
+    p.add_argument("--nodes", nargs="+", metavar="NODE", help="run the new attempt on these nodes (a,b or a b)")
+    p.add_argument("--detach", action="store_true", help="return once the new attempt is queued")
+    p.add_argument("--json", action="store_true", help="the queued attempt as JSON (with --detach)")
+    p = sub.add_parser("sweep", help="a grid or random search")
+    p.add_argument("name", help="sweep name; trials are NAME-001, NAME-002, ...")
+    p.add_argument("--script", default="")
+    p.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
+    p.add_argument("--random", action="append", default=[], help="NAME=loguniform(a,b) ... (repeatable)")
+    p.add_argument("--trials", type=int, help="random draws (per grid point)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrent", type=int, dest="max_concurrent")
+    p.add_argument("--metric", default="loss")
+    p.add_argument("--mode", default="min", choices=["min", "max"])
+    p.add_argument("--median-stop", action="store_true", dest="median_stop")
+    p.add_argument("--median-min-steps", type=int, default=10, dest="median_min_steps")
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, dest="gpus_per_node")
+    p.add_argument("--time-limit", default="", dest="time_limit")
+    p.add_argument("--min-vram", default="", dest="min_vram")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--show", action="store_true", help="its trials, their state and metric")
+    p.add_argument("--cancel", action="store_true", help="cancel every trial not yet ended")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("extra", nargs="*", help="after --: arguments every trial's script gets")
     p = sub.add_parser("queue", help="queued jobs")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("health", help="node health")
     p.add_argument("--json", action="store_true")
     for name in ("drain", "undrain"):
         sub.add_parser(name, help=name).add_argument("node")
+    p = sub.add_parser("alerts", help="open alerts")
+    p.add_argument("--all", action="store_true", dest="show_all", help="resolved ones and INFO events too")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("import_cluster", help="import cluster.yaml")
+    p.add_argument("path", help="cluster.yaml to import")
+    p = sub.add_parser("export_cluster", help="the cluster as cluster.yaml")
+    p.add_argument("path", nargs="?", help="file to write (default: stdout)")
+    p = sub.add_parser("trust", help="pin a node's SSH host key")
+    p.add_argument("node")
+    p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
     p = sub.add_parser("whoami", help="account, role, scope")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("audit", help="the audit log")
@@ -125,8 +178,24 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The command line; what follows `--` is the script's (`extra`), after a command's own positionals too
+    (`ugro sweep NAME --grid ... -- --max-steps 5`)."""
+    parser = parser or build_parser()
+    extra = None
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    args = parser.parse_args(argv)
+    if extra is not None:
+        if not hasattr(args, "extra"):
+            parser.error(f"unrecognized arguments: -- {' '.join(extra)}")
+        args.extra = [*args.extra, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     if args.command in (None, "help") or args.top_help:
         print(usage())
         return EXIT_OK
@@ -167,11 +236,18 @@ def cmd_launch(client: Client, a) -> int:
         "dataset": a.dataset, "epochs": a.epochs, "lr": a.lr, "nproc_per_node": a.nproc_per_node,
         "priority": a.priority, "extra_args": a.extra, "metrics_pattern": a.metrics_pattern,
         "metrics_files": a.metrics_files, "dry_run": a.dry_run, "gpus": a.gpus, "gpus_per_node": a.gpus_per_node,
-        "time_limit": a.time_limit, "min_vram": a.min_vram, "after": a.after,
+        "time_limit": a.time_limit, "min_vram": a.min_vram, "after": a.after, "batch_per_gpu": a.batch_per_gpu,
+        "batch_weights": a.batch_weights, "retry": a.retry, "max_attempts": a.max_attempts,
+        "min_nodes": a.min_nodes, "resume_template": a.resume_template, "checkpoint_glob": a.checkpoint_glob,
+        "batch_template": a.batch_template, "batch": a.batch, "grad_accum": a.grad_accum,
+        "hang_after_s": a.hang_after_s,
     }  # fmt: skip
     answer = client.post("jobs/", body)
     if a.dry_run:
-        print("\n".join(answer["lines"]))
+        emit_json(answer) if a.json else print("\n".join(answer["lines"]))
+        return EXIT_OK
+    if a.json and a.detach:
+        emit_json(answer)
         return EXIT_OK
     print(f"job {answer['name']} queued (id {answer['id']})")
     if answer.get("worker_alive") is False:
@@ -238,13 +314,16 @@ def cmd_status(client: Client, a) -> int:
 def cmd_logs(client: Client, a) -> int:
     if a.tail < 1:
         raise ApiError("--tail must be at least 1", EXIT_USAGE)
+    if a.attempt is not None and a.follow:
+        raise ApiError("--attempt shows an attempt that ended: --follow is for the current one", EXIT_USAGE)
     if a.follow:
         try:
             follow(client, a.name, a.rank, a.tail, as_json=a.json)
         except KeyboardInterrupt:
             pass
         return EXIT_OK
-    show(client.get(f"jobs/{a.name}/logs", rank=a.rank, tail=a.tail)["lines"], a.rank, a.json)
+    answer = client.get(f"jobs/{a.name}/logs", rank=a.rank, tail=a.tail, attempt=a.attempt)
+    show(answer["lines"], a.rank, a.json)
     return EXIT_OK
 
 
@@ -270,21 +349,122 @@ def cmd_cancel(client: Client, a) -> int:
         raise ApiError(f"job {a.name} {job['state']} before it could be cancelled", EXIT_FAILED)
     if "not confirmed stopped" in job["failure_reason"]:
         raise ApiError(f"job {a.name} cancelled, but {job['failure_reason']}", EXIT_FAILED)
-    print(f"job {a.name} cancelled; no process of it remains on its nodes")
+    emit_json(job) if a.json else print(f"job {a.name} cancelled; no process of it remains on its nodes")
     return EXIT_OK
 
 
 def cmd_resume(client: Client, a) -> int:
     try:
         body = {"from": a.from_step}
-        if a.nodes:
-            body["nodes"] = a.nodes
+        if a.nodes:  # `--nodes gpu1,gpu2` and `--nodes gpu1 gpu2` alike
+            body["nodes"] = [n for item in a.nodes for n in item.split(",") if n]
         job = client.post(f"jobs/{a.name}/resume", body)
     except ApiError as exc:
         if exc.status == 404 and "no job named" not in str(exc):
             raise ApiError("this UGRO server has no resume endpoint (it predates resume)", EXIT_REFUSED) from None
         raise
+    if a.json and a.detach:
+        emit_json(job)
+        return EXIT_OK
     print(f"job {job['name']} queued again (attempt {job['attempt']})")
+    if a.detach:
+        return EXIT_OK
+    try:
+        job = follow(client, a.name, rank=None, tail=0, announce_states=True)
+    except KeyboardInterrupt:
+        print(f"\nleft job {a.name} to go on without this command. Follow it: ugro logs {a.name} --follow")
+        return EXIT_OK
+    return EXIT_OK if job["state"] == "succeeded" else EXIT_FAILED
+
+
+def cmd_sweep(client: Client, a) -> int:
+    if a.show and a.cancel:
+        raise ApiError("--show or --cancel, not both", EXIT_USAGE)
+    if a.show:
+        sweep = client.get(f"sweeps/{a.name}/")
+    elif a.cancel:
+        sweep = client.post(f"sweeps/{a.name}/cancel")
+    else:
+        body = {
+            "name": a.name, "script": a.script, "grid": a.grid, "random": a.random, "trials": a.trials,
+            "seed": a.seed, "max_concurrent": a.max_concurrent, "metric": a.metric, "mode": a.mode,
+            "median_stop": a.median_stop, "median_min_steps": a.median_min_steps, "gpus": a.gpus, "nodes": a.nodes,
+            "gpus_per_node": a.gpus_per_node, "time_limit": a.time_limit, "min_vram": a.min_vram,
+            "priority": a.priority, "extra_args": a.extra,
+        }  # fmt: skip
+        sweep = client.post("sweeps/", body)
+    if a.json:
+        emit_json(sweep)
+        return EXIT_OK
+    done = "cancelled" if a.cancel else ("" if a.show else "created")
+    print(f"sweep {sweep['name']}: {sweep['metric']} ({sweep['mode']}){' ' + done if done else ''}"
+          f"{', cancelled' if sweep['cancelled'] and not a.cancel else ''}")  # fmt: skip
+    for t in sweep["trials"]:
+        final = "-" if t["final"] is None else f"{t['final']:.6g}"
+        best = "-" if t["best"] is None else f"{t['best']:.6g}"
+        params = " ".join(f"{k}={v}" for k, v in t["params"].items())
+        mark = "  <- best" if t["is_best"] else ""
+        print(f"  {t['name']:24} {t['state']:10} final {final:>10} best {best:>10}  {params}{mark}")
+    return EXIT_OK
+
+
+def cmd_alerts(client: Client, a) -> int:
+    if a.limit < 1:
+        raise ApiError("--limit must be at least 1", EXIT_USAGE)
+    alerts = client.get("alerts", all=1 if a.show_all else None, limit=a.limit)["alerts"]
+    if a.json:
+        emit_json({"alerts": alerts})
+    elif not alerts:
+        print("no open alerts" if not a.show_all else "no alerts")
+    for x in alerts if not a.json else []:
+        where = x["node"] or x["job"] or "cluster"
+        state = "open" if x["open"] else f"resolved {x['resolved_at'][:19].replace('T', ' ')}"
+        when = x["opened_at"][:19].replace("T", " ")
+        print(f"{when} {x['severity'].upper():<8} {where:<12} {x['message']} ({state})")
+    return EXIT_OK
+
+
+MAX_CLUSTER_YAML = 1024 * 1024
+
+
+def cmd_import_cluster(client: Client, a) -> int:
+    try:
+        with open(a.path, "rb") as fh:
+            data = fh.read(MAX_CLUSTER_YAML + 1)
+    except OSError as exc:
+        raise ApiError(f"cannot read {a.path}: {exc.strerror}", EXIT_USAGE) from None
+    if len(data) > MAX_CLUSTER_YAML:
+        raise ApiError(f"{a.path} is larger than {MAX_CLUSTER_YAML // 1024} KiB", EXIT_USAGE)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(f"{a.path} is not UTF-8 text", EXIT_USAGE) from None
+    try:
+        answer = client.post("cluster", {"yaml": text})
+    except ApiError as exc:
+        raise ApiError(f"{a.path}: {exc}", exc.code, exc.status) from None
+    print(f"imported {a.path}: {answer['summary']}")
+    return EXIT_OK
+
+
+def cmd_export_cluster(client: Client, a) -> int:
+    text = client.get("cluster")["yaml"]
+    if a.path:
+        with open(a.path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"wrote {a.path}")
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def cmd_trust(client: Client, a) -> int:
+    answer = client.post(f"nodes/{a.node}/trust", {"fingerprint": a.fingerprint})
+    old, new = answer["old"], answer["new"]
+    if old == new:
+        print(f"{a.node}: host key {new} was already pinned")
+    else:
+        print(f"{a.node}: host key {new} pinned" + (f" (was {old})" if old else ""))
     return EXIT_OK
 
 
@@ -350,7 +530,8 @@ def cmd_audit(client: Client, a) -> int:
 COMMANDS = {
     "launch": cmd_launch, "status": cmd_status, "logs": cmd_logs, "results": cmd_results, "cancel": cmd_cancel,
     "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
-    "whoami": cmd_whoami, "audit": cmd_audit,
+    "whoami": cmd_whoami, "audit": cmd_audit, "sweep": cmd_sweep, "alerts": cmd_alerts,
+    "import_cluster": cmd_import_cluster, "export_cluster": cmd_export_cluster, "trust": cmd_trust,
 }  # fmt: skip
 
 if __name__ == "__main__":

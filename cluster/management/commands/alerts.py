@@ -5,21 +5,8 @@ import json
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
+from cluster.alerts import alert_record
 from cluster.models import Alert
-
-
-def alert_record(a: Alert) -> dict:
-    return {
-        "id": a.pk,
-        "severity": a.severity,
-        "key": a.key,
-        "node": a.node.name if a.node_id else None,
-        "job": a.job_name or None,
-        "message": a.message,
-        "open": a.is_open,
-        "opened_at": a.opened_at.isoformat(),
-        "resolved_at": a.resolved_at.isoformat() if a.resolved_at else None,
-    }
 
 
 class Command(UserCommand):

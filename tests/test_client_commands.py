@@ -1,0 +1,128 @@
+"""What the docs show through the `ugro` client and the REST API, as a real console script run by a Python
+without Django against a live server: launch's recovery and batch options, resume (comma-separated nodes,
+--detach), logs --attempt, sweeps, alerts, cluster.yaml import and export, trust; each refused in one line
+under a role that does not allow it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.utils import timezone
+
+from accounts.tokens import create_token
+from cluster.models import Alert, Node
+from jobs.models import Job, Sweep
+
+from .test_client import server, ugro, ugro_script  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def operator(server):  # noqa: F811
+    user = User.objects.create_user("olga")
+    user.groups.add(Group.objects.get(name="operator"))
+    _, token = create_token(user, "ops", "operate")
+    return token
+
+
+def test_launch_takes_the_recovery_and_batch_options_the_docs_show(ugro_script, server):  # noqa: F811
+    Node.objects.create(name="n2", address="127.0.0.3")
+    done = ugro(ugro_script, server, "launch", "--name", "rec1", "--nodes", "2", "--retry", "node-lost,oom",
+                "--max-attempts", "4", "--min-nodes", "1", "--resume-template=--resume_from_checkpoint {checkpoint}",
+                "--checkpoint-glob", "runs/{job}/*.ckpt", "--hang-after", "120", "--batch-per-gpu", "16",
+                "--batch-weights", "n1=1.6,n2=1", "--detach", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["name"] == "rec1"
+    job = Job.objects.get(name="rec1")
+    assert (job.retry_on, job.max_attempts, job.min_nodes) == (["NODE_LOST", "OOM"], 4, 1)
+    assert job.resume_template == "--resume_from_checkpoint {checkpoint}" and job.checkpoint_glob == "runs/{job}/*.ckpt"
+    assert job.params["batch_per_gpu"] == 16 and job.params["batch_weights"] == {"n1": 1.6, "n2": 1.0}
+    # a bad option value is refused in one line and creates nothing
+    bad = ugro(ugro_script, server, "launch", "--name", "rec2", "--retry", "sometimes", "--detach")
+    assert bad.returncode == 3 and bad.stderr.count("\n") == 1 and "retry" in bad.stderr
+    assert not Job.objects.filter(name="rec2").exists()
+
+
+def test_resume_takes_comma_separated_nodes_and_detach(ugro_script, server):  # noqa: F811
+    Node.objects.create(name="n2", address="127.0.0.3")
+    job = Job.objects.create(name="r1", script="x.py", state=Job.State.FAILED, owner=server["user"],
+                             finished_at=timezone.now(), failure_kind="SCRIPT_ERROR")  # fmt: skip
+    done = ugro(ugro_script, server, "resume", "r1", "--from", "scratch", "--nodes", "n1,n2", "--detach", "--json")
+    assert done.returncode == 0, done.stderr
+    job.refresh_from_db()
+    assert job.state == Job.State.QUEUED and job.attempt == 2 and json.loads(done.stdout)["attempt"] == 2
+    assert job.requested_nodes == ["n1", "n2"]
+
+
+def test_logs_attempt_reads_an_earlier_attempt_or_says_there_is_none(ugro_script, server):  # noqa: F811
+    Job.objects.create(name="l1", script="x.py", state=Job.State.FAILED, owner=server["user"])
+    missing = ugro(ugro_script, server, "logs", "l1", "--attempt", "3")
+    assert missing.returncode == 3 and missing.stderr == "ugro logs: job l1 has no attempt 3 (attempts 1-1)\n"
+    follow = ugro(ugro_script, server, "logs", "l1", "--attempt", "1", "--follow")
+    assert follow.returncode == 2 and "--follow is for the current one" in follow.stderr
+
+
+def test_a_sweep_is_created_shown_and_cancelled_through_the_client(ugro_script, server):  # noqa: F811
+    made = ugro(ugro_script, server, "sweep", "lrs", "--grid", "lr=0.1,0.2", "--grid", "batch-size=8,16",
+                "--max-concurrent", "2", "--", "--max-steps", "5")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith("sweep lrs: loss (min) created")
+    sweep = Sweep.objects.get(name="lrs")
+    assert sweep.trials.count() == 4 and sweep.max_concurrent == 2
+    assert all(t.state == Job.State.QUEUED and t.owner == server["user"] for t in sweep.trials.all())
+    shown = json.loads(ugro(ugro_script, server, "sweep", "lrs", "--show", "--json").stdout)
+    assert [t["name"] for t in shown["trials"]] == ["lrs-001", "lrs-002", "lrs-003", "lrs-004"]
+    assert shown["trials"][0]["params"] == {"lr": 0.1, "batch-size": 8}
+    cancelled = ugro(ugro_script, server, "sweep", "lrs", "--cancel")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert set(sweep.trials.values_list("state", flat=True)) == {Job.State.CANCELLED}
+    bad = ugro(ugro_script, server, "sweep", "bad", "--grid", "lr")
+    assert bad.returncode == 3 and bad.stderr.count("\n") == 1 and not Sweep.objects.filter(name="bad").exists()
+
+
+def test_alerts_lists_the_open_ones_and_all_with_json(ugro_script, server):  # noqa: F811
+    node = Node.objects.get(name="n1")
+    now = timezone.now()
+    Alert.objects.create(node=node, key="down", severity="critical", message="n1 is DOWN", opened_at=now,
+                         updated_at=now)  # fmt: skip
+    Alert.objects.create(node=node, key="disk", severity="warning", message="disk 95 %", opened_at=now, updated_at=now,
+                         resolved_at=now)  # fmt: skip
+    shown = ugro(ugro_script, server, "alerts")
+    assert shown.returncode == 0 and "CRITICAL" in shown.stdout and "n1 is DOWN (open)" in shown.stdout
+    assert "disk" not in shown.stdout
+    every = json.loads(ugro(ugro_script, server, "alerts", "--all", "--json").stdout)["alerts"]
+    assert {a["key"] for a in every} == {"down", "disk"}
+
+
+def test_cluster_yaml_is_exported_and_imported_by_an_operator_only(ugro_script, server, operator, tmp_path):  # noqa: F811
+    exported = ugro(ugro_script, server, "export_cluster")
+    assert exported.returncode == 0 and "n1" in exported.stdout and "127.0.0.2" in exported.stdout
+    path = tmp_path / "cluster.yaml"
+    path.write_text(exported.stdout.replace("127.0.0.2", "127.0.0.9"))
+    # a launcher may not change the cluster: one line, nothing changed
+    refused = ugro(ugro_script, server, "import_cluster", str(path))
+    assert refused.returncode == 4 and refused.stderr.count("\n") == 1
+    assert Node.objects.get(name="n1").address == "127.0.0.2"
+    # an operator may
+    done = ugro(ugro_script, server, "import_cluster", str(path), token=operator)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"imported {path}: ") and Node.objects.get(name="n1").address == "127.0.0.9"
+    # a file that is not cluster.yaml is refused in one line, all or nothing
+    path.write_text("nodes: [{name: 'a;b', ip: 1}]\n")
+    bad = ugro(ugro_script, server, "import_cluster", str(path), token=operator)
+    assert bad.returncode == 3 and bad.stderr.count("\n") == 1 and "nothing was imported" in bad.stderr
+    assert list(Node.objects.values_list("name", flat=True)) == ["n1"]
+    missing = ugro(ugro_script, server, "import_cluster", str(tmp_path / "nope.yaml"), token=operator)
+    assert missing.returncode == 2 and missing.stderr.startswith("ugro import_cluster: cannot read")
+
+
+def test_trust_is_for_operators_and_an_unreachable_node_is_one_line(ugro_script, server, operator):  # noqa: F811
+    Node.objects.filter(name="n1").update(ssh_port=9)  # nothing listens there
+    refused = ugro(ugro_script, server, "trust", "n1")
+    assert refused.returncode == 4 and refused.stderr.count("\n") == 1
+    down = ugro(ugro_script, server, "trust", "n1", "--fingerprint", "SHA256:abc", token=operator, timeout=90)
+    assert down.returncode == 3 and down.stderr.count("\n") == 1 and down.stderr.startswith("ugro trust: ")
+    assert Node.objects.get(name="n1").host_key == ""
