@@ -204,6 +204,7 @@ class ControllerSerializer(serializers.Serializer):
     worker_alive = serializers.BooleanField()
     scheduler_alive = serializers.BooleanField()
     problem = serializers.CharField(help_text="One line for people when something is missing, else empty.")
+    version = serializers.CharField(help_text="The server's UGRO version (`ugro --version` compares its own).")
 
 
 class SweepSerializer(serializers.Serializer):

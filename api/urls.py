@@ -35,6 +35,7 @@ urlpatterns = [
     path("v1/jobs/<str:name>/", api(views.JobView), name="job"),
     path("v1/jobs/<str:name>/logs", api(views.JobLogsView), name="job-logs"),
     path("v1/jobs/<str:name>/results", api(views.JobResultsView), name="job-results"),
+    path("v1/jobs/<str:name>/metrics", api(views.JobMetricsView), name="job-metrics"),
     path("v1/jobs/<str:name>/cancel", api(views.JobCancelView), name="job-cancel"),
     path("v1/jobs/<str:name>/resume", api(views.JobResumeView), name="job-resume"),
     path("v1/queue", api(views.QueueView), name="queue"),

@@ -5,14 +5,17 @@ by the connect timeout."""
 
 from __future__ import annotations
 
+import csv
 import heapq
+import io
 import re
 
-from django.http import Http404
+from django.http import Http404, HttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.exceptions import APIException, ValidationError
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView, exception_handler
@@ -33,7 +36,9 @@ from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
 from jobs.sweeps import trial_rows
-from metrics.models import FinalMetric
+from metrics.models import FinalMetric, MetricPoint
+from metrics.series import metric_names
+from ugro_client import __version__
 from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
 from . import serializers as s
@@ -435,7 +440,7 @@ class ControllerView(APIView):
     def get(self, request: Request) -> Response:
         alive = scheduler_alive()
         return Response({"worker_alive": worker_alive(), "scheduler_alive": alive,
-                         "problem": "" if alive else NO_SCHEDULER})  # fmt: skip
+                         "problem": "" if alive else NO_SCHEDULER, "version": __version__})  # fmt: skip
 
 
 class MeView(APIView):
@@ -575,3 +580,80 @@ class SweepCancelView(APIView):
         sweep = _sweep(name)
         actions.cancel_sweep_as(request.user, sweep, web_source(request))
         return Response(sweep_detail(Sweep.objects.get(pk=sweep.pk)))
+
+
+METRICS_PAGE = 10_000  # points per answer by default; `next` says where the following page starts
+METRICS_PAGE_MAX = 100_000
+METRICS_NAMES_MAX = 20
+
+
+class _JsonAlways(DefaultContentNegotiation):
+    """JSON, whatever `format` says: here it is the view's own parameter (json or csv), not DRF's override."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
+class JobMetricsView(APIView):
+    """A job's curves for notebooks and scripts (pandas, W&B-style exports): the names, then the points."""
+
+    policy_actions = {"GET": "view"}
+    content_negotiation_class = _JsonAlways
+
+    @extend_schema(
+        summary="A job's metrics by token: without `name`, the metric names; with `name` (repeatable), their "
+        "points (name, rank, step, time, value, attempt) in stored order, a page at a time",
+        description="Ask again with `after` set to the answer's `next` until it is null. `format=csv` answers "
+        "text/csv (the next page's `after` in the `X-Next-After` header). Points a later attempt superseded "
+        "(a resume from an earlier step) are left out unless `superseded=1`.",
+        parameters=[
+            OpenApiParameter("name", str, many=True, description="a metric (repeatable, at most 20)"),
+            OpenApiParameter("rank", int, description="one rank only"),
+            OpenApiParameter("after", int, description="the `next` of the previous page"),
+            OpenApiParameter("limit", int, description=f"points per page (default {METRICS_PAGE})"),
+            OpenApiParameter("format", str, enum=["json", "csv"]),
+            OpenApiParameter("superseded", bool),
+        ],
+    )
+    def get(self, request: Request, name: str) -> Response | HttpResponse:
+        job = _job(name)
+        q = request.query_params
+        names = [n for n in q.getlist("name") if n]
+        if not names:
+            return Response({"job": job.name, "names": metric_names(job.pk, limit=500)})
+        if len(names) > METRICS_NAMES_MAX:
+            raise ValidationError(f"at most {METRICS_NAMES_MAX} names at once")
+        try:
+            rank = int(q["rank"]) if q.get("rank", "") != "" else None
+            after = int(q.get("after") or 0)
+            limit = min(METRICS_PAGE_MAX, max(1, int(q.get("limit") or METRICS_PAGE)))
+        except ValueError:
+            raise ValidationError("rank, after and limit must be integers") from None
+        fmt = q.get("format", "json")
+        if fmt not in ("json", "csv"):
+            raise ValidationError("format must be json or csv")
+        points = MetricPoint.objects.filter(job=job, name__in=names, id__gt=after)
+        if q.get("superseded", "") not in ("1", "true"):
+            points = points.filter(superseded=False)
+        if rank is not None:
+            points = points.filter(rank=rank)
+        rows = list(points.order_by("id").values_list("id", "name", "rank", "step", "time", "value", "attempt")
+                    [: limit + 1])  # fmt: skip
+        more = len(rows) > limit
+        rows = rows[:limit]
+        following = rows[-1][0] if more else None
+        if fmt == "csv":
+            out = io.StringIO()
+            writer = csv.writer(out)
+            writer.writerow(["name", "rank", "step", "time", "value", "attempt"])
+            for _id, metric, r, step, when, value, attempt in rows:
+                writer.writerow([metric, r, "" if step is None else step, when.isoformat(), repr(value), attempt])
+            response = HttpResponse(out.getvalue(), content_type="text/csv; charset=utf-8")
+            if following is not None:
+                response["X-Next-After"] = str(following)
+            return response
+        data = [
+            {"name": metric, "rank": r, "step": step, "time": when.timestamp(), "value": value, "attempt": attempt}
+            for _id, metric, r, step, when, value, attempt in rows
+        ]
+        return Response({"job": job.name, "points": data, "next": following})

@@ -260,3 +260,43 @@ def test_resume_makes_the_next_attempt_from_a_checkpoint_and_results_list_them(l
     job.refresh_from_db()
     assert job.resume_step == 40 and job.resume_path == "/w/outputs/broke/checkpoint_step40.pt"
     assert AuditEvent.objects.filter(action="resume", target="broke", username="carol").exists()
+
+
+def test_curves_by_token_names_then_points_paged_as_json_or_csv(lab):
+    import csv as csv_module
+
+    from metrics.models import MetricPoint
+
+    job = Job.objects.create(name="curve1", script="x.py", state=Job.State.SUCCEEDED, owner=lab["user"])
+    now = timezone.now()
+    for step in range(1, 6):
+        for rank in (0, 1):
+            MetricPoint.objects.create(job=job, rank=rank, step=step, name="loss", value=1.0 / step + rank, time=now)
+    MetricPoint.objects.create(job=job, rank=0, step=5, name="lr", value=0.001, time=now)
+    MetricPoint.objects.create(job=job, rank=0, step=None, name="train_loss", value=0.7, time=now)  # a bar's
+    MetricPoint.objects.create(job=job, rank=0, step=9, name="loss", value=9.0, time=now, superseded=True)
+    # the names first
+    assert api(lab, "get", "/api/v1/jobs/curve1/metrics").json() == {
+        "job": "curve1", "names": ["loss", "lr", "train_loss"]}  # fmt: skip
+    # then the points of the names asked, a page at a time until `next` is null
+    got, after = [], 0
+    while True:
+        page = api(lab, "get", "/api/v1/jobs/curve1/metrics", {"name": ["loss", "train_loss"], "limit": 4,
+                                                                 "after": after}).json()  # fmt: skip
+        got += page["points"]
+        if page["next"] is None:
+            break
+        after = page["next"]
+    assert len(got) == 11 and {p["name"] for p in got} == {"loss", "train_loss"}
+    assert [(p["rank"], p["step"], p["value"]) for p in got if p["name"] == "loss"][:2] == [(0, 1, 1.0), (1, 1, 2.0)]
+    assert [p["step"] for p in got if p["name"] == "train_loss"] == [None]
+    assert all(p["step"] != 9 for p in got)  # superseded by a resume: off the curve
+    # CSV, as pandas.read_csv reads it; one rank
+    answer = api(lab, "get", "/api/v1/jobs/curve1/metrics", {"name": "loss", "format": "csv", "rank": 1})
+    assert answer["Content-Type"].startswith("text/csv") and "X-Next-After" not in answer
+    rows = list(csv_module.DictReader(answer.content.decode().splitlines()))
+    assert [(r["step"], float(r["value"])) for r in rows] == [(str(s), 1.0 / s + 1) for s in range(1, 6)]
+    # bad input is one line
+    bad = api(lab, "get", "/api/v1/jobs/curve1/metrics", {"name": "loss", "limit": "x"})
+    assert bad.status_code == 400 and bad.json() == {"error": "rank, after and limit must be integers"}
+    assert api(lab, "get", "/api/v1/jobs/nope/metrics").status_code == 404

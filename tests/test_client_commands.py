@@ -126,3 +126,54 @@ def test_trust_is_for_operators_and_an_unreachable_node_is_one_line(ugro_script,
     down = ugro(ugro_script, server, "trust", "n1", "--fingerprint", "SHA256:abc", token=operator, timeout=90)
     assert down.returncode == 3 and down.stderr.count("\n") == 1 and down.stderr.startswith("ugro trust: ")
     assert Node.objects.get(name="n1").host_key == ""
+
+
+def test_version_shows_the_clients_and_the_servers_and_warns_when_they_differ(ugro_script, server):  # noqa: F811
+    import re
+    import tomllib
+
+    from .conftest import REPO
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    shown = ugro(ugro_script, server, "--version")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"ugro client {version}", f"UGRO server {version} at {server['url']}"]
+    assert shown.stderr == ""
+    # a client from another checkout: told, not refused
+    path, site = ugro_script
+    init = site / "ugro_client" / "__init__.py"
+    original = init.read_text()
+    try:
+        init.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "0.0.1"', original))
+        other = ugro(ugro_script, server, "--version")
+    finally:
+        init.write_text(original)
+    assert other.returncode == 0 and "ugro client 0.0.1" in other.stdout
+    assert f"warning: client 0.0.1 and server {version} differ" in other.stderr
+
+
+def test_the_client_installs_alone_on_an_old_python_without_django(tmp_path):
+    import glob
+    import shutil
+    import subprocess
+    import tomllib
+
+    from .conftest import REPO
+
+    # the oldest Python here that pip can install for (3.9 where pyenv has it; Debian's otherwise)
+    pythons = sorted(glob.glob("/root/.pyenv/versions/3.9*/bin/python3.9")) or ["/usr/bin/python3"]
+    python = pythons[0]
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "ugro_client", src, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    client = tomllib.loads((src / "pyproject.toml").read_text())["project"]
+    assert client["requires-python"] == ">=3.9" and "dependencies" not in client
+    assert client["version"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    target = tmp_path / "site"
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)],
+                   check=True, capture_output=True, timeout=180)  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(target), "HOME": str(tmp_path), "UGRO_URL": "http://127.0.0.1:9"}
+    shown = subprocess.run([python, str(target / "bin" / "ugro"), "--version"], env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert shown.stdout == f"ugro client {client['version']}\n"
+    assert shown.returncode == 5 and shown.stderr.startswith("ugro --version: the server's version is unknown: ")
+    assert not (target / "django").exists()

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from . import __version__
 from .http import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, ApiError, Client
 
 GROUPS = [
@@ -53,6 +54,7 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     parser = Parser(prog="ugro", add_help=False, description="UGRO's client: jobs and nodes on a UGRO server.")
     parser.add_argument("-h", "--help", action="store_true", dest="top_help")
+    parser.add_argument("--version", action="store_true", help="the client's and the server's versions")
     sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
     sub.add_parser("help", help="this list")
 
@@ -196,6 +198,8 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.version:
+        return show_version()
     if args.command in (None, "help") or args.top_help:
         print(usage())
         return EXIT_OK
@@ -206,6 +210,22 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+
+
+def show_version() -> int:
+    """`ugro --version`: this client's version and the server's, a warning when they differ."""
+    print(f"ugro client {__version__}")
+    try:
+        client = Client()
+        server = client.get("controller").get("version")
+    except ApiError as exc:
+        sys.stderr.write(f"ugro --version: the server's version is unknown: {exc}\n")
+        return exc.code
+    print(f"UGRO server {server or 'unknown (older than 0.1.0)'} at {client.url}")
+    if server != __version__:
+        sys.stderr.write(f"ugro: warning: client {__version__} and server {server or 'unknown'} differ; "
+                         "install the client from the server's checkout\n")  # fmt: skip
+    return EXIT_OK
 
 
 def emit_json(data) -> None:
