@@ -42,6 +42,7 @@ from ugro_client import __version__
 from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
 from . import serializers as s
+from . import spec
 
 MAX_TAIL = 5000
 MAX_LINES = 5000  # lines per `since` answer; `more` says when to ask again at once
@@ -170,11 +171,12 @@ class JobsView(APIView):
         responses={201: s.JobSerializer, 200: s.LinesSerializer},
     )
     def post(self, request: Request) -> Response:
-        data = s.LaunchSerializer(data=request.data)
+        data = s.LaunchSerializer(data=spec.merged(request.data, s.LaunchSerializer))
         data.is_valid(raise_exception=True)
         req = data.launch_request()
         if data.validated_data["dry_run"]:
-            return Response({"lines": actions.preview(request.user, req)})
+            resolved = {k: v for k, v in data.validated_data.items() if k in s.LaunchSerializer().fields}
+            return Response({"lines": actions.preview(request.user, req), "spec": resolved})
         job = actions.launch(request.user, req, web_source(request))
         request_schedule()
         data = {**s.JobSerializer(job_summary(job, live_progress(job))).data, "worker_alive": worker_alive()}
@@ -553,7 +555,7 @@ class SweepsView(APIView):
     @extend_schema(summary="Create a sweep (`ugro sweep NAME --grid ... | --random ...`): one queued job per "
                    "trial", request=s.SweepSerializer)  # fmt: skip
     def post(self, request: Request) -> Response:
-        data = s.SweepSerializer(data=request.data)
+        data = s.SweepSerializer(data=spec.merged(request.data, s.SweepSerializer))
         data.is_valid(raise_exception=True)
         try:
             sweep = actions.launch_sweep(request.user, data.sweep_request(), web_source(request))
@@ -657,3 +659,16 @@ class JobMetricsView(APIView):
             for _id, metric, r, step, when, value, attempt in rows
         ]
         return Response({"job": job.name, "points": data, "next": following})
+
+
+class SpecSchemaView(APIView):
+    """The JSON Schema of job files (`ugro launch -f`, `ugro sweep -f`), for editors that complete YAML."""
+
+    policy_actions = {"GET": "view"}
+    SCHEMAS = {"launch": (s.LaunchSerializer, "UGRO job file"), "sweep": (s.SweepSerializer, "UGRO sweep file")}
+
+    @extend_schema(summary="The JSON Schema of a job file (launch) or a sweep file")
+    def get(self, request: Request, kind: str) -> Response:
+        if kind not in self.SCHEMAS:
+            raise Http404(f"no schema {kind!r}: launch or sweep")
+        return Response(spec.json_schema(*self.SCHEMAS[kind]))

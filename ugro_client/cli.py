@@ -59,7 +59,8 @@ def build_parser() -> Parser:
     sub.add_parser("help", help="this list")
 
     p = sub.add_parser("launch", help="queue a job and follow it")
-    p.add_argument("--name", required=True, help="job name (letters, digits, . _ -)")
+    p.add_argument("--file", "-f", help="a job file (YAML: the API's launch fields); the flags given win")
+    p.add_argument("--name", help="job name (letters, digits, . _ -); required unless the job file names it")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, dest="count", help="how many nodes (default: all enabled)")
     where.add_argument("--node", action="append", default=[], dest="nodes", help="a node to use (repeatable)")
@@ -122,7 +123,8 @@ def build_parser() -> Parser:
     p.add_argument("--detach", action="store_true", help="return once the new attempt is queued")
     p.add_argument("--json", action="store_true", help="the queued attempt as JSON (with --detach)")
     p = sub.add_parser("sweep", help="a grid or random search")
-    p.add_argument("name", help="sweep name; trials are NAME-001, NAME-002, ...")
+    p.add_argument("name", nargs="?", help="sweep name; trials are NAME-001, NAME-002, ... (or in the file)")
+    p.add_argument("--file", "-f", help="a sweep file (YAML: the API's sweep fields); the flags given win")
     p.add_argument("--script", default="")
     p.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
     p.add_argument("--random", action="append", default=[], help="NAME=loguniform(a,b) ... (repeatable)")
@@ -193,7 +195,42 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
         if not hasattr(args, "extra"):
             parser.error(f"unrecognized arguments: -- {' '.join(extra)}")
         args.extra = [*args.extra, *extra]
+    if args.command in ("launch", "sweep"):  # which options were typed: they win over a job file's
+        args.given = set(vars(_parse_typed(argv, args.command))) | ({"extra"} if extra else set())
     return args
+
+
+def _parse_typed(argv: list[str], command: str) -> argparse.Namespace:
+    """The command's options as typed, without defaults (a parse with every default suppressed)."""
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for option in action.choices[command]._actions:
+                option.default = argparse.SUPPRESS
+    typed = parser.parse_args(argv)
+    return argparse.Namespace(**{k: v for k, v in vars(typed).items() if k not in ("command", "top_help", "version")})
+
+
+MAX_JOB_FILE = 64 * 1024
+
+
+def with_file(a, fields: list[tuple[str, str]], body: dict) -> dict:
+    """The request body: every field, or with -f the file's text and only the options typed beside it."""
+    if not a.file:
+        return body
+    try:
+        with open(a.file, "rb") as fh:
+            data = fh.read(MAX_JOB_FILE + 1)
+    except OSError as exc:
+        raise ApiError(f"cannot read {a.file}: {exc.strerror}", EXIT_USAGE) from None
+    if len(data) > MAX_JOB_FILE:
+        raise ApiError(f"{a.file} is larger than {MAX_JOB_FILE // 1024} KiB", EXIT_USAGE)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(f"{a.file} is not UTF-8 text", EXIT_USAGE) from None
+    typed = {key: body[key] for key, dest in fields if dest in a.given}
+    return {"spec": text, **typed, **({"dry_run": True} if body.get("dry_run") else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,22 +287,35 @@ def jobs_table(jobs: list[dict]) -> list[str]:
     return rows
 
 
+# the API's launch fields and the options that give them
+LAUNCH_FIELDS = [
+    ("name", "name"), ("nodes", "nodes"), ("count", "count"), ("script", "script"), ("model", "model"),
+    ("dataset", "dataset"), ("epochs", "epochs"), ("lr", "lr"), ("nproc_per_node", "nproc_per_node"),
+    ("priority", "priority"), ("extra_args", "extra"), ("metrics_pattern", "metrics_pattern"),
+    ("metrics_files", "metrics_files"), ("dry_run", "dry_run"), ("gpus", "gpus"), ("gpus_per_node", "gpus_per_node"),
+    ("time_limit", "time_limit"), ("min_vram", "min_vram"), ("after", "after"), ("batch_per_gpu", "batch_per_gpu"),
+    ("batch_weights", "batch_weights"), ("retry", "retry"), ("max_attempts", "max_attempts"),
+    ("min_nodes", "min_nodes"), ("resume_template", "resume_template"), ("checkpoint_glob", "checkpoint_glob"),
+    ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
+    ("hang_after_s", "hang_after_s"),
+]  # fmt: skip
+
+
 def cmd_launch(client: Client, a) -> int:
-    body = {
-        "name": a.name, "nodes": a.nodes, "count": a.count, "script": a.script, "model": a.model,
-        "dataset": a.dataset, "epochs": a.epochs, "lr": a.lr, "nproc_per_node": a.nproc_per_node,
-        "priority": a.priority, "extra_args": a.extra, "metrics_pattern": a.metrics_pattern,
-        "metrics_files": a.metrics_files, "dry_run": a.dry_run, "gpus": a.gpus, "gpus_per_node": a.gpus_per_node,
-        "time_limit": a.time_limit, "min_vram": a.min_vram, "after": a.after, "batch_per_gpu": a.batch_per_gpu,
-        "batch_weights": a.batch_weights, "retry": a.retry, "max_attempts": a.max_attempts,
-        "min_nodes": a.min_nodes, "resume_template": a.resume_template, "checkpoint_glob": a.checkpoint_glob,
-        "batch_template": a.batch_template, "batch": a.batch, "grad_accum": a.grad_accum,
-        "hang_after_s": a.hang_after_s,
-    }  # fmt: skip
+    if not a.name and not a.file:
+        raise ApiError("--name is required (or a job file with -f that names the job)", EXIT_USAGE)
+    body = with_file(a, LAUNCH_FIELDS, {key: getattr(a, dest) for key, dest in LAUNCH_FIELDS})
     answer = client.post("jobs/", body)
     if a.dry_run:
-        emit_json(answer) if a.json else print("\n".join(answer["lines"]))
+        if a.json:
+            emit_json(answer)
+        else:
+            if a.file:
+                print(f"job file {a.file} with the options given, as the server resolved it:")
+                print(json.dumps(answer.get("spec", {}), indent=2))
+            print("\n".join(answer["lines"]))
         return EXIT_OK
+    a.name = answer["name"]
     if a.json and a.detach:
         emit_json(answer)
         return EXIT_OK
@@ -397,22 +447,23 @@ def cmd_resume(client: Client, a) -> int:
     return EXIT_OK if job["state"] == "succeeded" else EXIT_FAILED
 
 
+SWEEP_KEYS = ["name", "script", "grid", "random", "trials", "seed", "max_concurrent", "metric", "mode", "median_stop",
+              "median_min_steps", "gpus", "nodes", "gpus_per_node", "time_limit", "min_vram", "priority",
+              "extra_args"]  # fmt: skip
+
+
 def cmd_sweep(client: Client, a) -> int:
     if a.show and a.cancel:
         raise ApiError("--show or --cancel, not both", EXIT_USAGE)
+    if not a.name and (a.show or a.cancel or not a.file):
+        raise ApiError("the sweep's NAME is required (or a sweep file with -f that names it)", EXIT_USAGE)
     if a.show:
         sweep = client.get(f"sweeps/{a.name}/")
     elif a.cancel:
         sweep = client.post(f"sweeps/{a.name}/cancel")
     else:
-        body = {
-            "name": a.name, "script": a.script, "grid": a.grid, "random": a.random, "trials": a.trials,
-            "seed": a.seed, "max_concurrent": a.max_concurrent, "metric": a.metric, "mode": a.mode,
-            "median_stop": a.median_stop, "median_min_steps": a.median_min_steps, "gpus": a.gpus, "nodes": a.nodes,
-            "gpus_per_node": a.gpus_per_node, "time_limit": a.time_limit, "min_vram": a.min_vram,
-            "priority": a.priority, "extra_args": a.extra,
-        }  # fmt: skip
-        sweep = client.post("sweeps/", body)
+        fields = [(key, "extra" if key == "extra_args" else key) for key in SWEEP_KEYS]
+        sweep = client.post("sweeps/", with_file(a, fields, {key: getattr(a, dest) for key, dest in fields}))
     if a.json:
         emit_json(sweep)
         return EXIT_OK
