@@ -7,7 +7,18 @@ from rest_framework import serializers
 from accounts.policy import PRIORITY_MAX, PRIORITY_MIN
 from cluster.names import SAFE_NAME
 from jobs.batches import parse_weights
-from jobs.launch import LaunchRequest
+from jobs.launch import (
+    ATTEMPTS_MAX,
+    BATCH_MAX,
+    EPOCHS_MAX,
+    GPUS_MAX,
+    HANG_MAX_S,
+    LR_MAX,
+    LR_MIN,
+    NODES_MAX,
+    NPROC_MAX,
+    LaunchRequest,
+)  # fmt: skip
 from jobs.limits import parse_duration, parse_size_mb
 from jobs.sweeps import SweepRequest
 
@@ -18,15 +29,15 @@ class LaunchSerializer(serializers.Serializer):
     name = serializers.RegexField(SAFE_NAME, max_length=64, error_messages={"invalid": "job name: use letters, "
                                   "digits, '.', '_' or '-', starting with a letter or digit (1-64)"})  # fmt: skip
     nodes = serializers.ListField(child=serializers.CharField(max_length=64), required=False, default=list,
-                                  max_length=1000, help_text="node names; empty: `count` nodes")  # fmt: skip
-    count = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000,
+                                  max_length=NODES_MAX, help_text="node names; empty: `count` nodes")  # fmt: skip
+    count = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=NODES_MAX,
                                      help_text="how many nodes (default: all enabled)")  # fmt: skip
     script = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     model = serializers.CharField(required=False, allow_blank=True, default="", max_length=200)
     dataset = serializers.CharField(required=False, allow_blank=True, default="", max_length=200)
-    epochs = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
-    lr = serializers.FloatField(required=False, allow_null=True, min_value=1e-12, max_value=1e3)
-    nproc_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
+    epochs = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=EPOCHS_MAX)
+    lr = serializers.FloatField(required=False, allow_null=True, min_value=LR_MIN, max_value=LR_MAX)
+    nproc_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=NPROC_MAX)
     priority = serializers.IntegerField(required=False, default=0, min_value=PRIORITY_MIN, max_value=PRIORITY_MAX)
     extra_args = serializers.ListField(child=serializers.CharField(max_length=4096, allow_blank=True,
                                        trim_whitespace=False), required=False, default=list, max_length=500,
@@ -37,9 +48,9 @@ class LaunchSerializer(serializers.Serializer):
     dry_run = serializers.BooleanField(
         required=False, default=False, help_text="return each rank's exact command; create and start nothing"
     )
-    gpus = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=65536,
+    gpus = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=GPUS_MAX,
                                     help_text="GPUs in all, on any nodes (instead of nodes/count)")  # fmt: skip
-    gpus_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
+    gpus_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=NPROC_MAX)
     time_limit = serializers.CharField(required=False, allow_blank=True, default="", max_length=20,
                                        help_text="e.g. 90m, 2h, 1d (default: the cluster's)")  # fmt: skip
     min_vram = serializers.CharField(required=False, allow_blank=True, default="", max_length=20,
@@ -47,7 +58,7 @@ class LaunchSerializer(serializers.Serializer):
     after = serializers.CharField(required=False, allow_blank=True, default="", max_length=64,
                                   help_text="start only after this job succeeded")  # fmt: skip
     batch_per_gpu = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=1_000_000,
+        required=False, allow_null=True, min_value=1, max_value=BATCH_MAX,
         help_text="the even split's batch per GPU: fills {local_batch}",
     )  # fmt: skip
     batch_weights = serializers.CharField(
@@ -56,16 +67,16 @@ class LaunchSerializer(serializers.Serializer):
     )  # fmt: skip
     retry = serializers.CharField(required=False, allow_blank=True, default="", max_length=200,
                                   help_text="failure kinds resumed automatically, e.g. node-lost,oom")  # fmt: skip
-    max_attempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=100)
-    min_nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    max_attempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=ATTEMPTS_MAX)
+    min_nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=NODES_MAX)
     resume_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
                                             help_text="the script's resume argument, with {checkpoint}")  # fmt: skip
     checkpoint_glob = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
     batch_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
                                            help_text="e.g. --batch-size {batch} --grad-accum {accum}")  # fmt: skip
-    batch = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
-    grad_accum = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1_000_000)
-    hang_after_s = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=30 * 86400,
+    batch = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=BATCH_MAX)
+    grad_accum = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=BATCH_MAX)
+    hang_after_s = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=HANG_MAX_S,
                                           help_text="seconds without a metric line that make the job HUNG")  # fmt: skip
 
     def validate(self, data):
@@ -225,7 +236,7 @@ class SweepSerializer(serializers.Serializer):
     median_stop = serializers.BooleanField(required=False, default=False)
     median_min_steps = serializers.IntegerField(required=False, default=10, min_value=0, max_value=10**12)
     gpus = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=65536)
-    nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1000)
+    nodes = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=NODES_MAX)
     gpus_per_node = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=64)
     time_limit = serializers.CharField(required=False, allow_blank=True, default="", max_length=20)
     min_vram = serializers.CharField(required=False, allow_blank=True, default="", max_length=20)

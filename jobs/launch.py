@@ -49,9 +49,13 @@ MAX_ARG_LEN = 4096
 # Bounds of the numbers a launch takes (forms, CLI and build_job all read these).
 PRIORITY_MIN, PRIORITY_MAX = 0, 100  # the api helper's per-role bounds narrow this, never widen it
 NODES_MAX = 1024
+GPUS_MAX = NODES_MAX * 64
 EPOCHS_MAX = 1_000_000
-LR_MAX = 100.0
+LR_MIN, LR_MAX = 1e-12, 100.0
 NPROC_MAX = 64
+BATCH_MAX = 1_000_000
+ATTEMPTS_MAX = 100
+HANG_MAX_S = 30 * 86400.0
 
 
 class LaunchError(ValueError):

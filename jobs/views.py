@@ -27,9 +27,15 @@ from metrics.models import LAST_FIRST, FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
 from . import lifecycle, recovery, report
+from .batches import parse_weights
 from .launch import (
+    ATTEMPTS_MAX,
+    BATCH_MAX,
     EPOCHS_MAX,
+    GPUS_MAX,
+    HANG_MAX_S,
     LR_MAX,
+    LR_MIN,
     NODES_MAX,
     NPROC_MAX,
     PRIORITY_MAX,
@@ -339,7 +345,7 @@ class LaunchForm(forms.Form):
         required=False, min_value=1, max_value=NODES_MAX, label="Node count", help_text="blank: all enabled nodes"
     )
     gpus = forms.IntegerField(
-        required=False, min_value=1, max_value=NODES_MAX * 64, label="GPUs",
+        required=False, min_value=1, max_value=GPUS_MAX, label="GPUs",
         help_text="GPUs in all, on any nodes (instead of nodes); blank: whole nodes",
     )  # fmt: skip
     time_limit = forms.CharField(
@@ -355,7 +361,7 @@ class LaunchForm(forms.Form):
         required=False, min_value=1, max_value=EPOCHS_MAX, help_text="blank: not passed to the script"
     )
     lr = forms.FloatField(
-        required=False, min_value=0, max_value=LR_MAX, label="Learning rate",
+        required=False, min_value=LR_MIN, max_value=LR_MAX, label="Learning rate",
         help_text="blank: not passed to the script",
     )  # fmt: skip
     nproc_per_node = forms.IntegerField(
@@ -383,6 +389,37 @@ class LaunchForm(forms.Form):
         label="Metrics files",
         help_text="one per line: a metrics.csv, a TensorBoard event file or a directory with them, on the nodes",
     )
+    gpus_per_node = forms.IntegerField(
+        required=False, min_value=1, max_value=NPROC_MAX, label="GPUs per node", help_text="with a node count"
+    )
+    after = forms.CharField(required=False, max_length=64, help_text="start only after this job succeeded")
+    batch_per_gpu = forms.IntegerField(
+        required=False, min_value=1, max_value=BATCH_MAX, label="Batch per GPU", help_text="fills {local_batch}"
+    )
+    batch_weights = forms.CharField(
+        required=False, max_length=2000, label="Batch weights", help_text="uneven GPUs: NODE=WEIGHT,... or auto"
+    )
+    retry = forms.CharField(
+        required=False, max_length=200, label="Retry on", help_text="failure kinds resumed automatically: node-lost,oom"
+    )
+    max_attempts = forms.IntegerField(required=False, min_value=1, max_value=ATTEMPTS_MAX, label="Max attempts")
+    min_nodes = forms.IntegerField(
+        required=False, min_value=1, max_value=NODES_MAX, label="Min nodes", help_text="a node-lost retry may run on"
+    )
+    resume_template = forms.CharField(
+        required=False, max_length=500, label="Resume argument", help_text="blank: --resume-from {checkpoint}"
+    )
+    checkpoint_glob = forms.CharField(required=False, max_length=500, label="Checkpoint glob")
+    batch_template = forms.CharField(
+        required=False, max_length=500, label="Batch arguments",
+        help_text="e.g. --batch-size {batch} --grad-accum {accum}",
+    )  # fmt: skip
+    batch = forms.IntegerField(required=False, min_value=1, max_value=BATCH_MAX, label="Batch per rank")
+    grad_accum = forms.IntegerField(required=False, min_value=1, max_value=BATCH_MAX, label="Gradient accumulation")
+    hang_after_s = forms.FloatField(
+        required=False, min_value=1, max_value=HANG_MAX_S, label="Hung after (s)",
+        help_text="seconds without a metric line",
+    )  # fmt: skip
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -405,6 +442,15 @@ class LaunchForm(forms.Form):
         except ValueError as exc:
             raise forms.ValidationError(str(exc)) from None
 
+    def clean_batch_weights(self) -> str:
+        text = (self.cleaned_data["batch_weights"] or "").strip()
+        if text and text != "auto":
+            try:
+                parse_weights(text)
+            except ValueError as exc:
+                raise forms.ValidationError(str(exc)) from None
+        return text
+
     def clean_extra_args(self) -> list[str]:
         try:
             return shlex.split(self.cleaned_data["extra_args"] or "")
@@ -415,6 +461,7 @@ class LaunchForm(forms.Form):
         """The request the form describes; with field errors, the request its valid fields describe."""
         d = self.cleaned_data
         nodes = list(d.get("nodes") or [])
+        weights = d.get("batch_weights") or ""
         return LaunchRequest(
             name=(d.get("name") or "").strip(),
             nodes=nodes,
@@ -432,6 +479,20 @@ class LaunchForm(forms.Form):
             priority=d.get("priority") or 0,
             metrics_pattern=d.get("metrics_pattern") or "",
             metrics_files=[line.strip() for line in (d.get("metrics_files") or "").splitlines() if line.strip()],
+            gpus_per_node=d.get("gpus_per_node"),
+            after=(d.get("after") or "").strip(),
+            batch_per_gpu=d.get("batch_per_gpu"),
+            batch_weights=parse_weights(weights) if weights and weights != "auto" else {},
+            batch_weights_auto=weights == "auto",
+            retry=(d.get("retry") or "").strip(),
+            max_attempts=d.get("max_attempts"),
+            min_nodes=d.get("min_nodes"),
+            resume_template=(d.get("resume_template") or "").strip(),
+            checkpoint_glob=(d.get("checkpoint_glob") or "").strip(),
+            batch_template=(d.get("batch_template") or "").strip(),
+            batch=d.get("batch"),
+            grad_accum=d.get("grad_accum"),
+            hang_after_s=d.get("hang_after_s"),
         )
 
     def add_launch_problems(self, exc: LaunchError) -> None:

@@ -152,3 +152,21 @@ def test_manage_py_the_client_and_the_api_take_the_same_options(command: str):
         assert as_client in client, f"`ugro {command}` lacks manage.py's {dest}"
         if dest not in ("show", "cancel"):  # sweep's --show/--cancel are endpoints of their own
             assert as_api in api, f"the API's {command} lacks manage.py's {dest}"
+
+
+LISTS = {"extra_args", "metrics_files"}  # a text box on the form, a list in the API: lengths differ in kind
+
+
+def test_the_launch_form_takes_every_launch_field_with_the_apis_bounds(db):
+    from jobs.views import LaunchForm
+
+    form = LaunchForm().fields
+    api = LaunchSerializer().fields
+    assert set(api) - {"dry_run"} - set(form) == set(), "the launch form lacks these launch fields"
+    assert set(form) - set(api) == set()
+    for name, field in form.items():
+        for bound in ("min_value", "max_value"):
+            if hasattr(field, bound) and hasattr(api[name], bound):
+                assert getattr(field, bound) == getattr(api[name], bound), (name, bound)
+        if getattr(field, "max_length", None) and getattr(api[name], "max_length", None) and name not in LISTS:
+            assert field.max_length == api[name].max_length, (name, "max_length")
