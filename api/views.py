@@ -30,7 +30,7 @@ from cluster.links import LinkError
 from cluster.models import Alert, Node
 from jobs import report
 from jobs.launch import LaunchError
-from jobs.logs import LogLine, attempt_ranks, job_lines, rank_lines
+from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, Rank, Sweep
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
@@ -269,13 +269,10 @@ class JobLogsView(APIView):
 
     def _earlier(self, job: Job, attempt: int, rank: int | None, tail: int, following: bool) -> Response:
         """An earlier attempt's lines: ended, so all of them at once (settled), never followed."""
-        ranks = attempt_ranks(job, attempt)
-        if ranks is None:
-            raise ValidationError(f"job {job.name} has no attempt {attempt} (attempts 1-{job.attempt})")
-        if following:
-            raise ValidationError(f"attempt {attempt} of job {job.name} has ended: follow the current one")
-        if rank is not None and rank not in [r.index for r in ranks]:
-            raise ValidationError(f"attempt {attempt} of job {job.name} has no rank {rank}")
+        try:
+            ranks = earlier_attempt(job, attempt, rank, following)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
         lines = job_lines(job, rank_index=rank, tail=tail, ranks=ranks)
         data = {"job": job.name, "state": job.state, "settled": True, "more": False, "offsets": {},
                 "lines": [[ln.time, ln.rank, ln.text] for ln in lines]}  # fmt: skip

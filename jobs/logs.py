@@ -84,6 +84,19 @@ def attempt_ranks(job: Job, number: int) -> list[ArchivedRank] | None:
     ]  # fmt: skip
 
 
+def earlier_attempt(job: Job, number: int, rank: int | None, follow: bool) -> list[ArchivedRank]:
+    """The ranks of attempt `number` for reading its lines (`logs --attempt`); ValueError in one line when
+    there is no such attempt or rank, or when asked to follow an attempt that has ended."""
+    ranks = attempt_ranks(job, number)
+    if ranks is None:
+        raise ValueError(f"job {job.name} has no attempt {number} (attempts 1-{job.attempt})")
+    if follow:
+        raise ValueError(f"attempt {number} of job {job.name} has ended: --follow is for the current one")
+    if rank is not None and rank not in [r.index for r in ranks]:
+        raise ValueError(f"attempt {number} of job {job.name} has no rank {rank}")
+    return ranks
+
+
 def times_path(rank: Rank) -> Path:
     """When each chunk of a rank's log arrived (byte offset, time), for merged views."""
     return rank.local_log.with_suffix(".times")

@@ -214,21 +214,26 @@ def _parse_typed(argv: list[str], command: str) -> argparse.Namespace:
 MAX_JOB_FILE = 64 * 1024
 
 
+def read_text_file(path: str, limit: int) -> str:
+    """A UTF-8 file of at most `limit` bytes (sent to the server), or ApiError in one line."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise ApiError(f"cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+    if len(data) > limit:
+        raise ApiError(f"{path} is larger than {limit // 1024} KiB", EXIT_USAGE)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(f"{path} is not UTF-8 text", EXIT_USAGE) from None
+
+
 def with_file(a, fields: list[tuple[str, str]], body: dict) -> dict:
     """The request body: every field, or with -f the file's text and only the options typed beside it."""
     if not a.file:
         return body
-    try:
-        with open(a.file, "rb") as fh:
-            data = fh.read(MAX_JOB_FILE + 1)
-    except OSError as exc:
-        raise ApiError(f"cannot read {a.file}: {exc.strerror}", EXIT_USAGE) from None
-    if len(data) > MAX_JOB_FILE:
-        raise ApiError(f"{a.file} is larger than {MAX_JOB_FILE // 1024} KiB", EXIT_USAGE)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(f"{a.file} is not UTF-8 text", EXIT_USAGE) from None
+    text = read_text_file(a.file, MAX_JOB_FILE)
     typed = {key: body[key] for key, dest in fields if dest in a.given}
     return {"spec": text, **typed, **({"dry_run": True} if body.get("dry_run") else {})}
 
@@ -499,17 +504,7 @@ MAX_CLUSTER_YAML = 1024 * 1024
 
 
 def cmd_import_cluster(client: Client, a) -> int:
-    try:
-        with open(a.path, "rb") as fh:
-            data = fh.read(MAX_CLUSTER_YAML + 1)
-    except OSError as exc:
-        raise ApiError(f"cannot read {a.path}: {exc.strerror}", EXIT_USAGE) from None
-    if len(data) > MAX_CLUSTER_YAML:
-        raise ApiError(f"{a.path} is larger than {MAX_CLUSTER_YAML // 1024} KiB", EXIT_USAGE)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(f"{a.path} is not UTF-8 text", EXIT_USAGE) from None
+    text = read_text_file(a.path, MAX_CLUSTER_YAML)
     try:
         answer = client.post("cluster", {"yaml": text})
     except ApiError as exc:

@@ -6,7 +6,7 @@ import time
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
-from jobs.logs import attempt_ranks, job_lines, rank_lines
+from jobs.logs import earlier_attempt, job_lines, rank_lines
 from jobs.report import get_job
 from jobs.watch import JobWatch
 
@@ -43,13 +43,10 @@ class Command(UserCommand):
                 pass
 
     def _earlier(self, job, attempt, rank, tail, follow):
-        ranks = attempt_ranks(job, attempt)
-        if ranks is None:
-            raise CommandError(f"job {job.name} has no attempt {attempt} (attempts 1-{job.attempt})")
-        if follow:
-            raise CommandError(f"attempt {attempt} of job {job.name} has ended: --follow is for the current one")
-        if rank is not None and rank not in [r.index for r in ranks]:
-            raise CommandError(f"attempt {attempt} of job {job.name} has no rank {rank}")
+        try:
+            ranks = earlier_attempt(job, attempt, rank, follow)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         if tail is not None and tail < 1:
             raise CommandError("--tail must be at least 1")
         for line in job_lines(job, rank, tail, ranks=ranks):
