@@ -46,6 +46,9 @@ urlpatterns = [
     ),  # fmt: skip
     path("v1/audit", api(views.AuditView), name="audit"),
     path("v1/alerts", api(views.AlertsView), name="alerts"),
+    path("v1/tokens", api(views.TokensView), name="tokens"),
+    path("v1/tokens/<str:prefix>/revoke", api(views.TokenRevokeView), name="token-revoke"),
+    path("v1/preflight", api(views.PreflightView), name="preflight"),
     path("v1/spec/<str:kind>.schema.json", api(views.SpecSchemaView), name="spec-schema"),
     path("v1/cluster", api(views.ClusterConfigView), name="cluster"),
     path("v1/nodes/<str:name>/trust", api(views.NodeTrustView), name="node-trust"),

@@ -22,16 +22,18 @@ from rest_framework.views import APIView, exception_handler
 
 from accounts import actions, audit, policy
 from accounts.audit import web_source
-from accounts.models import AuditEvent
+from accounts.models import ApiToken, AuditEvent
+from accounts.tokens import create_token, revoke
 from cluster.alerts import alert_record
 from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import LinkError
-from cluster.models import Alert, Node
+from cluster.models import Alert, ClusterSettings, Node
 from jobs import report
-from jobs.launch import LaunchError
+from jobs.launch import LaunchError, check_script
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, Rank, Sweep
+from jobs.preflight import check_nodes
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
@@ -669,3 +671,91 @@ class SpecSchemaView(APIView):
         if kind not in self.SCHEMAS:
             raise Http404(f"no schema {kind!r}: launch or sweep")
         return Response(spec.json_schema(*self.SCHEMAS[kind]))
+
+
+SCOPE_ORDER = ["read", "launch", "operate"]
+
+
+def token_record(t: ApiToken) -> dict:
+    return {
+        "prefix": t.prefix, "name": t.name, "scope": t.scope, "user": t.user.get_username(),
+        "created_at": t.created_at.isoformat(), "last_used_at": t.last_used_at.isoformat() if t.last_used_at else None,
+        "revoked": t.revoked_at is not None,
+    }  # fmt: skip
+
+
+class TokensView(APIView):
+    """One's own API tokens (`ugro token list|create`): a token never makes one wider than itself."""
+
+    policy_actions = {"GET": "view", "POST": "view"}
+
+    @extend_schema(summary="Your API tokens (`ugro token list`)")
+    def get(self, request: Request) -> Response:
+        rows = ApiToken.objects.select_related("user").filter(user=request.user)
+        return Response({"tokens": [token_record(t) for t in rows]})
+
+    @extend_schema(summary='A new token of yours (`ugro token create NAME --scope S`): body {"name", "scope"}; '
+                   "the token is in this answer only", request=None)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        name, scope = str(body.get("name") or "")[:200], str(body.get("scope") or "read")
+        if scope not in SCOPE_ORDER:
+            raise ValidationError(f"scope must be one of {', '.join(SCOPE_ORDER)}, not {scope[:20]!r}")
+        mine = getattr(request.auth, "scope", None)
+        if mine is not None and SCOPE_ORDER.index(scope) > SCOPE_ORDER.index(mine):
+            raise policy.Refused(f"a {mine}-scoped token cannot make a {scope}-scoped one")
+        try:
+            row, token = create_token(request.user, name, scope)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+        audit.record(request.user, "token_create", f"{row.prefix} ({request.user})", source=web_source(request),
+                     scope=scope)  # fmt: skip
+        return Response({**token_record(row), "token": token}, status=status.HTTP_201_CREATED)
+
+
+class TokenRevokeView(APIView):
+    policy_actions = {"POST": "view"}
+
+    @extend_schema(summary="Revoke one of your tokens by its prefix (`ugro token revoke PREFIX`)", request=None)
+    def post(self, request: Request, prefix: str) -> Response:
+        prefix = prefix.removeprefix("ugro_").split("_")[0]
+        row = ApiToken.objects.select_related("user").filter(prefix=prefix, user=request.user).first()
+        if row is None:
+            raise Http404(f"no token {prefix[:20]!r} of yours (see: ugro token list)")
+        if not revoke(row):
+            return Response({"error": f"token {prefix} was already revoked"}, status=status.HTTP_409_CONFLICT)
+        audit.record(request.user, "token_revoke", f"{row.prefix} ({row.user})", source=web_source(request))
+        row.refresh_from_db()
+        return Response(token_record(row))
+
+
+class PreflightView(APIView):
+    """The launch pre-flight checks on demand (`ugro preflight`): like trust, a request that talks to the
+    nodes, each check bounded by its own timeout."""
+
+    policy_actions = {"POST": "launch"}
+
+    @extend_schema(summary='Run the pre-flight checks (`ugro preflight`): body {"nodes": [names], "script": PATH}',
+                   request=None)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        names = body.get("nodes") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValidationError("nodes must be a list of node names")
+        cs = ClusterSettings.load()
+        chosen = list(Node.objects.filter(enabled=True))
+        if names:
+            by_name = {n.name: n for n in Node.objects.filter(name__in=names)}
+            unknown = [n for n in names if n not in by_name]
+            if unknown:
+                raise ValidationError(f"unknown node(s): {', '.join(unknown)[:200]}")
+            chosen = [by_name[n] for n in names]
+        if not chosen:
+            raise ValidationError("no enabled nodes; import cluster.yaml or add nodes in admin")
+        chosen.sort(key=Node.placement_key)
+        host = chosen[0].address
+        script = check_script(str(body.get("script") or "") or cs.default_script)  # LaunchError: one line
+        report = check_nodes(chosen, script, host, cs.rendezvous_port)
+        return Response({"ok": report.ok, "nodes": [n.name for n in chosen], "problems": report.problems,
+                         "rendezvous": f"{host}:{cs.rendezvous_port}", "notes": report.notes,
+                         "versions": report.versions})  # fmt: skip

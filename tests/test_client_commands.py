@@ -228,3 +228,36 @@ def test_the_job_files_json_schema_is_published_from_the_api_fields(server):  # 
     assert schema["properties"]["extra_args"]["type"] == "array"
     assert web.get("/api/v1/spec/sweep.schema.json", **headers).json()["title"] == "UGRO sweep file"
     assert web.get("/api/v1/spec/nope.schema.json", **headers).status_code == 404
+
+
+def test_ones_own_tokens_through_the_client_never_wider_than_the_token_used(ugro_script, server, tmp_path):  # noqa: F811
+    made = ugro(ugro_script, server, "token", "create", "ci", "--scope", "read", "--save", str(tmp_path / "tok"),
+                "--json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    row = json.loads(made.stdout)
+    assert row["scope"] == "read" and row["user"] == "dana" and row["token"].startswith("ugro_")
+    saved = tmp_path / "tok"
+    assert saved.read_text().strip() == row["token"] and (saved.stat().st_mode & 0o777) == 0o600
+    # the new read token works, and cannot make a wider one; a launch token cannot make an operate one
+    listed = ugro(ugro_script, server, "token", "list", token=row["token"])
+    assert listed.returncode == 0 and row["prefix"] in listed.stdout and "active" in listed.stdout
+    wider = ugro(ugro_script, server, "token", "create", "x", "--scope", "launch", token=row["token"])
+    assert wider.returncode == 4 and wider.stderr == "ugro token: a read-scoped token cannot make a launch-scoped one\n"
+    assert ugro(ugro_script, server, "token", "create", "y", "--scope", "operate").returncode == 4
+    # revoked, it no longer opens anything
+    gone = ugro(ugro_script, server, "token", "revoke", row["prefix"])
+    assert gone.returncode == 0 and gone.stdout == f"token {row['prefix']} revoked\n"
+    assert ugro(ugro_script, server, "status", token=row["token"]).returncode == 4
+    again = ugro(ugro_script, server, "token", "revoke", row["prefix"])
+    assert again.returncode == 3 and again.stderr == f"ugro token: token {row['prefix']} was already revoked\n"
+
+
+def test_preflight_through_the_client_names_each_problem_and_exits_1(ugro_script, server):  # noqa: F811
+    Node.objects.filter(name="n1").update(ssh_port=9)  # nothing listens there
+    failed = ugro(ugro_script, server, "preflight", "--json", timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    report = json.loads(failed.stdout)
+    assert report["ok"] is False and report["nodes"] == ["n1"] and any("n1" in p for p in report["problems"])
+    assert failed.stderr.startswith("ugro preflight: failed on 1 node(s): ")
+    unknown = ugro(ugro_script, server, "preflight", "--nodes", "n1,ghost")
+    assert unknown.returncode == 3 and unknown.stderr == "ugro preflight: unknown node(s): ghost\n"

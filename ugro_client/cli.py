@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from . import __version__
-from .http import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, ApiError, Client
+from .http import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, ApiError, Client, token_path
 
 GROUPS = [
     ("Jobs", [
@@ -29,10 +30,12 @@ GROUPS = [
         ("import_cluster", "import cluster.yaml: nodes and settings, all or nothing (operators)"),
         ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
         ("trust", "pin the SSH host key a node offers now (operators)"),
+        ("preflight", "the checks every launch runs first, on all or the given nodes"),
     ]),
     ("Account", [
         ("whoami", "the account, role and token scope the client acts as"),
         ("audit", "who did what, when, from where (operators)"),
+        ("token", "your API tokens: create NAME [--scope S] [--save], list, revoke PREFIX"),
     ]),
 ]  # fmt: skip
 FOLLOW_POLL_S = 0.5
@@ -150,18 +153,40 @@ def build_parser() -> Parser:
     p = sub.add_parser("health", help="node health")
     p.add_argument("--json", action="store_true")
     for name in ("drain", "undrain"):
-        sub.add_parser(name, help=name).add_argument("node")
+        p = sub.add_parser(name, help=name)
+        p.add_argument("node")
+        p.add_argument("--json", action="store_true")
+    p = sub.add_parser("preflight", help="pre-flight checks")
+    p.add_argument("--nodes", nargs="+", default=[], metavar="NODE", help="a,b or a b (default: all enabled)")
+    p.add_argument("--script", default="", help="training script (default: the cluster's)")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("token", help="your API tokens")
+    verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    v = verbs.add_parser("create", help="a new token, printed once")
+    v.add_argument("name", help="what it is for, e.g. laptop")
+    v.add_argument("--scope", choices=["read", "launch", "operate"], default="read",
+                   help="at most your own token's scope")  # fmt: skip
+    v.add_argument("--save", nargs="?", const="", metavar="FILE",
+                   help="also write it to FILE (default ~/.config/ugro/token, mode 0600)")  # fmt: skip
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("list", help="your tokens")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("revoke", help="revoke one of your tokens by its prefix")
+    v.add_argument("prefix")
+    v.add_argument("--json", action="store_true")
     p = sub.add_parser("alerts", help="open alerts")
     p.add_argument("--all", action="store_true", dest="show_all", help="resolved ones and INFO events too")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("import_cluster", help="import cluster.yaml")
     p.add_argument("path", help="cluster.yaml to import")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("export_cluster", help="the cluster as cluster.yaml")
     p.add_argument("path", nargs="?", help="file to write (default: stdout)")
     p = sub.add_parser("trust", help="pin a node's SSH host key")
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("whoami", help="account, role, scope")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("audit", help="the audit log")
@@ -509,7 +534,7 @@ def cmd_import_cluster(client: Client, a) -> int:
         answer = client.post("cluster", {"yaml": text})
     except ApiError as exc:
         raise ApiError(f"{a.path}: {exc}", exc.code, exc.status) from None
-    print(f"imported {a.path}: {answer['summary']}")
+    emit_json(answer) if a.json else print(f"imported {a.path}: {answer['summary']}")
     return EXIT_OK
 
 
@@ -526,6 +551,9 @@ def cmd_export_cluster(client: Client, a) -> int:
 
 def cmd_trust(client: Client, a) -> int:
     answer = client.post(f"nodes/{a.node}/trust", {"fingerprint": a.fingerprint})
+    if a.json:
+        emit_json(answer)
+        return EXIT_OK
     old, new = answer["old"], answer["new"]
     if old == new:
         print(f"{a.node}: host key {new} was already pinned")
@@ -570,6 +598,9 @@ def cmd_health(client: Client, a) -> int:
 
 def cmd_drain(client: Client, a) -> int:
     node = client.post(f"nodes/{a.node}/{a.command}")
+    if a.json:
+        emit_json(node)
+        return EXIT_OK
     print(f"node {node['name']} {'drained: no new job is placed on it' if not node['enabled'] else 'takes jobs again'}")
     return EXIT_OK
 
@@ -593,11 +624,65 @@ def cmd_audit(client: Client, a) -> int:
     return EXIT_OK
 
 
+def cmd_preflight(client: Client, a) -> int:
+    nodes = [n for item in a.nodes for n in item.split(",") if n]
+    report = client.post("preflight", {"nodes": nodes, "script": a.script})
+    if a.json:
+        emit_json(report)
+    else:
+        for note in report["notes"]:
+            print(f"note: {note}")
+        for problem in report["problems"]:
+            print(problem)
+        if report["ok"]:
+            print(f"pre-flight passed: {', '.join(report['nodes'])} (rendezvous {report['rendezvous']})")
+    if not report["ok"]:
+        sys.stderr.write(f"ugro preflight: failed on {len(report['nodes'])} node(s): "
+                         f"{len(report['problems'])} problem(s)\n")  # fmt: skip
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_token(client: Client, a) -> int:
+    if a.verb == "list":
+        tokens = client.get("tokens")["tokens"]
+        if a.json:
+            emit_json(tokens)
+            return EXIT_OK
+        print(f"{'PREFIX':10} {'SCOPE':8} {'NAME':16} {'CREATED':17} {'LAST USED':17} STATE")
+        for t in tokens:
+            when = lambda d: d[:16].replace("T", " ") if d else "-"  # noqa: E731
+            print(f"{t['prefix']:10} {t['scope']:8} {t['name'][:16]:16} {when(t['created_at']):17} "
+                  f"{when(t['last_used_at']):17} {'revoked' if t['revoked'] else 'active'}")  # fmt: skip
+        return EXIT_OK
+    if a.verb == "revoke":
+        row = client.post(f"tokens/{a.prefix}/revoke")
+        emit_json(row) if a.json else print(f"token {row['prefix']} revoked")
+        return EXIT_OK
+    row = client.post("tokens", {"name": a.name, "scope": a.scope})
+    if a.json:
+        emit_json(row)
+    else:
+        print(f"token {row['prefix']} for {row['user']}, scope {row['scope']} (shown once, keep it secret):")
+        print(row["token"])
+    if a.save is not None:
+        path = os.path.expanduser(a.save) if a.save else str(token_path())
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(row["token"] + "\n")
+        os.chmod(path, 0o600)
+        if not a.json:
+            print(f"saved to {path}")
+    return EXIT_OK
+
+
 COMMANDS = {
     "launch": cmd_launch, "status": cmd_status, "logs": cmd_logs, "results": cmd_results, "cancel": cmd_cancel,
     "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
     "whoami": cmd_whoami, "audit": cmd_audit, "sweep": cmd_sweep, "alerts": cmd_alerts,
     "import_cluster": cmd_import_cluster, "export_cluster": cmd_export_cluster, "trust": cmd_trust,
+    "preflight": cmd_preflight, "token": cmd_token,
 }  # fmt: skip
 
 if __name__ == "__main__":
