@@ -124,6 +124,15 @@ def test_every_ugro_command_an_error_message_names_exists():
     assert missing == [], f"messages send users to `ugro {missing}`, which the client lacks"
 
 
+def test_every_manage_py_command_an_error_message_names_exists():
+    named = set()
+    for path in REPO.glob("*/**/*.py"):
+        if path.parts[len(REPO.parts)] in ("tests", "bench", ".venv", ".venv-node") or "migrations" in path.parts:
+            continue
+        named.update(re.findall(r"manage\.py ([a-z_]+)", path.read_text()))
+    assert named and sorted(named - set(get_commands())) == []
+
+
 def _dests(parser: argparse.ArgumentParser) -> set[str]:
     return {a.dest for a in parser._actions if a.dest not in ("help", "version", "verbosity", "settings",
             "pythonpath", "traceback", "no_color", "force_color", "skip_checks", "top_help")}  # fmt: skip
