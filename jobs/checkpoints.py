@@ -101,16 +101,17 @@ def record_found(rank: Rank, entries: list[dict]) -> int:
     """Record what a discovery walk of the rank's workdir found (the node agent's `discover`: entries changed
     since the rank started): Hugging Face checkpoint-N/ directories, Lightning .ckpt files, and .pt/.pth/
     .safetensors/.bin files whose name carries a step. A path another running job already recorded on this
-    node is that job's. Returns how many are ready."""
+    node is that job's, as is one an ended job recorded and nothing rewrote since. Returns how many are ready."""
     wanted = [e for e in entries if e.get("kind") == "checkpoint" and _named_as_checkpoint(e)]
     if not wanted:
         return 0
-    theirs = set(
-        Checkpoint.objects.filter(node=rank.node, path__in=[e["path"] for e in wanted], job__finished_at__isnull=True)
-        .exclude(job=rank.job)
-        .values_list("path", flat=True)
-    )
-    return _record(rank, [e for e in wanted if e["path"] not in theirs], set())
+    # another job's: one it runs now, or one it recorded as it still is (a run that ended just before this
+    # rank started, within the clock slack), not one a later run rewrote
+    others = Checkpoint.objects.filter(node=rank.node, path__in=[e["path"] for e in wanted]).exclude(job=rank.job)
+    running = set(others.filter(job__finished_at__isnull=True).values_list("path", flat=True))
+    recorded = set(others.values_list("path", "mtime"))
+    mine = [e for e in wanted if e["path"] not in running and (e["path"], e["mtime"]) not in recorded]
+    return _record(rank, mine, set())
 
 
 def _named_as_checkpoint(entry: dict) -> bool:

@@ -180,3 +180,16 @@ def test_a_bars_values_keep_their_time_until_the_frameworks_file_replaces_them(r
     # and a follower configured from now on takes no more values from the bar
     later = RankStream()
     assert parse_lines(job.pk, 0, [bar.format(75, 15, "0.33")], later, timezone.now())[0] == []
+
+
+def test_an_ended_jobs_checkpoint_found_within_the_clock_slack_stays_its_own(rank, tmp_path):
+    node = rank.node
+    before = Job.objects.create(name="before", script="x.py", state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    path = f"{tmp_path}/outputs/before/checkpoint_step100.pt"
+    Checkpoint.objects.create(job=before, node=node, path=path, size=10, mtime=1.0, step=100, ready=True)
+    # the walk of a job that started a second after it ended finds that file, unchanged
+    checkpoints.record_found(rank, [entry(path, "checkpoint")])
+    assert not Checkpoint.objects.filter(job=rank.job).exists()
+    # a later run that rewrote it makes it this job's
+    checkpoints.record_found(rank, [entry(path, "checkpoint", mtime=2.0)])
+    assert Checkpoint.objects.filter(job=rank.job, path=path).exists()
