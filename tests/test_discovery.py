@@ -185,7 +185,7 @@ def test_a_bars_values_keep_their_time_until_the_frameworks_file_replaces_them(r
 def test_an_ended_jobs_checkpoint_found_within_the_clock_slack_stays_its_own(rank, tmp_path):
     node = rank.node
     before = Job.objects.create(name="before", script="x.py", state=Job.State.SUCCEEDED, finished_at=timezone.now())
-    path = f"{tmp_path}/outputs/before/checkpoint_step100.pt"
+    path = f"{tmp_path}/ckpt/checkpoint_step100.pt"
     Checkpoint.objects.create(job=before, node=node, path=path, size=10, mtime=1.0, step=100, ready=True)
     # the walk of a job that started a second after it ended finds that file, unchanged
     checkpoints.record_found(rank, [entry(path, "checkpoint")])
@@ -193,3 +193,13 @@ def test_an_ended_jobs_checkpoint_found_within_the_clock_slack_stays_its_own(ran
     # a later run that rewrote it makes it this job's
     checkpoints.record_found(rank, [entry(path, "checkpoint", mtime=2.0)])
     assert Checkpoint.objects.filter(job=rank.job, path=path).exists()
+
+
+def test_another_jobs_own_directory_is_that_jobs(rank, tmp_path):
+    Job.objects.create(name="other", script="x.py", state=Job.State.FAILED, finished_at=timezone.now())
+    found = [entry(f"{tmp_path}/outputs/other/checkpoint_step60.pt", "checkpoint"),
+             entry(f"{tmp_path}/outputs/other/lightning_logs/version_0/metrics.csv", "metrics"),
+             entry(f"{tmp_path}/outputs/disc/checkpoint_step20.pt", "checkpoint")]  # fmt: skip
+    checkpoints.record_found(rank, found)
+    assert files.adopt(rank.job, rank, found) == 0
+    assert list(Checkpoint.objects.filter(job=rank.job).values_list("step", flat=True)) == [20]
