@@ -28,12 +28,11 @@ from cluster.alerts import alert_record
 from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import LinkError
-from cluster.models import Alert, ClusterSettings, Node
+from cluster.models import Alert, Node
 from jobs import report
-from jobs.launch import LaunchError, check_script
+from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, Rank, Sweep
-from jobs.preflight import check_nodes
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
@@ -742,20 +741,7 @@ class PreflightView(APIView):
         names = body.get("nodes") or []
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise ValidationError("nodes must be a list of node names")
-        cs = ClusterSettings.load()
-        chosen = list(Node.objects.filter(enabled=True))
-        if names:
-            by_name = {n.name: n for n in Node.objects.filter(name__in=names)}
-            unknown = [n for n in names if n not in by_name]
-            if unknown:
-                raise ValidationError(f"unknown node(s): {', '.join(unknown)[:200]}")
-            chosen = [by_name[n] for n in names]
-        if not chosen:
-            raise ValidationError("no enabled nodes; import cluster.yaml or add nodes in admin")
-        chosen.sort(key=Node.placement_key)
-        host = chosen[0].address
-        script = check_script(str(body.get("script") or "") or cs.default_script)  # LaunchError: one line
-        report = check_nodes(chosen, script, host, cs.rendezvous_port)
-        return Response({"ok": report.ok, "nodes": [n.name for n in chosen], "problems": report.problems,
-                         "rendezvous": f"{host}:{cs.rendezvous_port}", "notes": report.notes,
-                         "versions": report.versions})  # fmt: skip
+        run = preflight_nodes(names, str(body.get("script") or ""))  # LaunchError: one line
+        report = run.report
+        return Response({"ok": report.ok, "nodes": [n.name for n in run.nodes], "problems": report.problems,
+                         "rendezvous": run.rendezvous, "notes": report.notes, "versions": report.versions})  # fmt: skip

@@ -33,7 +33,7 @@ from .follow import follower_id
 from .limits import learned_speeds, learned_vram
 from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
 from .nodes import node_request, on_each
-from .preflight import run_preflight, script_path
+from .preflight import PreflightReport, check_nodes, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
 from .stop import stop_processes
@@ -729,3 +729,32 @@ def launch(job: Job) -> Job:
                           line=f"ranks took {elapsed:.1f}s to start (sync window {window:g}s)")  # fmt: skip
     lifecycle.fail(job, failure)
     return job
+
+
+@dataclass
+class PreflightRun:
+    """The pre-flight checks run on demand (the `preflight` command and its API endpoint)."""
+
+    nodes: list[Node]
+    rendezvous: str
+    report: PreflightReport
+
+
+def preflight_nodes(names: list[str], script: str = "") -> PreflightRun:
+    """Run the launch's pre-flight checks on the named (default: every enabled) nodes, rank 0 (the
+    rendezvous host) a master when there is one, as at launch. LaunchError in one line for an unknown
+    node, no node or a bad script."""
+    cs = ClusterSettings.load()
+    chosen = list(Node.objects.filter(enabled=True))
+    if names:
+        by_name = {n.name: n for n in Node.objects.filter(name__in=names)}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise LaunchError(f"unknown node(s): {', '.join(unknown)[:200]}")
+        chosen = [by_name[n] for n in names]
+    if not chosen:
+        raise LaunchError("no enabled nodes; import cluster.yaml or add nodes in admin")
+    chosen.sort(key=Node.placement_key)
+    host = chosen[0].address
+    report = check_nodes(chosen, check_script(script or cs.default_script), host, cs.rendezvous_port)
+    return PreflightRun(chosen, f"{host}:{cs.rendezvous_port}", report)

@@ -5,9 +5,7 @@ import json
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
-from cluster.models import ClusterSettings, Node
-from jobs.launch import LaunchError, check_script
-from jobs.preflight import check_nodes
+from jobs.launch import LaunchError, preflight_nodes
 
 
 class Command(UserCommand):
@@ -22,37 +20,24 @@ class Command(UserCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
     def handle(self, nodes, script, as_json=False, **options):
-        cs = ClusterSettings.load()
-        chosen = list(Node.objects.filter(enabled=True))
-        if nodes:
-            by_name = {n.name: n for n in Node.objects.filter(name__in=nodes)}
-            unknown = [n for n in nodes if n not in by_name]
-            if unknown:
-                raise CommandError(f"unknown node(s): {', '.join(unknown)}")
-            chosen = [by_name[n] for n in nodes]
-        if not chosen:
-            raise CommandError("no enabled nodes; import cluster.yaml or add nodes in admin")
-        # Rank 0 (the rendezvous host) is a master when there is one, as at launch.
-        chosen.sort(key=Node.placement_key)
-        host = chosen[0].address
         try:
-            script = check_script(script or cs.default_script)
+            run = preflight_nodes(nodes, script)
         except LaunchError as exc:
             raise CommandError(str(exc)) from None
-        report = check_nodes(chosen, script, host, cs.rendezvous_port)
+        report, count = run.report, len(run.nodes)
         if as_json:
             self.stdout.write(json.dumps({
-                "ok": report.ok, "nodes": [n.name for n in chosen], "rendezvous": f"{host}:{cs.rendezvous_port}",
+                "ok": report.ok, "nodes": [n.name for n in run.nodes], "rendezvous": run.rendezvous,
                 "problems": report.problems, "notes": report.notes, "versions": report.versions,
             }, indent=2))  # fmt: skip
             if report.problems:
-                raise CommandError(f"pre-flight failed on {len(chosen)} node(s): {len(report.problems)} problem(s)")
+                raise CommandError(f"pre-flight failed on {count} node(s): {len(report.problems)} problem(s)")
             return
         for note in report.notes:
             self.stdout.write(f"note: {note}")
         if report.problems:
             for problem in report.problems:
                 self.stdout.write(problem)
-            raise CommandError(f"pre-flight failed on {len(chosen)} node(s): {len(report.problems)} problem(s)")
-        names = ", ".join(n.name for n in chosen)
-        self.stdout.write(f"pre-flight passed: {names} (rendezvous {host}:{cs.rendezvous_port})")
+            raise CommandError(f"pre-flight failed on {count} node(s): {len(report.problems)} problem(s)")
+        names = ", ".join(n.name for n in run.nodes)
+        self.stdout.write(f"pre-flight passed: {names} (rendezvous {run.rendezvous})")
