@@ -25,7 +25,8 @@ MAX_DEPTH = 6  # <workdir>/outputs/run/runs/<date_host>/events.out.tfevents.* is
 MAX_ENTRIES = 20_000  # directory entries read per walk: a few milliseconds on the node
 WALK_BUDGET_S = 0.5
 # Node clocks differ a little from the controller's (NTP keeps a LAN within this): a file written in the
-# rank's first second still counts.
+# rank's first second still counts. Only when the node has no start record for the rank: its own record of
+# when the rank started (node clock) is what counts otherwise.
 CLOCK_SLACK_S = 2.0
 
 
@@ -34,8 +35,8 @@ def walk(rank: Rank, started: datetime) -> list[dict] | None:
     try:
         answer = node_request(
             rank.node, "discover", timeout=10, when_silent=False, root=rank.node.workdir,
-            since=started.timestamp() - CLOCK_SLACK_S, max_depth=MAX_DEPTH, max_entries=MAX_ENTRIES,
-            budget_s=WALK_BUDGET_S,
+            since=started.timestamp() - CLOCK_SLACK_S, record=rank.start_record or None, max_depth=MAX_DEPTH,
+            max_entries=MAX_ENTRIES, budget_s=WALK_BUDGET_S,
         )  # fmt: skip
     except (LinkError, AgentRequestError) as exc:
         log.info("discovery on %s for %s: %s", rank.node.name, rank, exc)

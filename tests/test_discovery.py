@@ -90,6 +90,21 @@ def test_a_workdir_with_many_files_costs_a_bounded_walk_and_new_directories_come
     assert str(deep) in {e["path"] for e in walk(agent, tmp_path, since, max_depth=4)["entries"]}
 
 
+def test_the_ranks_start_on_the_nodes_own_clock_decides_what_is_new(agent, tmp_path):
+    # given a checkpoint an earlier run saved a moment (0.5 s) before this rank started, by the node's clock
+    earlier = touch(tmp_path / "outputs" / "gone" / "checkpoint_step60.pt", age_s=0.5)
+    record = tmp_path / "rank0.start"
+    record.write_text(f'{{"state": "started", "started": {time.time()}}}')
+    mine = touch(tmp_path / "outputs" / "now" / "checkpoint_step20.pt")
+    # when the walk is asked with a controller clock 2 s behind (a slack for clock differences) and the record
+    found = {e["path"] for e in walk(agent, tmp_path, time.time() - 2, record=str(record))["entries"]}
+    # then only what this rank wrote is found; without the record, the slack would have taken the earlier one
+    assert found == {str(mine)}
+    assert str(earlier) in {e["path"] for e in walk(agent, tmp_path, time.time() - 2)["entries"]}
+    # and a record that is missing or not a start yet leaves the given time
+    assert len(walk(agent, tmp_path, time.time() - 2, record=str(tmp_path / "none"))["entries"]) == 2
+
+
 def test_a_missing_workdir_finds_nothing(agent, tmp_path):
     assert walk(agent, tmp_path / "nope", 0)["entries"] == []
 

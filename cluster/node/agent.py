@@ -573,7 +573,9 @@ def _discover_entry(path, name, st, is_dir):
 def op_discover(req):
     """Metric files (metrics.csv, TensorBoard event files) and checkpoint candidates (checkpoint-N/
     directories, .ckpt/.pt/.pth/.safetensors/.bin files) under req['root'], changed at or after req['since']
-    (seconds since the epoch, this node's clock).
+    (seconds since the epoch, this node's clock). With req['record'] (the rank's start record) the time the
+    rank started on this node counts instead: no clock difference between node and controller enters, so a
+    file an earlier run wrote a moment before this one started is never taken for this run's.
 
     Bounded, so a working directory with a million files costs little: at most req['max_depth'] levels,
     req['max_entries'] directory entries and req['budget_s'] seconds; hidden directories and DISCOVER_SKIP
@@ -582,6 +584,9 @@ def op_discover(req):
     run just created is reached before old trees. 'complete' is false when a bound stopped the walk."""
     root = _expand(req["root"])
     since = float(req.get("since") or 0)
+    started = (_read_json(_expand(req["record"])) or {}).get("started") if req.get("record") else None
+    if isinstance(started, (int, float)):
+        since = float(started)
     max_depth = int(req.get("max_depth", 6))
     left = int(req.get("max_entries", 20000))
     deadline = time.monotonic() + float(req.get("budget_s", 0.5))
