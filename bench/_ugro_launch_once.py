@@ -7,7 +7,7 @@ Environment: DATABASE_URL / UGRO_DATA_DIR of the benchmark's throwaway UGRO.
 
 It does what `ugro launch` does up to the ranks being started, minus the database and pre-flight:
 python start + imports, django.setup(), a link (SSH handshake + agent bootstrap + hello) to every
-node at once through jobs.nodes.on_each, then one agent `start` per node at once. It prints one
+node at once through cluster.fanout.on_each, then one agent `start` per node at once. It prints one
 JSON line of time.monotonic() stamps and exits (closing the links; the ranks live on).
 """
 
@@ -29,9 +29,9 @@ def main() -> int:
     import django
 
     django.setup()
+    from cluster.fanout import node_request, on_each
     from cluster.links import pool
     from cluster.models import Node
-    from jobs.nodes import node_request, on_each
 
     t_setup = time.monotonic()
     nodes = [

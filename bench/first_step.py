@@ -233,10 +233,10 @@ class Bench:
         return [f"{n.workdir}/.ugro/jobs/{glob.escape(name)}-*/rank_{i}.log" for i, n in enumerate(self.cluster.nodes)]
 
     def ugro_warm(self) -> dict:
+        from cluster.fanout import node_request, on_each
         from cluster.models import Node
         from jobs.launch import LaunchRequest, create_job
         from jobs.models import Job
-        from jobs.nodes import node_request, on_each
         from jobs.scheduler import schedule
 
         port = self.next_port()

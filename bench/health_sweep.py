@@ -84,7 +84,7 @@ def original_sweep(cluster, nodes) -> dict:
 
 def ugro_sweeps(rows, repeats: int) -> dict:
     from cluster import monitor
-    from jobs.nodes import on_each
+    from cluster.fanout import on_each
 
     t0 = time.monotonic()
     cold = monitor.poll_once(nodes=rows, force=True)

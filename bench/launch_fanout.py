@@ -378,7 +378,7 @@ class Bench:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def warm_up(self, n: int) -> None:
-        from jobs.nodes import node_request, on_each
+        from cluster.fanout import node_request, on_each
 
         res = on_each(self.nodes[:n], lambda x: node_request(x, "hello", timeout=10))
         errs = [f"{x.name}: {e}" for x, _, e in res if e]
@@ -386,7 +386,7 @@ class Bench:
             raise RuntimeError("warm-up failed: " + "; ".join(errs))
 
     def issue_ugro_warm(self, tag: str, n: int) -> dict:
-        from jobs.nodes import node_request, on_each
+        from cluster.fanout import node_request, on_each
 
         def start(node) -> dict:
             base = f"{node.workdir}/.bench/{tag}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -37,6 +38,7 @@ from django.utils import timezone
 from ugro_site.publish import send
 
 from . import alerts, gpus
+from .fanout import on_each
 from .health import (
     BREAKER_TRIP_AFTER,
     Breaker,
@@ -80,20 +82,21 @@ def thresholds() -> Thresholds:
     return Thresholds.from_settings(settings.UGRO.get("HEALTH_THRESHOLDS"))
 
 
-def _job_context(nodes: list[Node]) -> dict[int, tuple[str | None, datetime | None]]:
-    """Per node id: the tag of the job running on it (or None) and when it last had a job."""
-    from jobs.models import Job, Rank  # jobs depends on cluster, not the other way round at import
+JobContext = Callable[[list[Node]], dict[int, tuple[str | None, datetime | None]]]
 
-    ids = [n.pk for n in nodes]
-    running = dict(
-        Rank.objects.filter(node_id__in=ids, active=True, job__state__in=Job.LIVE_STATES).values_list(
-            "node_id", "job__tag"
-        )
-    )
-    last = dict(
-        Rank.objects.filter(node_id__in=ids).values("node_id").annotate(t=Max("ended_at")).values_list("node_id", "t")
-    )
-    return {n.pk: (running.get(n.pk) or None, last.get(n.pk)) for n in nodes}
+
+def no_jobs(nodes: list[Node]) -> dict[int, tuple[str | None, datetime | None]]:
+    return {n.pk: (None, None) for n in nodes}
+
+
+_job_context: JobContext = no_jobs
+
+
+def set_job_context(provider: JobContext) -> None:
+    """Let the app above (jobs, at ready()) say, per node id, the tag of the job running on it (or None) and
+    when it last had a job: a busy node is polled faster. Cluster itself knows nothing of jobs."""
+    global _job_context
+    _job_context = provider
 
 
 def is_due(node: Node, now: float, job_tag: str | None, last_activity: datetime | None) -> bool:
@@ -271,8 +274,6 @@ def gone_silent(idle: list[Node], now: float) -> list[Node]:
     comes round. A hello on a warm link is one round trip and no database work, so every tick
     affords it; nodes without a warm link here, being probed by another poll, or DOWN are left out.
     """
-    from jobs.nodes import on_each
-
     stamp = timezone.now()
     warm = [
         n
@@ -297,7 +298,6 @@ def knocked(waiting: list[Node]) -> list[Node]:
     (or since it last did not) is back, or may be (a cable plugged in again, a machine rebooted): its probe
     goes ahead of the backoff, so its leftovers are killed and a job waiting for it starts within a tick.
     One that keeps answering knocks but not probes (sshd hung) keeps the backoff."""
-    from jobs.nodes import on_each
 
     def knock(node: Node) -> bool:
         try:
@@ -320,8 +320,6 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     The probes run side by side, one thread per node doing nothing but network; the database
     work for all of them then happens in this thread in a few statements.
     """
-    from jobs.nodes import on_each
-
     now = time.time() if now is None else now
     nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
     context = _job_context(nodes)

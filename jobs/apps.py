@@ -6,3 +6,10 @@ from django.apps import AppConfig
 class JobsConfig(AppConfig):
     name = "jobs"
     verbose_name = "Jobs"
+
+    def ready(self) -> None:
+        from cluster.monitor import set_job_context
+
+        from .node_jobs import node_jobs
+
+        set_job_context(node_jobs)  # cluster's monitor polls the nodes that run a job faster

@@ -27,10 +27,10 @@ from pathlib import PurePosixPath
 
 from django.conf import settings
 
+from cluster.fanout import node_request, on_each
 from cluster.models import Node
 
 from .models import Checkpoint, Job, Rank
-from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
+from cluster.fanout import node_request
 from cluster.links import AgentRequestError, LinkError
 
 from .models import Rank
-from .nodes import node_request
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from cluster.fanout import Late, node_request, on_each, unreachable
 from cluster.links import AgentRequestError, LinkError
 from metrics import rollup
 from metrics.files import adopt, follow_metric_files
@@ -50,7 +51,6 @@ from . import checkpoints, discovery, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
 from .models import Job, Rank
-from .nodes import Late, node_request, on_each, unreachable
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -69,7 +69,7 @@ def follower_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()}"
 
 
-# The follower's node reads, on threads that are kept (jobs/nodes.py on_each). A read only waits for its node, so
+# The follower's node reads, on threads that are kept (cluster/fanout.py on_each). A read only waits for its node, so
 # the pool cannot deadlock; when more reads are under way than it has threads, the rest queue for a moment.
 READS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ugro-follow-read")
 PASS_READ_GRACE_S = 2.0  # beyond a pass's long-poll wait, how long it waits for a node's read

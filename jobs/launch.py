@@ -20,6 +20,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
+from cluster.fanout import node_request, on_each
 from cluster.models import GPU, ClusterSettings, Node
 from cluster.names import check_name
 from metrics.files import check_paths
@@ -32,7 +33,6 @@ from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_speeds, learned_vram
 from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
-from .nodes import node_request, on_each
 from .preflight import PreflightReport, check_nodes, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot

@@ -30,6 +30,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from cluster.alerts import job_ended_alerts, resolve_job_alerts
+from cluster.fanout import node_request
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
 from metrics import rollup
@@ -40,7 +41,6 @@ from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain_now
 from .logs import archive_logs, restore_logs, tail_lines
 from .models import Allocation, Attempt, Checkpoint, Job, Rank
-from .nodes import node_request
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)

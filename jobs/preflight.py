@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
 
 from .models import Job, Rank
-from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 

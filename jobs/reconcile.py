@@ -37,6 +37,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from cluster.alerts import open_alert, record_event, resolve
+from cluster.fanout import node_request, on_each, unreachable
 from cluster.models import Alert, Node
 from metrics import rollup
 from metrics.models import MetricPoint
@@ -45,7 +46,6 @@ from . import lifecycle, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Attempt, Job, Rank
-from .nodes import node_request, on_each, unreachable
 from .scheduler import stop_overdue
 from .stop import stop_processes
 from .sweeps import median_stop

@@ -30,6 +30,7 @@ from django.db import connection
 from django.utils import timezone
 
 from cluster.alerts import open_alert
+from cluster.fanout import node_request, on_each
 from cluster.models import Alert, HealthSample, Node
 from cluster.monitor import poll_once
 from cluster.names import check_name
@@ -40,7 +41,6 @@ from . import checkpoints, lifecycle
 from .failure import Failure, FailureKind
 from .logs import tail_lines
 from .models import Job, Rank
-from .nodes import node_request, on_each
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)

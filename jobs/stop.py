@@ -10,8 +10,9 @@ import time
 
 from django.conf import settings
 
+from cluster.fanout import node_request, on_each
+
 from .models import Job, Rank
-from .nodes import node_request, on_each
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from cluster import monitor
+from cluster.fanout import node_request
 from cluster.links import HostKeyError, LinkError, pool
 from cluster.loopback import SSH_KEYGEN, LoopbackCluster
 from cluster.models import Node
-from jobs.nodes import node_request
 from jobs.preflight import check_nodes
 
 pytestmark = pytest.mark.e2e

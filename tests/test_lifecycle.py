@@ -818,6 +818,8 @@ def test_jobs_modules_import_each_other_top_down_without_a_loop():
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 deps |= {node.module} if node.module else {a.name for a in node.names}
         graph[name] = deps
+        if name == "apps":
+            continue  # ready() is where Django lets an app import its own modules
         for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)):
             for node in ast.walk(func):
                 if isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.module or "").startswith("jobs")):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.fanout import unreachable
 from cluster.links import Endpoint, LinkBusy, LinkError, NodeLink
-from jobs.nodes import unreachable
 
 OPS = b"""
 import time as _test_time

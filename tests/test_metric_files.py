@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
+from cluster.fanout import node_request
 from jobs.models import Job, Rank
-from jobs.nodes import node_request
 from metrics import files
 from metrics.files import events_points, follow_metric_files
 from metrics.models import JobMetrics, MetricFile, MetricPoint

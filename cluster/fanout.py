@@ -1,4 +1,4 @@
-"""Talking to all of a job's nodes at once: one thread per node, warm links underneath."""
+"""Talking to many nodes at once: one thread per node, warm links underneath."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 from django.db import connections
 
-from cluster.links import AgentRequestError, LinkBusy, LinkError
-from cluster.models import Node
+from .links import AgentRequestError, LinkBusy, LinkError
+from .models import Node
 
 T = TypeVar("T")
 
