@@ -7,7 +7,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from . import views
+from . import cluster_views, prometheus_view, views
 
 # django.contrib.auth.urls without the password reset views unless mail is configured (a reset link
 # that can never arrive only tells an attacker which accounts exist).
@@ -30,7 +30,10 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include(auth_urls)),
     path("api/", include("api.urls")),
-    path("", include("cluster.urls")),
+    path("", cluster_views.overview, name="cluster-overview"),
+    path("metrics", prometheus_view.prometheus, name="prometheus-metrics"),
+    path("nodes/<str:name>/", cluster_views.node_detail, name="node-detail"),
+    path("api/nodes/<str:name>/history", cluster_views.api_node_history, name="api-node-history"),
     path("", include("jobs.urls")),
     path("", include("metrics.urls")),
 ]

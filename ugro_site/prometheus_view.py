@@ -20,7 +20,8 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .models import GPU, Alert, HealthSample, Node
+from cluster.models import GPU, Alert, HealthSample, Node
+from jobs.models import Job
 
 NODE_GAUGES = (
     ("cpu_percent", "ugro_node_cpu_percent", "CPU busy, percent"),
@@ -47,8 +48,6 @@ class ClusterCollector:
     """Builds every metric from the database at scrape time (nothing is kept in memory)."""
 
     def collect(self) -> Iterator[Metric]:
-        from jobs.models import Job
-
         latest = HealthSample.objects.filter(node=OuterRef("pk"), kind=HealthSample.Kind.RAW, ok=True)
         nodes = list(
             Node.objects.filter(enabled=True).annotate(sample_id=Subquery(latest.order_by("-time").values("pk")[:1]))

@@ -10,11 +10,10 @@ from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from cluster.gpus import gpu_text
+from cluster.history import MAX_BUCKETS, history
+from cluster.models import GPU, Alert, ClusterSettings, HealthSample, Node
 from jobs.models import Allocation, Job, Rank
-
-from .gpus import gpu_text
-from .history import MAX_BUCKETS, history
-from .models import GPU, Alert, ClusterSettings, HealthSample, Node
 
 # Per-GPU reading names, as the node probe reports them (and HealthSample's gpu_* fields repeat them).
 GPU_FIELDS = ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c")
