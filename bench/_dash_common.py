@@ -121,7 +121,7 @@ def cluster_yaml(cluster, count: int) -> str:
 def start_cluster(tmp: Path, count: int = 1):
     """`count` sshd nodes on 127.0.3.2.., imported into UGRO, each with bench_rank.py in its workdir."""
     from cluster.config_yaml import import_cluster
-    from cluster.loopback import LoopbackCluster
+    from tests.loopback import LoopbackCluster
 
     cluster = LoopbackCluster(tmp / "nodes", count, subnet=SUBNET, first_octet=2).start()
     for node in cluster.nodes:

@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/first_step.py [--repeat 3]
 
-Two real sshd nodes on 127.0.1.2-3 (cluster.loopback), each with the repo's train/ in its working
+Two real sshd nodes on 127.0.1.2-3 (tests/loopback.py), each with the repo's train/ in its working
 dir, and a throwaway PostgreSQL UGRO with the nodes imported from cluster.yaml. Every trial trains
 train/train_production.py for 5 steps (tiny model, --seq-len 32 --batch-size 8, a log line per
 step) with a rendezvous port of its own:
@@ -135,7 +135,7 @@ class Bench:
         self.ssh_base = ["ssh", "-i", str(cluster.client_key), "-p", str(cluster.port), *SSH_OPTS]
 
     def next_port(self) -> int:
-        from cluster.loopback import _port_free
+        from tests.loopback import _port_free
 
         for _ in range(500):
             self.port += 1
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace, database_url: str) -> int:
     env = setup_django(tmp, database_url)
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
-    from cluster.loopback import LoopbackCluster
+    from tests.loopback import LoopbackCluster
 
     meta = machine_info()
     meta["bashrc"] = bashrc_cost()

@@ -163,8 +163,8 @@ def run(args: argparse.Namespace, database_url: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ugro-health-bench-", dir="/tmp"))
     setup_django(tmp, database_url)
     from cluster.links import pool
-    from cluster.loopback import LoopbackCluster
     from cluster.models import Node
+    from tests.loopback import LoopbackCluster
 
     biggest = max(args.sizes)
     cluster = LoopbackCluster(tmp / "nodes", count=max(biggest, 16), subnet=SUBNET).start()

@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/launch_fanout.py [--sizes 1,4,8,16] [--repeat 3]
 
-Real sshd nodes on 127.0.1.2.. (cluster.loopback), a throwaway PostgreSQL UGRO; every method starts
+Real sshd nodes on 127.0.1.2.. (tests/loopback.py), a throwaway PostgreSQL UGRO; every method starts
 the same long-sleeping rank (<node env>/bin/python -c "import time; time.sleep(30)") carrying
 UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
 
@@ -403,8 +403,8 @@ class Bench:
 
     def next_rdzv_port(self) -> int:
         """A rendezvous port of this trial's own (pre-flight listens on it on the first node)."""
-        from cluster.loopback import _port_free
         from cluster.models import ClusterSettings
+        from tests.loopback import _port_free
 
         for _ in range(500):
             self.rdzv_port += 1
@@ -732,7 +732,7 @@ def run(args: argparse.Namespace, sizes: list[int], methods: list[str], database
     tmp = make_tmp("ugro-bench-fanout-")
     env = setup_django(tmp, database_url)
     from cluster.links import pool
-    from cluster.loopback import LoopbackCluster
+    from tests.loopback import LoopbackCluster
 
     meta = machine_info()
     meta["bashrc"] = bashrc_cost()

@@ -88,6 +88,9 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
         REDIS_URL=DEAD_REDIS,
         DJANGO_SETTINGS_MODULE="ugro_site.settings",
     )
+    sys.path.insert(0, str(REPO))
+    from tests.loopback import LoopbackCluster  # this checkout's rig, whichever checkout's code is measured
+
     sys.path.insert(0, str(code))
     import django
 
@@ -98,7 +101,6 @@ def measure_on(database_url: str, code: Path, modes: list[str], trials: int, ver
     call_command("migrate", verbosity=0)
     from cluster import monitor
     from cluster.links import pool
-    from cluster.loopback import LoopbackCluster
     from cluster.models import Node
     from jobs.models import Job, Rank
 

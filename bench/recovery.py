@@ -4,7 +4,7 @@
     .venv/bin/python bench/recovery.py [--scenarios killed,node_lost,oom,hang,node_wait] [--only ugro|torchrun]
         [--keep]
 
-Three real sshd nodes on 127.0.6.2-4 (cluster.loopback; never the test suite's 127.0.0.x), each with
+Three real sshd nodes on 127.0.6.2-4 (tests/loopback.py; never the test suite's 127.0.0.x), each with
 the repo's train/ in its working dir, and a throwaway PostgreSQL UGRO with the nodes imported from
 cluster.yaml. Every run trains train/train_production.py (tiny model, `--seq-len 16 --batch-size 4
 --log-every 5 --save-every 25 --step-sleep 0.05 --max-steps 400 --num-epochs 10`) and a failure is injected once the
@@ -194,7 +194,7 @@ class UgroRun:
             self.pump(lambda: checkpoints.offered(self.job()))
             keeper = checkpoints.offered(self.job())[0].node.name
             gone = next(n for n in self.cluster.nodes if n.name == keeper)
-            from cluster.loopback import on_node
+            from tests.loopback import on_node
 
             frozen = on_node(tagged_pids(job.tag), keeper)
             t_inject = time.time()
@@ -368,7 +368,7 @@ class TorchrunRun:
     def freeze_and_thaw(self, n_seen: int) -> dict:
         """node_wait: node rank 1's agent and worker stop (SIGSTOP) as if the node fell off, and go on
         (SIGCONT) AWAY_S + 20 s later (about when UGRO's node comes back). The caller cleans up."""
-        from cluster.loopback import on_node
+        from tests.loopback import on_node
 
         frozen = on_node(tagged_pids(self.tag), self.cluster.nodes[1].name)
         failed_at = self.last_step()
@@ -417,7 +417,7 @@ def run(args: argparse.Namespace, scenarios: list[str], database_url: str) -> in
 
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
-    from cluster.loopback import LoopbackCluster
+    from tests.loopback import LoopbackCluster
 
     meta = machine_info()
     meta.update(train_args=TRAIN, inject_at_step=INJECT_AT, reconcile_every_s=RECONCILE_EVERY,

@@ -215,7 +215,7 @@ def setup(tmp: Path, redis_url: str, db: str = "private") -> dict[str, str]:
 def start_cluster(tmp: Path, count: int):
     """`count` sshd nodes on 127.0.4.2.., imported into UGRO, each with the rank script in its workdir."""
     from cluster.config_yaml import import_cluster
-    from cluster.loopback import LoopbackCluster
+    from tests.loopback import LoopbackCluster
 
     cluster = LoopbackCluster(tmp / "nodes", count, subnet=SUBNET, first_octet=2).start()
     for node in cluster.nodes:
@@ -884,7 +884,7 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         cut = None
         if kind == "rcut":
             # one node of the last job goes silent: every packet dropped, that job's processes there frozen
-            from cluster.loopback import on_node
+            from tests.loopback import on_node
 
             victim = next(r for r in ranks if r.job.pk == jobs[-1].pk)
             pause(t_go + outage_at, controller)

@@ -35,7 +35,7 @@ def fast_password_hashing(request):
 @pytest.fixture(scope="session")
 def loopback(tmp_path_factory):
     """Four real OpenSSH nodes, 127.0.0.2-5, each with the training script in its working dir."""
-    from cluster.loopback import LoopbackCluster
+    from .loopback import LoopbackCluster
 
     if not (NODE_ENV / "bin" / "torchrun").exists():
         pytest.fail(f"node training env missing: {NODE_ENV} (run .ci/run or see README)")
@@ -243,7 +243,7 @@ def job_pids(tag: str) -> list[int]:
 def training_pids(tag: str, node: str) -> list[int]:
     """The job's training processes (not torchrun's agent, not the wrapper) on loopback node `node`; a
     process that exits while they are looked at is simply not listed."""
-    from cluster.loopback import on_node
+    from .loopback import on_node
 
     out = []
     for pid in on_node(job_pids(tag), node):

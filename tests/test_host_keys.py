@@ -14,9 +14,10 @@ from django.core.management import CommandError, call_command
 from cluster import monitor
 from cluster.fanout import node_request
 from cluster.links import HostKeyError, LinkError, pool
-from cluster.loopback import SSH_KEYGEN, LoopbackCluster
 from cluster.models import Node
 from jobs.preflight import check_nodes
+
+from .loopback import SSH_KEYGEN, LoopbackCluster
 
 pytestmark = pytest.mark.e2e
 

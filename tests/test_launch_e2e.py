@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from cluster.loopback import on_node
 from jobs.follow import follow
 from jobs.models import Job, Rank
 from metrics.models import MetricPoint
 
 from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, training_pids, wait_for
+from .loopback import on_node
 
 pytestmark = pytest.mark.e2e
 

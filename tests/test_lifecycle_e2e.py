@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from cluster.loopback import on_node
 from jobs.models import Job, Rank
 from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
 
 from .conftest import REPO, SLOW_TRAIN, job_pids, wait_for
+from .loopback import on_node
 
 pytestmark = pytest.mark.e2e
 SCRIPTS = REPO / "tests" / "data" / "scripts"

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from cluster.loopback import LoopbackCluster, on_node
 from cluster.models import Alert, Node
 from jobs.models import Attempt, Job, Rank
 from metrics.models import MetricPoint
 
 from .conftest import REPO, cluster_yaml, job_pids, rendezvous_ports, wait_for
+from .loopback import LoopbackCluster, on_node
 from .test_browser import stop
 
 pytestmark = pytest.mark.e2e

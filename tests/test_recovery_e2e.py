@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from cluster.loopback import on_node
 from jobs import checkpoints
 from jobs.follow import follow
 from jobs.models import Attempt, Checkpoint, Job, Rank
@@ -24,6 +23,7 @@ from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
 
 from .conftest import job_pids, training_pids, wait_for
+from .loopback import on_node
 
 pytestmark = pytest.mark.e2e
 # 100 short steps, a checkpoint every 50, a metric line every 10 (the same on every run: same seed)
