@@ -103,7 +103,7 @@ from pathlib import Path
 from django.contrib.auth import get_user_model
 from django.contrib.auth.hashers import make_password
 from django.core.management import call_command
-from cluster.management.commands.import_sqlite import sqlite_database
+from jobs.management.commands.import_sqlite import sqlite_database
 from cluster.models import Node
 from jobs.models import Job
 with sqlite_database(Path({path!r}), "old_ugro") as alias:
