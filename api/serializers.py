@@ -78,6 +78,12 @@ class LaunchSerializer(serializers.Serializer):
     grad_accum = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=BATCH_MAX)
     hang_after_s = serializers.FloatField(required=False, allow_null=True, min_value=1, max_value=HANG_MAX_S,
                                           help_text="seconds without a metric line that make the job HUNG")  # fmt: skip
+    sync_upload = serializers.RegexField(
+        r"^[0-9a-f]{64}$", required=False, allow_blank=True, default="",
+        help_text="the digest POST /api/v1/sync gave for an uploaded directory: the ranks start in its copy",
+    )  # fmt: skip
+    allow_mismatch = serializers.BooleanField(required=False, default=False,
+                                              help_text="start even if the script differs between nodes")  # fmt: skip
 
     def validate(self, data):
         if data.get("nodes") and data.get("count") is not None:
@@ -104,7 +110,8 @@ class LaunchSerializer(serializers.Serializer):
             batch_weights=d["weights"], batch_weights_auto=d["batch_weights_auto"], retry=d["retry"],
             max_attempts=d.get("max_attempts"), min_nodes=d.get("min_nodes"), resume_template=d["resume_template"],
             checkpoint_glob=d["checkpoint_glob"], batch_template=d["batch_template"], batch=d.get("batch"),
-            grad_accum=d.get("grad_accum"), hang_after_s=d.get("hang_after_s"),
+            grad_accum=d.get("grad_accum"), hang_after_s=d.get("hang_after_s"), sync_upload=d["sync_upload"],
+            allow_mismatch=d["allow_mismatch"],
         )  # fmt: skip
 
 
@@ -153,6 +160,7 @@ class JobDetailSerializer(JobSerializer):
     launch_spread_s = serializers.FloatField(allow_null=True)
     ranks = RankSerializer(many=True)
     lines = serializers.ListField(child=serializers.CharField(), help_text="what `ugro status NAME` prints")
+    code = serializers.JSONField(allow_null=True, help_text="synced directory, git, per-node versions (docs/sync.md)")
 
 
 class LogsSerializer(serializers.Serializer):

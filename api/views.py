@@ -9,7 +9,9 @@ import csv
 import heapq
 import io
 import re
+import tarfile
 
+import yaml
 from django.http import Http404, HttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -29,17 +31,17 @@ from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import LinkError
 from cluster.models import Alert, Node
-from jobs import report
+from jobs import report, sync
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
-from jobs.models import Job, Rank, Sweep
+from jobs.models import Job, JobCode, Rank, Sweep
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
 from jobs.sweeps import trial_rows
 from metrics.models import FinalMetric, MetricPoint
 from metrics.series import metric_names
-from ugro_client import __version__
+from ugro_client import __version__, manifest
 from ugro_site.celery import NO_SCHEDULER, scheduler_alive, send_task, worker_alive
 
 from . import serializers as s
@@ -135,6 +137,7 @@ def job_detail(job: Job) -> dict:
             for r in ranks
         ],  # fmt: skip
         "lines": report.job_detail(job),
+        "code": report.code_record(job),
     }
 
 
@@ -475,9 +478,10 @@ class ClusterConfigView(APIView):
 
     policy_actions = {"GET": "view", "POST": "nodes"}
 
-    @extend_schema(summary="The cluster (nodes and settings) as cluster.yaml (`ugro export_cluster`)")
+    @extend_schema(summary="The cluster (nodes and settings) as cluster.yaml, and parsed (`ugro export_cluster`)")
     def get(self, request: Request) -> Response:
-        return Response({"yaml": export_cluster()})
+        text = export_cluster()
+        return Response({"yaml": text, "cluster": yaml.safe_load(text)})
 
     @extend_schema(summary='Import cluster.yaml, all or nothing (`ugro import_cluster`): body {"yaml": TEXT}')
     def post(self, request: Request) -> Response:
@@ -745,3 +749,80 @@ class PreflightView(APIView):
         report = run.report
         return Response({"ok": report.ok, "nodes": [n.name for n in run.nodes], "problems": report.problems,
                          "rendezvous": run.rendezvous, "notes": report.notes, "versions": report.versions})  # fmt: skip
+
+
+class SyncView(APIView):
+    """A directory a client syncs (`ugro launch --sync DIR`, docs/sync.md): its manifest first; the answer
+    names its digest and the files the controller lacks, which POST sync/objects then sends."""
+
+    policy_actions = {"POST": "launch"}
+
+    @extend_schema(summary='Register a directory to sync: body {"manifest": {"files": [...], "links": [...]}, '
+                   '"source": PATH, "git": {...}}; answers {"digest", "missing"}')  # fmt: skip
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        listing = body.get("manifest")
+        if not isinstance(listing, dict):
+            raise ValidationError("manifest: the directory's files (ugro_client.manifest)")
+        files = listing.get("files") if isinstance(listing.get("files"), list) else []
+        if len(files) > manifest.LIMIT_FILES:
+            raise ValidationError(f"more than {manifest.LIMIT_FILES} files to sync")
+        total = sum(f.get("size", 0) for f in files if isinstance(f, dict) and isinstance(f.get("size"), int))
+        if total > manifest.LIMIT_BYTES:
+            raise ValidationError(f"{total / 1e6:.1f} MB to sync is over the {manifest.LIMIT_BYTES / 1e6:.0f} MB limit")
+        source = f"{request.user.username}@{web_source(request)}:{str(body.get('source') or '')[:300]}"
+        try:
+            digest, missing = sync.record_upload(listing, source, body.get("git") or {})
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+        return Response({"digest": digest, "missing": missing})
+
+
+class SyncObjectsView(APIView):
+    """The files of a directory being synced, as a tar stream whose members are named by their sha256;
+    each is checked against its name before it is kept."""
+
+    policy_actions = {"POST": "launch"}
+
+    @extend_schema(summary="Upload files to sync: an application/x-tar body, one member per file named by its "
+                   "sha256; answers {\"stored\": N, \"bytes\": B}", request=None)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        stored, total = 0, 0
+        try:
+            with tarfile.open(fileobj=request._request, mode="r|") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        raise ValidationError(f"{member.name[:80]}: only files may be uploaded")
+                    total += member.size
+                    if total > manifest.LIMIT_BYTES:
+                        raise ValidationError(f"over the {manifest.LIMIT_BYTES / 1e6:.0f} MB upload limit")
+                    stream = tar.extractfile(member)
+                    sync.put_object(member.name, iter(lambda s=stream: s.read(1 << 20), b""), manifest.LIMIT_BYTES)
+                    stored += 1
+        except tarfile.TarError as exc:
+            raise ValidationError(f"not a tar stream: {exc}") from None
+        except sync.SyncError as exc:
+            raise ValidationError(str(exc)) from None
+        return Response({"stored": stored, "bytes": total}, status=status.HTTP_201_CREATED)
+
+
+class JobPackagesView(APIView):
+    """The packages installed in each node's training env when the job's latest attempt started (pip's
+    name==version, as `pip freeze` lists them): JSON, or one node's list as text (?node=N&text=1; DRF keeps
+    `format` for itself)."""
+
+    policy_actions = {"GET": "view"}
+
+    @extend_schema(summary="Each node's installed packages for a job (provenance; docs/sync.md)",
+                   parameters=[OpenApiParameter("node", str), OpenApiParameter("text", bool)])  # fmt: skip
+    def get(self, request: Request, name: str) -> HttpResponse:
+        job = _job(name)
+        packages = JobCode.objects.filter(job=job).values_list("packages", flat=True).first() or {}
+        node = request.query_params.get("node", "")
+        if node and node not in packages:
+            raise ValidationError(f"job {job.name} has no package list for node {node[:64]!r}")
+        if request.query_params.get("text") in ("1", "true"):
+            if not node:
+                raise ValidationError("text=1 needs node=NAME")
+            return HttpResponse("\n".join(packages[node]) + "\n", content_type="text/plain; charset=utf-8")
+        return Response({"job": job.name, "packages": {node: packages[node]} if node else packages})

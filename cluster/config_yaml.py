@@ -1,7 +1,8 @@
 """cluster.yaml in the user's own format, imported into (and exported from) the database.
 
 The format (from the user's setup guide): `cluster.{name,master_ip,master_port}`,
-`nodes.<name>.{ip,user,hostname,gpu,vram_gb,rank,role}`, `training.*`, `paths.*`.
+`nodes.<name>.{ip,user,hostname,gpu,vram_gb,rank,role}`, `training.*` (`training.sync`: a directory copied to
+every node before each job, docs/sync.md), `paths.*` (`paths.sync_roots`: where on the controller it may be).
 UGRO also reads optional per-node keys for what the original scripts hard-coded:
 `ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`,
 `gpu_reader`;
@@ -190,6 +191,13 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
     if not all(isinstance(r, str) and r.strip() and ".." not in r.split("/") for r in roots):
         raise doc.error("must be a list of directories (no '..'), e.g. ['{workdir}', '/opt/scripts']",
                         "paths", "script_roots")  # fmt: skip
+    sync_roots = _get(doc, paths, "sync_roots", list, ("paths",), [])
+    if not all(isinstance(r, str) and r.strip() and ".." not in r.split("/") for r in sync_roots):
+        raise doc.error("must be a list of directories on the controller (no '..'), e.g. ['~/projects']",
+                        "paths", "sync_roots")  # fmt: skip
+    sync_dir = _get(doc, training, "sync", str, ("training",), "")
+    if sync_dir and ("\0" in sync_dir or not sync_dir.strip()):
+        raise doc.error("must be a directory on the controller to copy to every node, or none", "training", "sync")
     args = _get(doc, training, "args", list, ("training",), [])
     if not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in args):
         raise doc.error("must be a list of strings, e.g. ['--model', '{model}']", "training", "args")

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
-AGENT_FILES = ("probe.py", "agent.py")
+AGENT_FILES = ("probe.py", "codesync.py", "agent.py")
 EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
 LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether its node went silent
 BOOTSTRAP = (

@@ -30,6 +30,7 @@ from django.conf import settings
 from cluster.fanout import node_request, on_each
 from cluster.models import Node
 
+from . import sync
 from .models import Checkpoint, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -187,11 +188,12 @@ def choose(job: Job, wanted: str | int | None = "latest") -> Checkpoint:
 
 
 def path_for_rank0(checkpoint: Checkpoint) -> str:
-    """How rank 0 names the checkpoint: relative to the workdir when it lies under it (the same relative
-    path then holds on any node it is copied to), else its absolute path."""
-    workdir = checkpoint.node.workdir.rstrip("/") + "/"
-    if checkpoint.path.startswith(workdir):
-        return checkpoint.path[len(workdir) :]
+    """How rank 0 names the checkpoint: relative to where the ranks start (the job's synced copy, else the
+    workdir) when it lies under it (the same relative path then holds on any node it is copied to), else
+    its absolute path."""
+    start = (sync.code_base(checkpoint.job, checkpoint.node) or checkpoint.node.workdir).rstrip("/") + "/"
+    if checkpoint.path.startswith(start):
+        return checkpoint.path[len(start) :]
     return checkpoint.path
 
 
@@ -217,7 +219,7 @@ def batch_args(job: Job) -> list[str]:
 
 def target_path(checkpoint: Checkpoint, node: Node) -> str:
     rel = path_for_rank0(checkpoint)
-    return rel if rel.startswith("/") else f"{node.workdir.rstrip('/')}/{rel}"
+    return rel if rel.startswith("/") else f"{(sync.code_base(checkpoint.job, node) or node.workdir).rstrip('/')}/{rel}"
 
 
 def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:

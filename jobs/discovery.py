@@ -16,6 +16,7 @@ from datetime import datetime
 from cluster.fanout import node_request
 from cluster.links import AgentRequestError, LinkError
 
+from . import sync
 from .models import Rank
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,10 @@ CLOCK_SLACK_S = 2.0
 
 def walk(rank: Rank, started: datetime) -> list[dict] | None:
     """The entries the node's walk found for this rank (None when the node did not answer)."""
+    root = sync.code_base(rank.job, rank.node) or rank.node.workdir  # where the ranks start
     try:
         answer = node_request(
-            rank.node, "discover", timeout=10, when_silent=False, root=rank.node.workdir,
+            rank.node, "discover", timeout=10, when_silent=False, root=root,
             since=started.timestamp() - CLOCK_SLACK_S, record=rank.start_record or None, max_depth=MAX_DEPTH,
             max_entries=MAX_ENTRIES, budget_s=WALK_BUDGET_S,
         )  # fmt: skip

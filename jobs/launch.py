@@ -9,6 +9,7 @@ started) if they are not all up within the sync window.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import posixpath
 import shlex
@@ -27,12 +28,12 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, lifecycle
+from . import checkpoints, lifecycle, sync
 from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_speeds, learned_vram
-from .models import DEFAULT_RESUME_TEMPLATE, Job, Rank
+from .models import DEFAULT_RESUME_TEMPLATE, Job, JobCode, Rank
 from .preflight import PreflightReport, check_nodes, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
@@ -40,6 +41,8 @@ from .stop import stop_processes
 
 # The train_production.py interface; a cluster can name another script and template. An item whose
 # value was neither given nor configured is left out (with its option): nothing is passed silently.
+log = logging.getLogger(__name__)
+
 DEFAULT_ARGS_TEMPLATE = [
     "--model-name", "{model}", "--dataset-name", "{dataset}", "--num-epochs", "{epochs}",
     "--learning-rate", "{lr}",
@@ -109,6 +112,9 @@ class LaunchRequest:
     batch: int | None = None
     grad_accum: int | None = None
     hang_after_s: float | None = None
+    sync: str = ""  # a directory on the controller copied to every node; the ranks start in the copy
+    sync_upload: str = ""  # the digest of a directory a client uploaded (POST /api/v1/sync/...)
+    allow_mismatch: bool = False  # start even if the script's sha256 differs between nodes
 
 
 def _check_arg(value: str, what: str) -> str:
@@ -230,13 +236,41 @@ def render_args(template: list[str], values: dict[str, str | None]) -> list[str]
 def create_job(req: LaunchRequest) -> Job:
     """Validate a request and record it as a QUEUED job; raises LaunchError with a one-line reason."""
     job, pattern, files = build_job(req)
+    code = _snapshot_code(job, req)
     with transaction.atomic():
         # A job that never ran because its checks refused it leaves its name free for the fixed launch.
         _never_ran(req.name).delete()
         job.save()
+        code.job = job
+        code.save()
         if pattern or files:
             JobMetrics.objects.create(job=job, pattern=pattern, files=files)
     return job
+
+
+def _snapshot_code(job: Job, req: LaunchRequest) -> JobCode:
+    """The job's code record; with a directory to sync, its files taken into the controller's store now
+    (the job runs them as they are at launch, however long it queues). LaunchError in one line."""
+    code = JobCode(allow_mismatch=req.allow_mismatch)
+    if not job.sync_planned:
+        return code
+    kind, value = job.sync_planned
+    try:
+        if kind == "dir":
+            manifest, git = sync.snapshot(value)
+            listing, digest, code.sync_source, code.git = manifest.as_dict(), manifest.digest, value, git
+        else:
+            listing, digest = sync.load_manifest(value), value
+            code.sync_source, code.git = sync.upload_source(value), sync.upload_git(value)
+    except ValueError as exc:
+        raise LaunchError(problems=[("sync", str(exc))]) from None
+    if job.script not in {f["path"] for f in listing["files"]}:
+        where = code.sync_source or "the uploaded directory"
+        raise LaunchError(problems=[("script", f"script {job.script} is not in {where} (or .gitignore leaves it out)")])
+    code.sync_digest = digest
+    code.sync_files = len(listing["files"])
+    code.sync_bytes = sum(f["size"] for f in listing["files"])
+    return code
 
 
 def _never_ran(name: str):
@@ -297,7 +331,8 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         problems.append(("", "the cluster has no enabled nodes; import cluster.yaml or add nodes in admin"))
     elif count is not None and count > len(enabled):
         problems.append(("count", f"asked for {count} nodes but the cluster has {len(enabled)} enabled"))
-    if enabled and script is not None:
+    synced = check("sync", _check_sync, req, cs, script) if (req.sync or req.sync_upload or _default_sync(cs)) else None
+    if enabled and script is not None and not synced:
         # Any of these may run it: the script must be under an allowed root on each of them.
         runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
         check("script", _check_script_roots, script, runners, cs)
@@ -344,7 +379,32 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         after=after,
         **recovery,
     )  # fmt: skip
+    job.sync_planned = synced  # (source directory or upload digest): the ranks start in the job's copy
     return job, pattern, files
+
+
+def _default_sync(cs: ClusterSettings) -> str:
+    """The cluster's default directory to sync (cluster.yaml training.sync), '' when none."""
+    return str((cs.training or {}).get("sync") or "")
+
+
+def _check_sync(req: LaunchRequest, cs: ClusterSettings, script: str | None) -> tuple[str, str] | None:
+    """("dir", real path) or ("upload", digest) of the code to sync; None for none (`--sync none`)."""
+    if req.sync_upload:
+        if req.sync:
+            raise LaunchError("give --sync or an uploaded directory, not both")
+        manifest = sync.load_manifest(sync.check_digest(req.sync_upload))
+        if sync.missing_objects(manifest):
+            raise LaunchError(f"the uploaded directory {req.sync_upload[:12]} is not complete; upload it again")
+        chosen = ("upload", req.sync_upload)
+    else:
+        wanted = req.sync or _default_sync(cs)
+        if wanted == "none":
+            return None
+        chosen = ("dir", sync.check_source(wanted, cs))
+    if script and (posixpath.isabs(script) or script.startswith("~")):
+        raise LaunchError(f"with --sync the script is a path inside the synced directory, not {script}")
+    return chosen
 
 
 def _recovery_fields(req: LaunchRequest, nodes: int) -> dict[str, Any]:
@@ -533,7 +593,8 @@ def dry_run(req: LaunchRequest) -> list[str]:
         out.append(f"  (it would wait: {decision.reason}, {decision.detail}; these GPUs are its estimate)")
     for rank in ranks:
         gpus = f", GPUs {','.join(map(str, rank.gpu_indices))}" if rank.gpu_indices else ""
-        out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}{gpus}), in {rank.node.workdir}:")
+        where = sync.code_base(job, rank.node) or rank.node.workdir
+        out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}{gpus}), in {where}:")
         out.append("  " + shlex.join(rank_command(job, rank, len(ranks), job.rdzv_endpoint)))
         env = rank_env(job, rank)
         env["UGRO_JOB_ID"] = "<id>"  # given when the job is queued
@@ -581,7 +642,7 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
     args = _with_places(_with_local_batch(job.script_args, getattr(rank, "local_batch", None)), job, node)
     # the batch and resume arguments after the user's: argparse keeps the last value
     extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
-    return [*prefix, script_path(node, job.script), *args, *extra], len(prefix)
+    return [*prefix, script_path(node, job.script, sync.code_base(job, node)), *args, *extra], len(prefix)
 
 
 def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
@@ -682,7 +743,15 @@ def launch(job: Job) -> Job:
         return job
     boot_ids = {r.pk: (hello or {}).get("boot_id") or "" for r, hello, _ in reached}
 
-    problems = run_preflight(job, ranks)
+    if sync.job_sync_digest(job):
+        try:  # every node gets the job's code before anything else runs there
+            pushed = sync.push(job, [r.node for r in ranks])
+        except ValueError as exc:
+            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+            return job
+        log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
+                 pushed.seconds, pushed.sent_bytes)  # fmt: skip
+    problems = run_preflight(job, ranks, {r.node_id: sync.code_base(job, r.node) for r in ranks})
     if problems:
         lifecycle.fail_unstarted(
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
@@ -702,7 +771,8 @@ def launch(job: Job) -> Job:
         argv, script_index = rank_command_and_script_index(job, rank, len(ranks), job.rdzv_endpoint)
         result = node_request(
             rank.node, "start", timeout=left, argv=argv, script_index=script_index,
-            env=rank_env(job, rank), cwd=rank.node.workdir, log=rank.remote_log, exit_file=rank.remote_exit,
+            env=rank_env(job, rank), cwd=sync.code_base(job, rank.node) or rank.node.workdir, log=rank.remote_log,
+            exit_file=rank.remote_exit,
             key=rank.start_key, record=rank.start_record, mkdirs=[job_dir_on(job, rank.node)],
         )  # fmt: skip
         rank.pid = result["pid"]

@@ -339,3 +339,26 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job.name} attempt {self.number}"
+
+
+class JobCode(models.Model):
+    """What a job runs: the directory synced to its nodes (docs/sync.md), and per node the code and
+    environment each attempt found there (the script's sha256, Python, torch, CUDA, NCCL, driver, GPU,
+    installed packages). Written at launch and by each attempt's pre-flight; read by results, the job
+    page, the API and compare."""
+
+    job = models.OneToOneField(Job, on_delete=models.CASCADE, related_name="code")
+    sync_source = models.CharField(max_length=1000, blank=True, help_text="The directory synced ('' none).")
+    sync_digest = models.CharField(max_length=64, blank=True, help_text="sha256 of the snapshot's manifest.")
+    sync_files = models.PositiveIntegerField(default=0)
+    sync_bytes = models.BigIntegerField(default=0)
+    sync_s = models.FloatField(null=True, blank=True, help_text="The last attempt's copy to every node.")
+    sync_sent_bytes = models.BigIntegerField(default=0, help_text="What that copy sent (unchanged files: none).")
+    allow_mismatch = models.BooleanField(default=False, help_text="Start even if the script differs by node.")
+    git = models.JSONField(default=dict, help_text="commit, branch, dirty, diff of the code's repository.")
+    nodes = models.JSONField(default=dict, help_text="node -> versions and hashes, from the latest attempt.")
+    packages = models.JSONField(default=dict, help_text="node -> installed packages (name==version).")
+    attempt = models.PositiveIntegerField(default=0, help_text="The attempt `nodes` describes.")
+
+    def __str__(self) -> str:
+        return f"code of {self.job_id}"

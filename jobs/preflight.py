@@ -3,7 +3,8 @@
 Per node, concurrently: reachable; working directory and script present; declared GPUs visible
 and with enough free memory; disk free over UGRO["PREFLIGHT_DISK_FREE_GB"]; torch and CUDA
 versions of the node's training env (read with the python next to its torchrun). Across nodes:
-versions equal (a failure or a note, per UGRO["PREFLIGHT_VERSION_MISMATCH"]); the rendezvous
+versions equal (a failure or a note, per UGRO["PREFLIGHT_VERSION_MISMATCH"]), NCCL too; the script the
+same file on every node (its sha256; a failure unless the job allows a mismatch); the rendezvous
 address not loopback when a node is on another host; the rendezvous port free on rank 0's node
 and reachable from every other node over a real TCP connection (rank 0 listens, the others
 connect), after which the port is free again for torchrun.
@@ -11,10 +12,12 @@ connect), after which the port is free again for torchrun.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
 import os
+import posixpath
 import time
 from dataclasses import dataclass, field
 
@@ -24,14 +27,22 @@ from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
 
-from .models import Job, Rank
+from .models import Job, JobCode, Rank
 
 log = logging.getLogger(__name__)
 
-# Reads torch/version.py without importing torch (an import costs seconds on every launch);
+# Reads torch/version.py without importing torch (an import costs seconds on every launch), and the
+# installed distributions' metadata (NCCL as pip ships it for torch, every package for the job's record);
 # a torch that is present but broken still fails fast at rank start, with its last lines shown.
 VERSION_CODE = (
-    "import ast,importlib.util,json,os\n"
+    "import ast,importlib.util,json,os,sys\n"
+    "try:\n"
+    "    import importlib.metadata as md\n"
+    "    pk = sorted({'%s==%s' % ((d.metadata['Name'] or '?').lower(), d.version) for d in md.distributions()})\n"
+    "except Exception:\n"
+    "    pk = []\n"
+    "nccl = [p.split('==')[1] for p in pk if p.startswith('nvidia-nccl')]\n"
+    "base = {'python': sys.version.split()[0], 'nccl': nccl[0] if nccl else None, 'packages': pk[:3000]}\n"
     "try:\n"
     "    spec = importlib.util.find_spec('torch')\n"
     "    if spec is None or not spec.submodule_search_locations:\n"
@@ -42,9 +53,9 @@ VERSION_CODE = (
     "        target = st.targets[0] if isinstance(st, ast.Assign) else getattr(st, 'target', None)\n"
     "        if isinstance(target, ast.Name) and target.id in ('__version__', 'cuda') and st.value is not None:\n"
     "            found[target.id] = ast.literal_eval(st.value)\n"
-    "    print(json.dumps({'torch': found.get('__version__'), 'cuda': found.get('cuda')}))\n"
+    "    print(json.dumps(dict(base, torch=found.get('__version__'), cuda=found.get('cuda'))))\n"
     "except Exception as e:\n"
-    "    print(json.dumps({'error': '%s: %s' % (type(e).__name__, e)}))\n"
+    "    print(json.dumps(dict(base, error='%s: %s' % (type(e).__name__, e))))\n"
 )
 VERSION_TIMEOUT_S = 35.0
 LISTEN_S = 5.0
@@ -58,17 +69,20 @@ class PreflightReport:
 
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    versions: dict[str, dict] = field(default_factory=dict)
+    versions: dict[str, dict] = field(default_factory=dict)  # node -> python, torch, cuda, nccl, script...
+    packages: dict[str, list[str]] = field(default_factory=dict)  # node -> name==version, sorted
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def script_path(node: Node, script: str) -> str:
+def script_path(node: Node, script: str, base: str = "") -> str:
+    """The script's path on a node: as given when absolute, else under base (the job's synced copy) or
+    the node's working directory."""
     if os.path.isabs(script) or script.startswith("~"):
         return script
-    return f"{node.workdir.rstrip('/')}/{script}"
+    return f"{(base or node.workdir).rstrip('/')}/{script}"
 
 
 def env_python(node: Node) -> str | None:
@@ -88,20 +102,27 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _node_checks(node: Node, script: str, held: list[int] | None = None) -> tuple[list[str], list[str], dict | None]:
-    """(problems, notes, versions) for one node; link errors propagate to on_each.
+def _node_checks(
+    node: Node, script: str, held: list[int] | None = None, base: str = ""
+) -> tuple[list[str], list[str], dict | None]:
+    """(problems, notes, versions) for one node; link errors propagate to on_each. versions also holds
+    the script's sha256, the GPU model and driver, and the env's packages.
 
     held: the GPUs the job will use there (only those must have free memory: another job may be using
-    the node's other GPUs); None: all of them."""
+    the node's other GPUs); None: all of them. base: the job's synced copy, where its script is."""
     problems: list[str] = []
     notes: list[str] = []
     node.reach()  # a silent node fails here within the connect timeout, as in the health poll
-    path = script_path(node, script)
+    path = script_path(node, script, base)
     found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
+    script_sha = None
     if not found.get(node.workdir):
         problems.append(f"{node.name}: working directory {node.workdir} does not exist")
     elif not found.get(path):
         problems.append(f"{node.name}: script {path} not found")
+    else:
+        listed = node_request(node, "files", timeout=10, path=path)["files"]
+        script_sha = listed[0]["sha256"] if len(listed) == 1 else None
 
     sample = node_request(node, "probe", timeout=30, gpu_reader=node.gpu_reader or "auto", workdir=node.workdir)
     gpus = [g for g in sample.get("gpus") or [] if isinstance(g, dict)]
@@ -123,7 +144,7 @@ def _node_checks(node: Node, script: str, held: list[int] | None = None) -> tupl
     if isinstance(free_gb, (int, float)) and free_gb < need_gb:
         problems.append(f"{node.name}: {free_gb:g} GB free under {node.workdir} (needs {need_gb:g} GB)")
 
-    versions = None
+    versions: dict | None = None
     python = env_python(node)
     if python is None:
         why = f"{node.torchrun_command!r} is not a path to torchrun"
@@ -139,7 +160,10 @@ def _node_checks(node: Node, script: str, held: list[int] | None = None) -> tupl
             versions = None
         if versions and "error" in versions:
             problems.append(f"{node.name}: torch does not import with {python}: {versions['error']}")
-            versions = None
+            versions = {k: v for k, v in versions.items() if k != "error"}
+    named = next((g for g in gpus if g.get("name")), {})
+    versions = {**(versions or {}), "script_sha256": script_sha, "gpu": named.get("name"),
+                "gpus": len(gpus), "driver": named.get("driver")}  # fmt: skip
     return problems, notes, versions
 
 
@@ -181,14 +205,16 @@ def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
 
 
 def check_nodes(
-    nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int, held: dict[int, list[int]] | None = None
+    nodes: list[Node], script: str, rdzv_host: str, rdzv_port: int, held: dict[int, list[int]] | None = None,
+    base: dict[int, str] | None = None, allow_mismatch: bool = False,
 ) -> PreflightReport:
     """Every pre-flight check for a job on `nodes` (rank 0 first) with this script and rendezvous; held:
-    node id -> the GPUs the job holds there (None: every GPU of each node)."""
+    node id -> the GPUs the job holds there (None: every GPU of each node); base: node id -> the job's
+    synced copy there; allow_mismatch: a script that differs between nodes is a note, not a problem."""
     report = PreflightReport()
     reachable = []
-    held = held or {}
-    for node, result, err in on_each(nodes, lambda n: _node_checks(n, script, held.get(n.pk))):
+    held, base = held or {}, base or {}
+    for node, result, err in on_each(nodes, lambda n: _node_checks(n, script, held.get(n.pk), base.get(n.pk, ""))):
         if err is not None:
             why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
             report.problems.append(f"{node.name}: {why}")
@@ -198,14 +224,25 @@ def check_nodes(
         report.problems.extend(problems)
         report.notes.extend(notes)
         if versions is not None:
+            report.packages[node.name] = versions.pop("packages", None) or []
             report.versions[node.name] = versions
 
-    distinct = {(v.get("torch"), v.get("cuda")) for v in report.versions.values()}
+    scripts = {name: v["script_sha256"] for name, v in report.versions.items() if v.get("script_sha256")}
+    if len(set(scripts.values())) > 1:
+        each = ", ".join(f"{name} sha256 {sha[:12]}" for name, sha in scripts.items())
+        line = f"script {script} differs between nodes: {each}"
+        if allow_mismatch:
+            report.notes.append(line + " (started anyway: --allow-mismatch)")
+        else:
+            report.problems.append(line + "; sync it (launch --sync DIR) or pass --allow-mismatch")
+    checked = {name: v for name, v in report.versions.items() if "torch" in v}
+    distinct = {(v.get("torch"), v.get("cuda"), v.get("nccl")) for v in checked.values()}
     if len(distinct) > 1:
         each = ", ".join(
-            f"{name} torch {v.get('torch')} CUDA {v.get('cuda') or 'none'}" for name, v in report.versions.items()
+            f"{name} torch {v.get('torch')} CUDA {v.get('cuda') or 'none'} NCCL {v.get('nccl') or 'none'}"
+            for name, v in checked.items()
         )
-        line = f"torch/CUDA versions differ between nodes: {each}"
+        line = f"torch/CUDA/NCCL versions differ between nodes: {each}"
         if settings.UGRO["PREFLIGHT_VERSION_MISMATCH"] == "warn":
             report.notes.append(line)
         else:
@@ -226,11 +263,52 @@ def check_nodes(
     return report
 
 
-def run_preflight(job: Job, ranks: list[Rank]) -> list[str]:
-    """Return the problems found (empty when the job may start); notes go to the log."""
+def run_preflight(job: Job, ranks: list[Rank], base: dict[int, str] | None = None) -> list[str]:
+    """Return the problems found (empty when the job may start); notes go to the log. What each node
+    holds (script sha256, versions, packages) is recorded with the job (JobCode), whatever the outcome."""
     host, _, port = job.rdzv_endpoint.rpartition(":")
     held = {r.node_id: list(r.gpu_indices) for r in ranks if r.gpu_indices}
-    report = check_nodes([r.node for r in ranks], job.script, host, int(port), held)
+    code, _ = JobCode.objects.get_or_create(job=job)
+    report = check_nodes([r.node for r in ranks], job.script, host, int(port), held, base, code.allow_mismatch)
     for note in report.notes:
         log.warning("job %s pre-flight: %s", job.name, note)
+    record(job, code, ranks, report, base or {})
     return report.problems
+
+
+def record(job: Job, code: JobCode, ranks: list[Rank], report: PreflightReport, base: dict[int, str]) -> None:
+    """Keep what this attempt's nodes hold with the job: per node the versions, hashes and packages (the
+    package list once, its sha256 beside the versions); the script's repository on rank 0's node when the
+    job has no synced copy (whose repository was read at launch)."""
+    nodes = {}
+    for name, versions in report.versions.items():
+        packages = report.packages.get(name) or []
+        digest = hashlib.sha256("\n".join(packages).encode()).hexdigest() if packages else None
+        nodes[name] = {**versions, "packages_sha256": digest, "packages_count": len(packages)}
+    code.nodes, code.packages, code.attempt = nodes, dict(report.packages), job.attempt
+    fields = ["nodes", "packages", "attempt"]
+    if not code.sync_digest and ranks and not report.problems:
+        code.git = _git_on(ranks[0].node, script_path(ranks[0].node, job.script))
+        fields.append("git")
+    code.save(update_fields=fields)
+
+
+def _git_on(node: Node, script: str) -> dict:
+    """The commit, branch and uncommitted diff of the git repository holding the script on a node ({} if
+    none, or git is not installed there)."""
+    directory = posixpath.dirname(script)
+
+    def git(*args: str) -> str | None:
+        try:
+            out = node_request(node, "exec", timeout=15, argv=["git", "-C", directory, *args])
+        except (LinkError, AgentRequestError):
+            return None
+        return out["stdout"] if out.get("rc") == 0 else None
+
+    head = git("rev-parse", "HEAD", "--abbrev-ref", "HEAD")
+    if not head:
+        return {}
+    commit, _, branch = head.strip().partition("\n")
+    diff = git("diff", "HEAD", "--", ".") or ""
+    return {"commit": commit, "branch": branch.strip(), "dirty": bool(diff), "diff": diff,
+            "diff_truncated": len(diff) >= 65536, "where": f"{node.name}:{directory}"}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -13,7 +14,8 @@ from metrics.final import final_loss
 from metrics.models import LAST_FIRST, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from .models import Checkpoint, Job
+from . import sync
+from .models import Checkpoint, Job, JobCode
 
 
 def get_job(name: str) -> Job:
@@ -193,7 +195,112 @@ def job_record(job: Job) -> dict:
             }
             for r in ranks
         ],
+        "code": code_record(job),
     }
+
+
+def code_record(job: Job) -> dict | None:
+    """What the job runs (docs/sync.md): its synced directory and the time its copy took, the code's git
+    commit, and per node the script's sha256 and the environment's versions (packages: their sha256 and
+    count here, the full lists from GET /api/v1/jobs/<name>/packages)."""
+    try:
+        code = job.code
+    except JobCode.DoesNotExist:
+        return None
+    return {
+        "sync": {"source": code.sync_source, "digest": code.sync_digest, "files": code.sync_files,
+                 "bytes": code.sync_bytes, "seconds": code.sync_s, "sent_bytes": code.sync_sent_bytes}
+        if code.sync_digest else None,
+        "git": code.git or None,
+        "allow_mismatch": code.allow_mismatch,
+        "attempt": code.attempt or None,
+        "nodes": code.nodes,
+    }  # fmt: skip
+
+
+def code_lines(job: Job) -> list[str]:
+    """The job's code and environment, a few lines for `status NAME` and `results`."""
+    record = code_record(job)
+    if record is None:
+        return []
+    out = []
+    synced = record["sync"]
+    if synced:
+        took = f", copied to the nodes in {synced['seconds']:.2f}s ({synced['sent_bytes']} bytes sent)" if (
+            synced["seconds"] is not None) else ""  # fmt: skip
+        out.append(f"  code: {synced['source']} synced ({synced['files']} files, {synced['bytes']} bytes){took}")
+    git = record["git"]
+    if git:
+        dirty = ", uncommitted changes" if git.get("dirty") else ""
+        out.append(f"  git: {git.get('commit', '')[:12]} on {git.get('branch') or '-'}{dirty}")
+    for name, v in sorted(record["nodes"].items()):
+        sha = (v.get("script_sha256") or "-")[:12]
+        out.append(
+            f"  {name}: script {sha}, Python {v.get('python') or '-'}, torch {v.get('torch') or '-'}, "
+            f"CUDA {v.get('cuda') or '-'}, NCCL {v.get('nccl') or '-'}, driver {v.get('driver') or '-'}, "
+            f"GPU {v.get('gpu') or '-'}, {v.get('packages_count') or 0} packages "
+            f"({(v.get('packages_sha256') or '-')[:12]})"
+        )
+    return out
+
+
+CODE_FIELDS = (("python", "Python"), ("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"),
+               ("gpu", "GPU"), ("script_sha256", "script sha256"), ("packages_sha256", "packages"))  # fmt: skip
+
+
+def code_rows(jobs: list[Job]) -> list[dict]:
+    """What each job ran, one row per item (code, commit, per-node versions), marked where the jobs differ;
+    a node's value is shown once when every node had the same."""
+    codes = {c.job_id: c for c in JobCode.objects.filter(job__in=jobs)}
+    columns: dict[str, list[str]] = {"code": [], "git commit": [], "uncommitted changes": []}
+    for job in jobs:
+        code = codes.get(job.pk)
+        git = code.git if code else {}
+        columns["code"].append(f"{code.sync_source} ({code.sync_digest[:12]})" if code and code.sync_digest else "")
+        columns["git commit"].append(f"{git.get('commit', '')[:12]} {git.get('branch') or ''}".strip() if git else "")
+        diff = git.get("diff") or ""
+        columns["uncommitted changes"].append(
+            f"{len(diff.splitlines())} diff lines, sha256 {hashlib.sha256(diff.encode()).hexdigest()[:12]}" if diff else
+            ("none" if git else "")
+        )  # fmt: skip
+    for key, label in CODE_FIELDS:
+        column = []
+        for job in jobs:
+            nodes = codes[job.pk].nodes if job.pk in codes else {}
+            values = {name: str(v.get(key) or "-")[: 12 if key.endswith("sha256") else 60] for name, v in nodes.items()}
+            distinct = set(values.values())
+            column.append(next(iter(distinct)) if len(distinct) == 1 else
+                          ", ".join(f"{n}: {v}" for n, v in sorted(values.items())))  # fmt: skip
+        columns[label] = column
+    if not any(v for values in columns.values() for v in values):
+        return []
+    return [{"name": k, "values": v, "differs": len(set(v)) > 1} for k, v in columns.items()]
+
+
+def code_changes(base: Job, other: Job) -> dict:
+    """What changed from one job's code and environment to another's: files of their synced directories
+    (added, removed, changed), and rank 0's node's packages (added, removed, other version)."""
+    codes = {c.job_id: c for c in JobCode.objects.filter(job__in=[base, other])}
+    a, b = codes.get(base.pk), codes.get(other.pk)
+    files: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+    if a and b and a.sync_digest and b.sync_digest and a.sync_digest != b.sync_digest:
+        try:
+            old = {f["path"]: f["sha256"] for f in sync.load_manifest(a.sync_digest)["files"]}
+            new = {f["path"]: f["sha256"] for f in sync.load_manifest(b.sync_digest)["files"]}
+        except ValueError:
+            old = new = {}
+        files = {"added": sorted(set(new) - set(old)), "removed": sorted(set(old) - set(new)),
+                 "changed": sorted(p for p in set(old) & set(new) if old[p] != new[p])}  # fmt: skip
+
+    def first(code: JobCode | None) -> dict[str, str]:
+        listing = next(iter(code.packages.values()), []) if code and code.packages else []
+        return dict(p.split("==", 1) if "==" in p else (p, "") for p in listing)
+
+    pa, pb = first(a), first(b)
+    packages = [f"+ {n}=={pb[n]}" for n in sorted(set(pb) - set(pa))]
+    packages += [f"- {n}=={pa[n]}" for n in sorted(set(pa) - set(pb))]
+    packages += [f"{n} {pa[n]} -> {pb[n]}" for n in sorted(set(pa) & set(pb)) if pa[n] != pb[n]]
+    return {"base": base.name, "other": other.name, "files": files, "packages": packages}
 
 
 def job_detail(job: Job) -> list[str]:
@@ -216,6 +323,7 @@ def job_detail(job: Job) -> list[str]:
             f"  rank {r.index} on {r.node.name:14} {gpus:12} {r.state:8} exit {r.exit_text():>6}  "
             f"{r.log_lines} lines ({r.log_offset} bytes)"
         )
+    out.extend(code_lines(job))
     if job.failure_reason:
         out.append("  reason: " + job.failure_reason.replace("\n", "\n  "))
     if job.state == Job.State.QUEUED and job.wait_nodes:

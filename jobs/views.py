@@ -184,6 +184,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         attempt_marks_json=json.dumps(marks),
         stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
         waiting=report.waiting_text(job) if job.state == Job.State.QUEUED and job.wait_nodes else "",
+        code=report.code_record(job),
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
@@ -420,6 +421,10 @@ class LaunchForm(forms.Form):
         required=False, min_value=1, max_value=HANG_MAX_S, label="Hung after (s)",
         help_text="seconds without a metric line",
     )  # fmt: skip
+    allow_mismatch = forms.BooleanField(
+        required=False, label="Allow a script that differs between nodes",
+        help_text="pre-flight refuses by default (docs/sync.md)",
+    )  # fmt: skip
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -493,6 +498,7 @@ class LaunchForm(forms.Form):
             batch=d.get("batch"),
             grad_accum=d.get("grad_accum"),
             hang_after_s=d.get("hang_after_s"),
+            allow_mismatch=bool(d.get("allow_mismatch")),
         )
 
     def add_launch_problems(self, exc: LaunchError) -> None:

@@ -8,6 +8,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
+from jobs import report
 from jobs.models import Job
 from jobs.report import attempt_marks, human_duration
 
@@ -119,6 +120,8 @@ def compare(request: HttpRequest) -> HttpResponse:
             "metric": metric,
             "metric_names": names,
             "config": config_rows(chosen),
+            "code": report.code_rows(chosen),
+            "changes": [report.code_changes(chosen[0], other) for other in chosen[1:]],
             "chosen_ids": [j.pk for j in chosen],
             "choices": Job.objects.exclude(state=Job.State.QUEUED)[:COMPARE_CHOICES],
             "nav": "compare",

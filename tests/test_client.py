@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pathspec
 import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
@@ -36,6 +37,8 @@ def ugro_script(tmp_path_factory) -> tuple[Path, Path]:
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
                     str(target), str(src)], check=True, capture_output=True, timeout=120)  # fmt: skip
+    # the client's one dependency (pure Python), as pip would bring it, from the controller's environment
+    shutil.copytree(Path(pathspec.__file__).parent, target / "pathspec", ignore=shutil.ignore_patterns("__pycache__"))
     return target / "bin" / "ugro", target
 
 

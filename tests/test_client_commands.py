@@ -5,7 +5,9 @@ under a role that does not allow it."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 
 import pytest
 from django.contrib.auth.models import Group, User
@@ -13,7 +15,10 @@ from django.utils import timezone
 
 from accounts.tokens import create_token
 from cluster.models import Alert, Node
-from jobs.models import Job, Sweep
+from jobs import sync
+from jobs.models import Job, JobCode, Sweep
+from ugro_client.cli import upload
+from ugro_client.http import ApiError, Client
 
 from .test_client import server, ugro, ugro_script  # noqa: F401
 
@@ -100,6 +105,8 @@ def test_alerts_lists_the_open_ones_and_all_with_json(ugro_script, server):  # n
 def test_cluster_yaml_is_exported_and_imported_by_an_operator_only(ugro_script, server, operator, tmp_path):  # noqa: F811
     exported = ugro(ugro_script, server, "export_cluster")
     assert exported.returncode == 0 and "n1" in exported.stdout and "127.0.0.2" in exported.stdout
+    as_json = json.loads(ugro(ugro_script, server, "export_cluster", "--json").stdout)
+    assert as_json["nodes"]["n1"]["ip"] == "127.0.0.2"
     path = tmp_path / "cluster.yaml"
     path.write_text(exported.stdout.replace("127.0.0.2", "127.0.0.9"))
     # a launcher may not change the cluster: one line, nothing changed
@@ -166,10 +173,10 @@ def test_the_client_installs_alone_on_an_old_python_without_django(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO / "ugro_client", src, ignore=shutil.ignore_patterns("__pycache__", "build"))
     client = tomllib.loads((src / "pyproject.toml").read_text())["project"]
-    assert client["requires-python"] == ">=3.9" and "dependencies" not in client
+    assert client["requires-python"] == ">=3.9" and client["dependencies"] == ["pathspec>=0.12"]
     assert client["version"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     target = tmp_path / "site"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(src)],
+    subprocess.run([python, "-m", "pip", "install", "-q", "--target", str(target), str(src)],
                    check=True, capture_output=True, timeout=180)  # fmt: skip
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(target), "HOME": str(tmp_path), "UGRO_URL": "http://127.0.0.1:9"}
     shown = subprocess.run([python, str(target / "bin" / "ugro"), "--version"], env=env, capture_output=True,
@@ -261,3 +268,41 @@ def test_preflight_through_the_client_names_each_problem_and_exits_1(ugro_script
     assert failed.stderr.startswith("ugro preflight: failed on 1 node(s): ")
     unknown = ugro(ugro_script, server, "preflight", "--nodes", "n1,ghost")
     assert unknown.returncode == 3 and unknown.stderr == "ugro preflight: unknown node(s): ghost\n"
+
+
+def test_launch_sync_uploads_the_directory_once_and_the_job_runs_its_copy(ugro_script, server, tmp_path, settings):  # noqa: F811
+    settings.DATA_DIR = tmp_path / "data"
+    project = tmp_path / "proj"
+    (project / "lib").mkdir(parents=True)
+    (project / "train.py").write_text("print('hi')\n")
+    (project / "lib" / "big.py").write_bytes(b"#" * 300_000)
+    (project / ".gitignore").write_text("*.ckpt.bak\n")
+    (project / "old.ckpt.bak").write_text("x")
+    # a laptop's `ugro launch --sync DIR` uploads the tree (not what .gitignore leaves out) and queues the job
+    done = ugro(ugro_script, server, "launch", "--name", "up1", "--sync", str(project), "--script", "train.py",
+                "--detach", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    code = JobCode.objects.get(job__name="up1")
+    assert code.sync_files == 3 and code.sync_source.startswith("dana@") and code.sync_source.endswith(str(project))
+    listed = {f["path"] for f in sync.load_manifest(code.sync_digest)["files"]}
+    assert listed == {"train.py", "lib/big.py", ".gitignore"} and not sync.missing_objects(sync.load_manifest(
+        code.sync_digest))  # fmt: skip
+    # the same tree again sends no file: the server has every one
+    sent = []
+    client = Client(server["url"], server["token"])
+    original = client.post_bytes
+    client.post_bytes = lambda *a: sent.append(a) or original(*a)
+    assert upload(client, str(project)) == code.sync_digest and sent == []
+    # a script outside the uploaded tree is refused in one line, and bytes that are not their name are not kept
+    bad = ugro(ugro_script, server, "launch", "--name", "up2", "--sync", str(project), "--script", "nope.py",
+               "--detach")  # fmt: skip
+    assert bad.returncode == 3 and "script nope.py is not in dana@" in bad.stderr and bad.stderr.count("\n") == 1
+    assert not Job.objects.filter(name="up2").exists()
+    tampered = Client(server["url"], server["token"])
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("0" * 64)
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    with pytest.raises(ApiError, match="the uploaded bytes have sha256"):
+        tampered.post_bytes("sync/objects", buffer.getvalue(), "application/x-tar")

@@ -145,8 +145,20 @@ def _subparser(name: str) -> argparse.ArgumentParser:
     raise AssertionError(name)
 
 
+def test_every_client_command_answers_with_json_when_asked():
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, parser in action.choices.items():
+                if name == "help":
+                    continue
+                verbs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+                for sub in verbs[0].choices.values() if verbs else [parser]:
+                    assert "--json" in sub.format_usage(), f"`ugro {name}` has no --json"
+
+
 # the same option under another name on a surface: manage.py's dest -> the client's, the API's
-RENAMED = {"node": ("nodes", "nodes"), "nodes": ("count", "count"), "extra": ("extra", "extra_args")}
+RENAMED = {"node": ("nodes", "nodes"), "nodes": ("count", "count"), "extra": ("extra", "extra_args"),
+           "sync": ("sync", "sync_upload")}  # the client uploads the directory; the API takes its digest
 SURFACE_ONLY = {"detach", "json", "as_user"}  # how a command answers or whom it acts as, not what is launched
 
 
@@ -171,7 +183,8 @@ def test_the_launch_form_takes_every_launch_field_with_the_apis_bounds(db):
 
     form = LaunchForm().fields
     api = LaunchSerializer().fields
-    assert set(api) - {"dry_run"} - set(form) == set(), "the launch form lacks these launch fields"
+    # a browser has no directory to upload: code is synced from the command line (ugro launch --sync DIR)
+    assert set(api) - {"dry_run", "sync_upload"} - set(form) == set(), "the launch form lacks these launch fields"
     assert set(form) - set(api) == set()
     for name, field in form.items():
         for bound in ("min_value", "max_value"):

@@ -105,13 +105,13 @@ def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, s
     Node.objects.filter(name="node3").update(torchrun_command=fake_env(tmp_path, "2.1.0", "12.1"))
     # when launched: it fails naming every node's versions
     job = launch_fails("mismatch", "--nodes", "3")
-    assert "torch/CUDA versions differ between nodes:" in job.failure_reason
+    assert "torch/CUDA/NCCL versions differ between nodes:" in job.failure_reason
     assert "node3 torch 2.1.0 CUDA 12.1" in job.failure_reason and "node1 torch 2.13" in job.failure_reason
     # when the setting says warn: the pre-flight passes with a note
     settings.UGRO = {**settings.UGRO, "PREFLIGHT_VERSION_MISMATCH": "warn"}
     out = io.StringIO()
     call_command("preflight", stdout=out)
-    assert "note: torch/CUDA versions differ" in out.getvalue() and "pre-flight passed" in out.getvalue()
+    assert "note: torch/CUDA/NCCL versions differ" in out.getvalue() and "pre-flight passed" in out.getvalue()
 
 
 def test_unreachable_rendezvous_from_a_worker_fails(lab, rdzv_port):

@@ -26,7 +26,7 @@ from cluster.links import AGENT_FILES, AgentRequestError, Endpoint, NodeLink
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROBE_PATH = REPO_ROOT / "cluster" / "node" / "probe.py"
 SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia_smi"
-GPU_KEYS = {"index", "name", "uuid", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w"}
+GPU_KEYS = {"index", "name", "uuid", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "driver"}
 SAMPLE_KEYS = {
     "time",
     "hostname",
@@ -52,6 +52,7 @@ FIXTURE_GPUS = [
         "mem_total_mb": 12282,
         "temp_c": 54,
         "power_w": 41.23,
+        "driver": None,  # the recorded query predates driver_version; the fixture file has none either
     },
     {
         "index": 1,
@@ -62,6 +63,7 @@ FIXTURE_GPUS = [
         "mem_total_mb": 12282,
         "temp_c": 33,
         "power_w": None,
+        "driver": None,
     },
 ]
 # The python the local agent runs under: the node default when this machine has it.
@@ -304,6 +306,7 @@ def _fake_pynvml() -> types.SimpleNamespace:
         ),
         nvmlDeviceGetTemperature=lambda h, sensor: FIXTURE_GPUS[h]["temp_c"],
         nvmlDeviceGetPowerUsage=power,
+        nvmlSystemGetDriverVersion=lambda: b"580.65.06",
     )
 
 
@@ -314,7 +317,13 @@ def test_probe_nvml_reader(probe: types.ModuleType, no_gpu_tools: None, monkeypa
     sample = probe.op_probe({})
     # Then NVML is the source, units match nvidia-smi's, and the unsupported field is None
     assert sample["gpu_source"] == "nvml" and sample["gpu_error"] is None
-    assert sample["gpus"] == FIXTURE_GPUS
+    assert sample["gpus"] == [dict(g, driver="580.65.06") for g in FIXTURE_GPUS]
+
+
+def test_the_driver_version_is_read_from_nvidia_smi_too(probe: types.ModuleType) -> None:
+    text = "0, NVIDIA H200, GPU-1, 0, 1, 143771, 30, 75.2, 570.133.20\n"
+    (gpu,) = probe.parse_nvidia_smi_csv(text)
+    assert gpu["driver"] == "570.133.20" and gpu["mem_total_mb"] == 143771
 
 
 # -- system readings -------------------------------------------------------------------------------

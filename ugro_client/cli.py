@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
+import tarfile
 import time
 
-from . import __version__
+from . import __version__, manifest
 from .http import EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_USAGE, ApiError, Client, token_path
 
 GROUPS = [
@@ -93,6 +95,11 @@ def build_parser() -> Parser:
     rec.add_argument("--batch", type=int, help="per-rank batch for --batch-template")
     rec.add_argument("--grad-accum", type=int, dest="grad_accum", help="accumulation for --batch-template")
     rec.add_argument("--hang-after", type=float, dest="hang_after_s", help="seconds without a metric line: HUNG")
+    code = p.add_argument_group("code on every node (docs/sync.md)")
+    code.add_argument("--sync", default="", metavar="DIR",
+                      help="upload DIR (.gitignore respected); the ranks start in its copy on every node")  # fmt: skip
+    code.add_argument("--allow-mismatch", action="store_true", dest="allow_mismatch",
+                      help="start even if the script's sha256 differs between nodes")  # fmt: skip
     p.add_argument("--detach", action="store_true", help="return once the job is queued")
     p.add_argument("--dry-run", action="store_true", dest="dry_run", help="print each rank's exact command only")
     p.add_argument("--json", action="store_true", help="the queued job as JSON (with --detach)")
@@ -183,6 +190,7 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("export_cluster", help="the cluster as cluster.yaml")
     p.add_argument("path", nargs="?", help="file to write (default: stdout)")
+    p.add_argument("--json", action="store_true", help="the same cluster as JSON")
     p = sub.add_parser("trust", help="pin a node's SSH host key")
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
@@ -327,14 +335,49 @@ LAUNCH_FIELDS = [
     ("batch_weights", "batch_weights"), ("retry", "retry"), ("max_attempts", "max_attempts"),
     ("min_nodes", "min_nodes"), ("resume_template", "resume_template"), ("checkpoint_glob", "checkpoint_glob"),
     ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
-    ("hang_after_s", "hang_after_s"),
+    ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"),
 ]  # fmt: skip
+UPLOAD_BATCH_BYTES = 16 * 1024 * 1024  # objects sent together in one tar, up to this much a request
+
+
+def upload(client: Client, directory: str) -> str:
+    """Send a directory to the server for `launch --sync`: its manifest, then (as tars) only the files the
+    server lacks; returns the digest a launch names. ApiError in one line for a tree that cannot go."""
+    try:
+        found = manifest.build(directory)
+    except manifest.ManifestError as exc:
+        raise ApiError(str(exc), EXIT_USAGE) from None
+    answer = client.post("sync", {"manifest": found.as_dict(), "source": found.root,
+                                  "git": manifest.git_info(found.root)})  # fmt: skip
+    missing = set(answer["missing"])
+    paths = {f["sha256"]: os.path.join(found.root, f["path"]) for f in found.files}
+    batch: list[str] = []
+    size = 0
+    for sha in sorted(missing):
+        batch.append(sha)
+        size += os.path.getsize(paths[sha])
+        if size >= UPLOAD_BATCH_BYTES:
+            _send_tar(client, batch, paths)
+            batch, size = [], 0
+    if batch:
+        _send_tar(client, batch, paths)
+    return answer["digest"]
+
+
+def _send_tar(client: Client, shas: list[str], paths: dict[str, str]) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for sha in shas:
+            tar.add(paths[sha], arcname=sha, recursive=False)
+    client.post_bytes("sync/objects", buffer.getvalue(), "application/x-tar")
 
 
 def cmd_launch(client: Client, a) -> int:
     if not a.name and not a.file:
         raise ApiError("--name is required (or a job file with -f that names the job)", EXIT_USAGE)
     body = with_file(a, LAUNCH_FIELDS, {key: getattr(a, dest) for key, dest in LAUNCH_FIELDS})
+    if a.sync and a.sync != "none":
+        body["sync_upload"] = upload(client, a.sync)
     answer = client.post("jobs/", body)
     if a.dry_run:
         if a.json:
@@ -539,7 +582,8 @@ def cmd_import_cluster(client: Client, a) -> int:
 
 
 def cmd_export_cluster(client: Client, a) -> int:
-    text = client.get("cluster")["yaml"]
+    answer = client.get("cluster")
+    text = json.dumps(answer["cluster"], indent=2) + "\n" if a.json else answer["yaml"]
     if a.path:
         with open(a.path, "w", encoding="utf-8") as fh:
             fh.write(text)

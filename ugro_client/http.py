@@ -64,13 +64,18 @@ class Client:
     def post(self, path: str, body: dict | None = None) -> Any:
         return self._call("POST", path, body)
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
+    def post_bytes(self, path: str, data: bytes, content_type: str) -> Any:
+        """POST a raw body (e.g. a tar of files to sync)."""
+        return self._call("POST", path, raw=data, content_type=content_type)
+
+    def _call(self, method: str, path: str, body: dict | None = None, raw: bytes | None = None,
+              content_type: str = "application/json") -> Any:  # fmt: skip
+        data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.url + "/api/v1/" + path.lstrip("/"), data=data, method=method)
         request.add_header("Authorization", f"Bearer {self.token}")
         request.add_header("Accept", "application/json")
         if data is not None:
-            request.add_header("Content-Type", "application/json")
+            request.add_header("Content-Type", content_type)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")

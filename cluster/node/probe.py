@@ -20,7 +20,7 @@ PROBE_PEER_CLOSE_S = 1.0
 PROBE_CPU_SAMPLE_S = 0.1
 # Jiffies (all CPUs, USER_HZ 100) in about 0.1 s: fewer make a meaningless CPU percentage.
 PROBE_CPU_MIN_JIFFIES = 10 * (os.cpu_count() or 1)
-PROBE_SMI_FIELDS = "index,name,uuid,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
+PROBE_SMI_FIELDS = "index,name,uuid,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw,driver_version"
 PROBE_GPU_KEYS = (
     "index",
     "name",
@@ -30,6 +30,7 @@ PROBE_GPU_KEYS = (
     "mem_total_mb",
     "temp_c",
     "power_w",
+    "driver",
 )
 
 # The agent is long-lived: CPU use is the delta since the previous probe's /proc/stat reading.
@@ -159,11 +160,13 @@ def _probe_smi_value(raw, kind):
 
 def parse_nvidia_smi_csv(text):
     """GPU dicts from `nvidia-smi --query-gpu=<PROBE_SMI_FIELDS> --format=csv,noheader,nounits`."""
-    kinds = ("int", "str", "str", "int", "int", "int", "int", "float")
+    kinds = ("int", "str", "str", "int", "int", "int", "int", "float", "str")
     gpus = []
     for row in csv.reader(text.splitlines(), skipinitialspace=True):
         if not row or not "".join(row).strip():
             continue
+        if len(row) == len(kinds) - 1:  # the fields before driver_version was asked for
+            row = row + [""]
         if len(row) != len(kinds):
             raise ValueError("unexpected nvidia-smi line: %r" % ", ".join(row))
         gpu = {}
@@ -200,6 +203,7 @@ def _probe_read_nvml():
     nv = _probe_nvml
     try:
         gpus = []
+        driver = _probe_text(_probe_nvml_call(nv.nvmlSystemGetDriverVersion))
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
             util = _probe_nvml_call(nv.nvmlDeviceGetUtilizationRates, h)
@@ -216,6 +220,7 @@ def _probe_read_nvml():
                     "mem_total_mb": mem.total // (1 << 20) if mem is not None else None,
                     "temp_c": temp,
                     "power_w": round(power / 1000.0, 2) if power is not None else None,
+                    "driver": driver,
                 }
             )
         return gpus

@@ -104,6 +104,14 @@ class Command(UserCommand):
             "--hang-after", type=float, dest="hang_after_s",
             help="seconds without a metric line that make the job HUNG (default 60, or 5x its interval)",
         )  # fmt: skip
+        code = parser.add_argument_group("code on every node (docs/sync.md)")
+        code.add_argument(
+            "--sync", default="", metavar="DIR",
+            help="copy DIR to every node before the ranks start, and start them there (none: not even the "
+            "cluster's default)",
+        )  # fmt: skip
+        code.add_argument("--allow-mismatch", action="store_true", dest="allow_mismatch",
+                          help="start even if the script's sha256 differs between nodes")  # fmt: skip
         parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     def handle(self, **o):
@@ -123,7 +131,7 @@ class Command(UserCommand):
             batch_weights_auto=auto, after=o["after"], retry=o["retry"], max_attempts=o["max_attempts"],
             min_nodes=o["min_nodes"], resume_template=o["resume_template"], checkpoint_glob=o["checkpoint_glob"],
             batch_template=o["batch_template"], batch=o["batch"], grad_accum=o["grad_accum"],
-            hang_after_s=o["hang_after_s"],
+            hang_after_s=o["hang_after_s"], sync=o["sync"], allow_mismatch=o["allow_mismatch"],
         )  # fmt: skip
         if o["dry_run"]:
             try:

@@ -1,0 +1,154 @@
+# UGRO node code sync: a content-addressed store of the files a job's directory holds, and the job's own
+# copy made from it. Sent after probe.py and before agent.py, exec'd together: stdlib only, Python >= 3.8,
+# no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
+#
+# The store (<workdir>/.ugro/objects/<sha256[:2]>/<sha256>) keeps every file once, read-only, whatever
+# directory or job it came from: a file unchanged since the node's last copy is never sent again. A job's
+# copy is built beside its place from hard links into the store (a copy where links cannot be made), and
+# moved into place only once whole, so a rank never starts in a partial tree.
+import base64
+import hashlib
+import json
+import os
+import shutil
+import time
+
+
+def _sync_object(store, sha):
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise AgentError("not a sha256: %r" % (sha,))
+    return os.path.join(os.path.expanduser(store), sha[:2], sha)
+
+
+def _sync_manifest_path(store, digest):
+    _sync_object(store, digest)  # checks it is a sha256
+    return os.path.join(os.path.expanduser(store), "manifests", digest + ".json")
+
+
+def _sync_have_object(store, sha, size):
+    try:
+        return os.stat(_sync_object(store, sha)).st_size == size
+    except OSError:
+        return False
+
+
+def _sync_rel(path):
+    """A manifest path, checked: relative, no '..', no empty or hidden-control parts."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\0" in path:
+        raise AgentError("bad path in manifest: %r" % (path,))
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise AgentError("bad path in manifest: %r" % (path,))
+    return path
+
+
+def op_sync_have(req):
+    """Which of the manifest's objects the store lacks. With only a digest: whether the node has that
+    manifest and every object it names ("known"), so an unchanged tree costs one small request."""
+    store = req["store"]
+    digest = req.get("digest")
+    manifest = req.get("manifest")
+    if manifest is None and digest:
+        try:
+            with open(_sync_manifest_path(store, digest)) as fh:
+                manifest = json.load(fh)
+        except (OSError, ValueError):
+            return {"known": False, "missing": None}
+    missing, seen = [], set()
+    for f in manifest["files"]:
+        sha = f["sha256"]
+        if sha not in seen:
+            seen.add(sha)
+            if not _sync_have_object(store, sha, int(f["size"])):
+                missing.append(sha)
+    if digest and not missing and req.get("manifest") is not None:
+        _sync_save_manifest(store, digest, manifest)
+    return {"known": not missing, "missing": missing}
+
+
+def _sync_save_manifest(store, digest, manifest):
+    path = _sync_manifest_path(store, digest)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as fh:
+        json.dump({"files": manifest["files"], "links": manifest.get("links") or []}, fh)
+    os.replace(tmp, path)
+
+
+def _sync_write_object(store, sha, data):
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise AgentError("checksum mismatch for object %s" % sha)
+    path = _sync_object(store, sha)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = "%s.%d.ugro-part" % (path, os.getpid())
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+
+
+def op_sync_put(req):
+    """Write whole small objects into the store, each checked against its sha256 before it is kept."""
+    written = 0
+    for blob in req["blobs"]:
+        data = base64.b64decode(blob["data"])
+        _sync_write_object(req["store"], blob["sha256"], data)
+        written += len(data)
+    return {"written": written}
+
+
+def op_sync_apply(req):
+    """Build the job's copy at req['dest'] from the store: every file of the manifest (given, or saved
+    by digest), its mode, and its symlinks; in '<dest>.ugro-part' first, moved into place only whole.
+    An object missing from the store fails the request and leaves dest as it was."""
+    store = req["store"]
+    manifest = req.get("manifest")
+    if manifest is None:
+        with open(_sync_manifest_path(store, req["digest"])) as fh:
+            manifest = json.load(fh)
+    dest = os.path.expanduser(req["dest"]).rstrip("/")
+    part = dest + ".ugro-part"
+    if os.path.lexists(part):
+        shutil.rmtree(part, ignore_errors=True)
+    os.makedirs(part)
+    count, total = 0, 0
+    try:
+        for f in manifest["files"]:
+            rel = _sync_rel(f["path"])
+            target = os.path.join(part, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            obj = _sync_object(store, f["sha256"])
+            if not _sync_have_object(store, f["sha256"], int(f["size"])):
+                raise AgentError("%s: object %s is not in the store" % (rel, f["sha256"][:12]))
+            if int(f.get("mode", 0o644)) & 0o111:
+                os.chmod(obj, 0o555)
+            try:
+                os.link(obj, target)
+            except OSError:  # another filesystem, or links not allowed: a copy
+                shutil.copyfile(obj, target)
+                os.chmod(target, int(f.get("mode", 0o644)) & 0o777)
+            count += 1
+            total += int(f["size"])
+        for link in manifest.get("links") or []:
+            rel = _sync_rel(link["path"])
+            pointed = os.path.normpath(os.path.join(os.path.dirname(rel), str(link["target"])))
+            if os.path.isabs(str(link["target"])) or pointed == ".." or pointed.startswith("../"):
+                raise AgentError("%s: a symlink out of the tree (to %s)" % (rel, link["target"]))
+            target = os.path.join(part, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(link["target"], target)
+        old = None
+        if os.path.lexists(dest):
+            old = "%s.ugro-old-%d" % (dest, int(time.time() * 1000))
+            os.rename(dest, old)
+        os.rename(part, dest)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    return {"files": count, "bytes": total}
+
+
+EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_apply": op_sync_apply})

@@ -1,0 +1,300 @@
+"""The same code on every node: a directory snapshotted when a job is launched, copied to every node of
+each attempt before its ranks start, and the ranks started in that copy (docs/sync.md).
+
+At launch the directory's manifest (ugro_client/manifest.py: .gitignore respected, EXCLUDED names left
+out, a size limit) is built and each file is kept once in the controller's content store
+(<data>/sync/objects/<sha256[:2]>/<sha256>), so the job runs the code as it was when launched, however
+long it queues. A `ugro` client uploads its directory's files into the same store through the API.
+
+Before an attempt starts, each node's own store is brought up to date over the links UGRO already holds
+(only objects the node lacks travel: small ones many to a request, big ones in chunks, every one checked
+against its sha256 on the node), then the job's copy is built at <workdir>/outputs/<job>/code from it and
+moved into place whole. A node that fails any step fails the attempt before a rank starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+from cluster.fanout import node_request, on_each
+from cluster.models import ClusterSettings, Node
+from ugro_client.manifest import Manifest, ManifestError, build, digest_of, file_sha256, git_info
+
+from .models import Job, JobCode
+
+BLOB_BATCH_BYTES = 4 * 1024 * 1024  # small objects sent together, up to this much a request
+CHUNK_BYTES = 4 * 1024 * 1024  # a big object travels in pieces of this size
+REQUEST_TIMEOUT_S = 60.0
+
+
+class SyncError(ValueError):
+    """A directory that cannot be synced, or a node that did not take it: one line."""
+
+
+@dataclass
+class Pushed:
+    seconds: float
+    sent_bytes: int
+    nodes: int
+
+
+def store_dir() -> Path:
+    return Path(settings.DATA_DIR) / "sync"
+
+
+def _object(sha: str) -> Path:
+    return store_dir() / "objects" / sha[:2] / sha
+
+
+def _manifest_file(digest: str) -> Path:
+    return store_dir() / "manifests" / f"{digest}.json"
+
+
+def node_store(node: Node) -> str:
+    return f"{node.workdir.rstrip('/')}/.ugro/objects"
+
+
+def code_dir_on(job: Job, node: Node) -> str:
+    """Where the job's copy lives on a node, and where its ranks start: <workdir>/outputs/<job>/code."""
+    return f"{node.workdir.rstrip('/')}/outputs/{job.name}/code"
+
+
+def job_sync_digest(job: Job) -> str:
+    """The digest of the job's code snapshot, '' when it runs from each node's working directory."""
+    if job.pk is None or job.pk < 0:
+        return ""
+    try:
+        return job.code.sync_digest
+    except JobCode.DoesNotExist:
+        return ""
+
+
+def code_base(job: Job, node: Node) -> str:
+    """Where the job's ranks start on a node: its synced copy, '' for the node's working directory."""
+    if getattr(job, "sync_planned", None) or job_sync_digest(job):
+        return code_dir_on(job, node)
+    return ""
+
+
+def check_digest(digest: str) -> str:
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise SyncError(f"not a sha256 digest: {str(digest)[:80]!r}")
+    return digest
+
+
+def sync_roots(cs: ClusterSettings) -> list[str]:
+    """Directories on the controller that `launch --sync` may read (cluster.yaml paths.sync_roots; by
+    default the home directory of the user UGRO runs as)."""
+    configured = [str(r) for r in (cs.paths or {}).get("sync_roots") or [] if str(r).strip()] or ["~"]
+    return [os.path.realpath(os.path.expanduser(r)) for r in configured]
+
+
+def check_source(path: str, cs: ClusterSettings) -> str:
+    """The real path of a directory to sync, refused in one line when it lies outside the sync roots."""
+    if not path or "\0" in path:
+        raise SyncError("--sync needs a directory")
+    real = os.path.realpath(os.path.expanduser(path))
+    roots = sync_roots(cs)
+    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+        raise SyncError(f"--sync {path}: outside the directories UGRO may sync ({', '.join(roots)}; "
+                        "cluster.yaml paths.sync_roots)")  # fmt: skip
+    if not os.path.isdir(real):
+        raise SyncError(f"--sync {path}: not a directory")
+    return real
+
+
+def snapshot(path: str) -> tuple[Manifest, dict]:
+    """Take the directory's files into the controller's store as they are now; (manifest, git info)."""
+    try:
+        manifest = build(path)
+    except ManifestError as exc:
+        raise SyncError(str(exc)) from None
+    for f in manifest.files:
+        target = _object(f["sha256"])
+        if target.exists() and target.stat().st_size == f["size"]:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(f"{target.name}.{os.getpid()}.part")
+        shutil.copyfile(os.path.join(manifest.root, f["path"]), part)
+        if file_sha256(str(part)) != f["sha256"]:  # changed while it was read: the launch says so
+            part.unlink()
+            raise SyncError(f"--sync: {f['path']} changed while it was copied; launch again")
+        part.replace(target)
+    save_manifest(manifest.as_dict())
+    return manifest, git_info(manifest.root)
+
+
+def save_manifest(manifest: dict) -> str:
+    digest = digest_of(manifest)
+    path = _manifest_file(digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"files": manifest["files"], "links": manifest.get("links", [])}))
+    tmp.replace(path)
+    return digest
+
+
+def load_manifest(digest: str) -> dict:
+    try:
+        return json.loads(_manifest_file(digest).read_text())
+    except (OSError, ValueError):
+        raise SyncError(f"the job's code snapshot {digest[:12]} is not in the controller's store") from None
+
+
+def missing_objects(manifest: dict) -> list[str]:
+    """The objects of a manifest the controller's store lacks (what an upload must still send)."""
+    missing = []
+    for f in manifest["files"]:
+        obj = _object(f["sha256"])
+        if not (obj.exists() and obj.stat().st_size == f["size"]) and f["sha256"] not in missing:
+            missing.append(f["sha256"])
+    return missing
+
+
+def push(job: Job, nodes: list[Node]) -> Pushed:
+    """Copy the job's snapshot to every node and build its copy there; SyncError naming the nodes that
+    failed (nothing has started then)."""
+    code = JobCode.objects.get(job=job)
+    manifest = load_manifest(code.sync_digest)
+    t0 = time.monotonic()
+    results = on_each(nodes, lambda node: _push_one(job, node, code.sync_digest, manifest))
+    failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
+    if failed:
+        raise SyncError("code sync failed on " + "; ".join(failed))
+    pushed = Pushed(time.monotonic() - t0, sum(sent for _, sent, _ in results), len(nodes))
+    JobCode.objects.filter(pk=code.pk).update(sync_s=pushed.seconds, sync_sent_bytes=pushed.sent_bytes)
+    return pushed
+
+
+def _push_one(job: Job, node: Node, digest: str, manifest: dict) -> int:
+    store = node_store(node)
+    have = node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest)
+    sent = 0
+    if not have["known"]:
+        have = node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
+                            manifest=manifest)  # fmt: skip
+        sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
+        sent = _send(node, store, have["missing"], sizes)
+        if sent or have["missing"]:  # the node saves the manifest once it holds every object
+            node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, manifest=manifest)
+    node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
+                 dest=code_dir_on(job, node))  # fmt: skip
+    return sent
+
+
+def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> int:
+    sent, batch, batch_bytes = 0, [], 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=batch)
+        batch, batch_bytes = [], 0
+
+    for sha in missing:
+        size = sizes[sha]
+        if size > CHUNK_BYTES:
+            _send_big(node, store, sha, size)
+        else:
+            if batch_bytes + size > BLOB_BATCH_BYTES:
+                flush()
+            batch.append({"sha256": sha, "data": base64.b64encode(_object(sha).read_bytes()).decode()})
+            batch_bytes += size
+        sent += size
+    flush()
+    return sent
+
+
+def _send_big(node: Node, store: str, sha: str, size: int) -> None:
+    path = f"{store}/{sha[:2]}/{sha}"
+    with open(_object(sha), "rb") as fh:
+        offset = 0
+        while True:
+            data = fh.read(CHUNK_BYTES)
+            last = offset + len(data) >= size
+            node_request(node, "put", timeout=REQUEST_TIMEOUT_S, path=path, offset=offset,
+                         data=base64.b64encode(data).decode(), sha256=sha if last else None)  # fmt: skip
+            offset += len(data)
+            if last or not data:
+                break
+
+
+# -- uploads from a client ---------------------------------------------------------------------------
+
+
+def _upload_file(digest: str) -> Path:
+    return store_dir() / "uploads" / f"{digest}.json"
+
+
+def record_upload(manifest: dict, source: str, git: dict) -> tuple[str, list[str]]:
+    """Keep an uploaded directory's manifest (and where it came from); (digest, objects still missing)."""
+    files = manifest.get("files")
+    if not isinstance(files, list) or not isinstance(manifest.get("links", []), list):
+        raise SyncError("a manifest is {\"files\": [...], \"links\": [...]}")
+    for f in files:
+        if not isinstance(f, dict) or not isinstance(f.get("path"), str) or not isinstance(f.get("size"), int):
+            raise SyncError("each manifest file needs path, sha256, size and mode")
+        check_digest(f.get("sha256"))
+        _check_rel(f["path"])
+    for link in manifest.get("links", []):
+        _check_rel(link.get("path"))
+    digest = save_manifest(manifest)
+    path = _upload_file(digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"source": source[:500], "git": git if isinstance(git, dict) else {}}))
+    return digest, missing_objects(manifest)
+
+
+def _check_rel(path: object) -> None:
+    if not isinstance(path, str) or not path or path.startswith("/") or "\0" in path:
+        raise SyncError(f"bad path in manifest: {str(path)[:200]!r}")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise SyncError(f"bad path in manifest: {path[:200]!r}")
+
+
+def put_object(sha: str, chunks, limit: int) -> int:
+    """Store one uploaded object from an iterable of byte chunks, checked against its sha256 (nothing is
+    kept otherwise); refuses more than limit bytes. Returns its size."""
+    check_digest(sha)
+    target = _object(sha)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f"{target.name}.{os.getpid()}.upload")
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as fh:
+            for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise SyncError(f"object {sha[:12]} is over the {limit / 1e6:.0f} MB upload limit")
+                h.update(chunk)
+                fh.write(chunk)
+        if h.hexdigest() != sha:
+            raise SyncError(f"object {sha[:12]}: the uploaded bytes have sha256 {h.hexdigest()[:12]}")
+        part.replace(target)
+    finally:
+        part.unlink(missing_ok=True)
+    return size
+
+
+def _upload_meta(digest: str) -> dict:
+    try:
+        return json.loads(_upload_file(digest).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def upload_source(digest: str) -> str:
+    return _upload_meta(digest).get("source") or f"upload {digest[:12]}"
+
+
+def upload_git(digest: str) -> dict:
+    return _upload_meta(digest).get("git") or {}

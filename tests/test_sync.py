@@ -1,0 +1,188 @@
+"""Code sync's parts without nodes: the manifest a directory makes (.gitignore, excludes, symlinks, limits),
+and the node agent's store and copy (a real agent process on this machine)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cluster.links import AgentRequestError, Endpoint, NodeLink
+from ugro_client import manifest
+
+
+def tree(root: Path, files: dict[str, bytes | str]) -> Path:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return root
+
+
+def test_the_manifest_respects_gitignore_and_leaves_out_outputs_caches_and_checkpoints(tmp_path):
+    # given a project with a .gitignore (and one in a subdirectory), outputs, caches and a checkpoint
+    tree(tmp_path, {
+        "train.py": "print(1)\n", "lib/model.py": "X = 1\n", ".gitignore": "data/\n*.log\n",
+        "data/shard0.bin": b"0" * 100, "run.log": "x", "lib/.gitignore": "scratch.py\n", "lib/scratch.py": "y",
+        "outputs/job/ckpt.txt": "o", "__pycache__/train.cpython-311.pyc": "c", "model.pt": b"w" * 10,
+        ".git/HEAD": "ref", "configs/base.yaml": "lr: 1\n",
+    })  # fmt: skip
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    # when its manifest is built
+    found = manifest.build(str(tmp_path))
+    # then only the code is listed, with each file's sha256, size and mode
+    paths = [f["path"] for f in found.files]
+    assert paths == [".gitignore", "configs/base.yaml", "lib/.gitignore", "lib/model.py", "run.sh", "train.py"]
+    by_path = {f["path"]: f for f in found.files}
+    assert by_path["train.py"]["sha256"] == hashlib.sha256(b"print(1)\n").hexdigest()
+    assert by_path["run.sh"]["mode"] & 0o111 and by_path["train.py"]["size"] == 9
+    # and the digest changes with any byte of the tree, and only then
+    again = manifest.build(str(tmp_path)).digest
+    assert again == found.digest
+    (tmp_path / "lib" / "model.py").write_text("X = 2\n")
+    assert manifest.build(str(tmp_path)).digest != found.digest
+
+
+def test_symlinks_inside_the_tree_are_kept_and_one_out_of_it_is_refused_in_one_line(tmp_path):
+    project = tree(tmp_path / "p", {"train.py": "x", "configs/a.yaml": "a"})
+    (project / "current.yaml").symlink_to("configs/a.yaml")
+    found = manifest.build(str(project))
+    assert found.links == [{"path": "current.yaml", "target": "configs/a.yaml"}]
+    (tmp_path / "secret").write_text("s")
+    (project / "leak").symlink_to(tmp_path / "secret")
+    with pytest.raises(manifest.ManifestError, match=r"^--sync: leak is a symlink out of the tree \(to .*secret\)$"):
+        manifest.build(str(project))
+
+
+def test_a_tree_over_the_limit_is_refused_naming_its_biggest_files(tmp_path):
+    tree(tmp_path, {"train.py": "x", "big/weights.npy": b"0" * 3000, "mid.csv": b"0" * 2000, "small.txt": "s"})
+    with pytest.raises(manifest.ManifestError) as err:
+        manifest.build(str(tmp_path), limit_bytes=4000)
+    assert "over the 0 MB limit" in str(err.value) and "biggest: big/weights.npy (0.0 MB), mid.csv" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(manifest.ManifestError, match="more than 2 files"):
+        manifest.build(str(tmp_path), limit_files=2)
+    with pytest.raises(manifest.ManifestError, match="not a directory"):
+        manifest.build(str(tmp_path / "train.py"))
+
+
+def test_git_info_names_the_commit_branch_and_the_uncommitted_diff(tmp_path):
+    tree(tmp_path, {"train.py": "a = 1\n"})
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@x"]
+    subprocess.run([*git, "init", "-q", "-b", "main"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    clean = manifest.git_info(str(tmp_path))
+    assert clean["branch"] == "main" and len(clean["commit"]) == 40 and clean["dirty"] is False
+    (tmp_path / "train.py").write_text("a = 2\n")
+    dirty = manifest.git_info(str(tmp_path))
+    assert dirty["dirty"] is True and "-a = 1\n+a = 2" in dirty["diff"] and dirty["commit"] == clean["commit"]
+    assert manifest.git_info(str(tmp_path.parent / "nowhere")) == {}
+
+
+# -- the node agent's store and copy ----------------------------------------------------------------
+
+
+@pytest.fixture
+def agent():
+    link = NodeLink(Endpoint(name="local-agent", address="127.0.0.1", transport="local"), connect_timeout=10)
+    yield link
+    link.close()
+
+
+def blob(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "data": base64.b64encode(data).decode()}
+
+
+def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, tmp_path):
+    store, dest = str(tmp_path / "store"), str(tmp_path / "job" / "code")
+    files = {"train.py": b"print('v1')\n", "lib/util.py": b"U = 1\n", "copy.py": b"print('v1')\n"}
+    listing = {
+        "files": [{"path": p, "sha256": hashlib.sha256(d).hexdigest(), "size": len(d), "mode": 0o644}
+                  for p, d in files.items()],
+        "links": [{"path": "latest.py", "target": "train.py"}],
+    }  # fmt: skip
+    digest = manifest.digest_of(listing)
+    # a node that never saw it knows nothing, and lacks each distinct object once
+    assert agent.request("sync_have", store=store, digest=digest) == {"known": False, "missing": None}
+    have = agent.request("sync_have", store=store, digest=digest, manifest=listing)
+    assert sorted(have["missing"]) == sorted({hashlib.sha256(d).hexdigest() for d in files.values()})
+    # an object whose bytes are not its name is refused and not kept
+    bad = dict(blob(b"print('v1')\n"), data=base64.b64encode(b"tampered").decode())
+    with pytest.raises(AgentRequestError, match="checksum mismatch"):
+        agent.request("sync_put", store=store, blobs=[bad])
+    agent.request("sync_put", store=store, blobs=[blob(d) for d in set(files.values())])
+    assert agent.request("sync_have", store=store, digest=digest, manifest=listing) == {"known": True, "missing": []}
+    # then the copy is built from the store: every file, its link, read-only objects shared by hard links
+    done = agent.request("sync_apply", store=store, digest=digest, dest=dest)
+    assert done == {"files": 3, "bytes": sum(len(d) for d in files.values())}
+    assert Path(dest, "lib/util.py").read_bytes() == b"U = 1\n" and os.readlink(Path(dest, "latest.py")) == "train.py"
+    assert os.stat(Path(dest, "train.py")).st_ino == os.stat(Path(dest, "copy.py")).st_ino
+    # and with a digest alone the node knows it (an unchanged tree costs one small request)
+    assert agent.request("sync_have", store=store, digest=digest)["known"] is True
+
+
+def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_was(agent, tmp_path):
+    store, dest = str(tmp_path / "store"), tmp_path / "code"
+    dest.mkdir()
+    (dest / "train.py").write_text("old")
+    data = b"new"
+    agent.request("sync_put", store=store, blobs=[blob(data)])
+    entry = {"path": "train.py", "sha256": hashlib.sha256(data).hexdigest(), "size": 3, "mode": 0o644}
+    absent = {"path": "lib.py", "sha256": "0" * 64, "size": 1, "mode": 0o644}
+    for listing, why in (
+        ({"files": [entry, absent]}, "lib.py: object 000000000000 is not in the store"),
+        ({"files": [dict(entry, path="../escape.py")]}, "bad path in manifest"),
+        ({"files": [entry], "links": [{"path": "x", "target": "../../etc/passwd"}]}, "a symlink out of the tree"),
+        ({"files": [entry], "links": [{"path": "x", "target": "/etc/passwd"}]}, "a symlink out of the tree"),
+    ):
+        with pytest.raises(AgentRequestError, match=why):
+            agent.request("sync_apply", store=store, manifest=listing, dest=str(dest))
+        assert (dest / "train.py").read_text() == "old" and not Path(str(dest) + ".ugro-part").exists()
+    assert not (tmp_path / "escape.py").exists()
+
+
+# -- what ran, on the pages -------------------------------------------------------------------------
+
+
+def test_the_job_page_and_compare_show_what_ran_and_what_changed_escaped(db, client, settings, tmp_path):
+    from django.contrib.auth import get_user_model
+
+    from jobs import sync
+    from jobs.models import Job, JobCode
+
+    settings.DATA_DIR = tmp_path
+    client.force_login(get_user_model().objects.create_user("viewer1", password="x" * 12))
+    old = {"files": [{"path": "train.py", "sha256": "a" * 64, "size": 1, "mode": 420},
+                     {"path": "gone.py", "sha256": "b" * 64, "size": 1, "mode": 420}]}  # fmt: skip
+    new = {"files": [{"path": "train.py", "sha256": "c" * 64, "size": 1, "mode": 420},
+                     {"path": "new.py", "sha256": "d" * 64, "size": 1, "mode": 420}]}  # fmt: skip
+    env = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "driver": "580.65.06",
+           "gpu": "NVIDIA H200", "script_sha256": "e" * 64, "packages_sha256": "f" * 64,
+           "packages_count": 2}  # fmt: skip
+    jobs = []
+    for name, listing, torch, diff in (("r1", old, "2.13.0", ""), ("r2", new, "2.14.0", "+<script>alert(1)</script>")):
+        job = Job.objects.create(name=name, script="train.py", state=Job.State.SUCCEEDED)
+        JobCode.objects.create(
+            job=job, sync_source="/home/u/proj", sync_digest=sync.save_manifest(listing), sync_files=2, sync_bytes=2,
+            sync_s=0.25, git={"commit": "1" * 40, "branch": "main", "dirty": bool(diff), "diff": diff},
+            nodes={"gpu1": {**env, "torch": torch}, "gpu2": env},
+            packages={"gpu1": ["numpy==2.1.0", f"torch=={torch}"], "gpu2": ["numpy==2.1.0", "torch==2.13.0"]},
+        )  # fmt: skip
+        jobs.append(job)
+    page = client.get(f"/jobs/{jobs[1].pk}/").content.decode()
+    assert 'id="code"' in page and "copied to the nodes in 0.25 s" in page and "NVIDIA H200" in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "<script>alert(1)" not in page
+    compare = client.get(f"/compare/?job={jobs[0].pk}&job={jobs[1].pk}").content.decode()
+    assert 'id="code-diff"' in compare and "gpu1: 2.13.0, gpu2: 2.13.0" not in compare
+    assert "gpu1: 2.14.0, gpu2: 2.13.0" in compare  # the nodes differed in r2: each is named
+    assert "~ train.py" in compare and "+ new.py" in compare and "- gone.py" in compare
+    assert "torch 2.13.0 -&gt; 2.14.0" in compare
+    listed = client.get("/api/v1/jobs/r2/packages?node=gpu1&text=1")
+    assert listed.status_code == 200, listed.content
+    assert listed.content.decode() == "numpy==2.1.0\ntorch==2.14.0\n"

@@ -1,0 +1,155 @@
+"""The same code on every node, on real sshd nodes whose workdirs differ and real torchrun: a directory
+synced before the ranks start (only what changed travels), a script that differs between nodes refused by
+name, and what ran (code, environment) recorded with each job."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from cluster.models import ClusterSettings
+from jobs.follow import follow
+from jobs.models import Job, JobCode
+from jobs.reconcile import reconcile
+from ugro_client import manifest
+
+from .conftest import NODE_ENV, wait_for
+from .test_sync import tree
+
+pytestmark = pytest.mark.e2e
+
+# A script that imports a module beside it and says which version of it ran, where, on which rank.
+SCRIPT = (
+    "import os\n"
+    "from lib.version import VERSION\n"
+    "print(f\"VERSION={VERSION} in {os.getcwd()} rank {os.environ['UGRO_NODE_RANK']}\", flush=True)\n"
+)
+
+
+def run(*args: str) -> str:
+    out = io.StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def finish(job: Job) -> Job:
+    def ended() -> bool:
+        follow(0.5, job_ids=[job.pk])
+        reconcile([job.pk], orphans=False)
+        return Job.objects.get(pk=job.pk).is_ended and not job.ranks.filter(state="running").exists()
+
+    wait_for(ended, timeout=120, interval=0.05, what=f"job {job.name} to end")
+    job.refresh_from_db()
+    return job
+
+
+@pytest.fixture
+def project(lab, tmp_path):
+    """A code directory under a sync root, in git, with data its .gitignore leaves out."""
+    cs = ClusterSettings.load()
+    cs.paths = {**(cs.paths or {}), "sync_roots": [str(tmp_path / "code")]}
+    cs.save()
+    root = tree(tmp_path / "code" / "proj", {
+        "train.py": SCRIPT, "lib/__init__.py": "", "lib/version.py": "VERSION = 1\n", ".gitignore": "data/\n",
+        "data/shard.bin": b"0" * 4096,
+    })  # fmt: skip
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@x"]
+    subprocess.run([*git, "init", "-q", "-b", "main"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    return root
+
+
+def test_a_changed_file_reaches_every_node_and_an_unchanged_tree_copies_nothing(project, lab):
+    code_bytes = sum(f["size"] for f in manifest.build(str(project)).files)
+    # given a directory synced to two nodes
+    run("launch", "--name", "s1", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    job = finish(Job.objects.get(name="s1"))
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    # then each node has the code (not the data .gitignore leaves out) and both ranks ran in their copy
+    for rank in job.ranks.select_related("node"):
+        copy = Path(rank.node.workdir) / "outputs" / "s1" / "code"
+        assert (copy / "lib" / "version.py").read_text() == "VERSION = 1\n" and not (copy / "data").exists()
+    logs = run("logs", "s1")
+    assert logs.count("VERSION=1 in ") == 2 and "/outputs/s1/code rank 0" in logs and "rank 1" in logs
+    first = JobCode.objects.get(job=job)
+    assert first.sync_sent_bytes == 2 * code_bytes and first.sync_s is not None and first.sync_files == 4
+    # when one file changes, only it travels, and every node runs the new version
+    (project / "lib" / "version.py").write_text("VERSION = 2\n")
+    run("launch", "--name", "s2", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    second = finish(Job.objects.get(name="s2"))
+    assert second.state == Job.State.SUCCEEDED and run("logs", "s2").count("VERSION=2 in ") == 2
+    assert JobCode.objects.get(job=second).sync_sent_bytes == 2 * len("VERSION = 2\n")
+    # and an unchanged tree copies nothing
+    run("launch", "--name", "s3", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    third = finish(Job.objects.get(name="s3"))
+    assert third.state == Job.State.SUCCEEDED and JobCode.objects.get(job=third).sync_sent_bytes == 0
+    status = run("status", "s3")
+    assert f"code: {project} synced (4 files" in status and "(0 bytes sent)" in status
+
+
+def test_what_ran_is_recorded_per_node_and_two_runs_differ_in_their_code(project, lab):
+    run("launch", "--name", "p1", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    one = finish(Job.objects.get(name="p1"))
+    (project / "lib" / "version.py").write_text("VERSION = 3\n")  # uncommitted
+    run("launch", "--name", "p2", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    two = finish(Job.objects.get(name="p2"))
+    # each job's record: the synced directory, its git commit (and the uncommitted diff), per node versions
+    record = json.loads(run("results", "p2", "--json"))["code"]
+    assert record["sync"]["source"] == str(project) and record["git"]["branch"] == "main"
+    assert record["git"]["dirty"] is True and "+VERSION = 3" in record["git"]["diff"]
+    assert json.loads(run("results", "p1", "--json"))["code"]["git"]["dirty"] is False
+    nodes = record["nodes"]
+    env_python = subprocess.run([f"{NODE_ENV}/bin/python", "-c", "import platform; print(platform.python_version())"],
+                                capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert len(nodes) == 2 and {v["python"] for v in nodes.values()} == {env_python}
+    assert all(v["torch"].startswith("2.13.0") and v["packages_count"] > 5 for v in nodes.values())
+    assert len({v["packages_sha256"] for v in nodes.values()}) == 1  # the same env on both
+    assert len({v["script_sha256"] for v in nodes.values()}) == 1
+    packages = JobCode.objects.get(job=two).packages
+    assert any(p.startswith("torch==2.13.0") for p in next(iter(packages.values())))
+    assert one.state == two.state == Job.State.SUCCEEDED
+
+
+def test_a_script_that_differs_between_nodes_is_refused_by_name(lab):
+    # given two nodes whose copies of a script differ (no sync)
+    for i, node in enumerate(lab.nodes[:2]):
+        tree(Path(node.workdir), {"train/differs.py": f"print('copy {i}')\n"})
+    # when it is launched on both, pre-flight refuses it, naming both nodes and their hashes
+    with pytest.raises(CommandError) as err:
+        run("launch", "--name", "m1", "--node", "node1", "--node", "node2", "--script", "train/differs.py", "--detach")
+    message = str(err.value)
+    assert "script train/differs.py differs between nodes: node1 sha256 " in message and ", node2 sha256 " in message
+    assert "--allow-mismatch" in message and "Nothing was started" in message
+    # and with --allow-mismatch it runs, each node's hash kept with the job
+    run("launch", "--name", "m2", "--node", "node1", "--node", "node2", "--script", "train/differs.py",
+        "--allow-mismatch", "--detach")  # fmt: skip
+    job = finish(Job.objects.get(name="m2"))
+    assert job.state == Job.State.SUCCEEDED, job.failure_reason
+    hashes = {n: v["script_sha256"] for n, v in JobCode.objects.get(job=job).nodes.items()}
+    assert len(set(hashes.values())) == 2 and set(hashes) == {"node1", "node2"}
+
+
+def test_bad_sync_input_is_refused_in_one_line_and_leaves_nothing_behind(project, lab, tmp_path, monkeypatch):
+    def refused(*args: str) -> str:
+        with pytest.raises(CommandError) as err:
+            run("launch", "--name", "bad", "--nodes", "2", "--script", "train.py", "--detach", *args)
+        assert "\n" not in str(err.value).strip() and not Job.objects.exists() and not JobCode.objects.exists()
+        return str(err.value)
+
+    assert "outside the directories UGRO may sync" in refused("--sync", "/etc")
+    assert "not a directory" in refused("--sync", str(project / "train.py"))
+    outside = tmp_path / "secret.txt"
+    outside.write_text("s")
+    (project / "leak.txt").symlink_to(outside)
+    assert "leak.txt is a symlink out of the tree" in refused("--sync", str(project))
+    (project / "leak.txt").unlink()
+    monkeypatch.setattr(manifest, "LIMIT_BYTES", 40)
+    assert "over the 0 MB limit; biggest: train.py" in refused("--sync", str(project))
+    monkeypatch.undo()
+    assert "script nope.py is not in" in refused("--sync", str(project), "--script", "nope.py")
