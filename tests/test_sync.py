@@ -186,3 +186,24 @@ def test_the_job_page_and_compare_show_what_ran_and_what_changed_escaped(db, cli
     listed = client.get("/api/v1/jobs/r2/packages?node=gpu1&text=1")
     assert listed.status_code == 200, listed.content
     assert listed.content.decode() == "numpy==2.1.0\ntorch==2.14.0\n"
+
+
+def test_a_checkpoint_in_the_synced_copy_is_named_from_where_the_ranks_start(db, tmp_path):
+    from cluster.models import Node
+    from jobs import checkpoints
+    from jobs.models import Checkpoint, Job, JobCode
+
+    one = Node.objects.create(name="a", address="127.0.0.9", workdir="/w/a")
+    two = Node.objects.create(name="b", address="127.0.0.10", workdir="/w/b")
+    job = Job.objects.create(name="syncd", script="train.py")
+    JobCode.objects.create(job=job, sync_digest="1" * 64, sync_source="/p")
+    ckpt = Checkpoint.objects.create(job=job, node=one, path="/w/a/outputs/syncd/code/runs/checkpoint-20", size=1,
+                                     mtime=1.0, step=20, kind="dir", ready=True)  # fmt: skip
+    # the script's resume argument is relative to its working directory (the copy), as is the copy elsewhere
+    assert checkpoints.path_for_rank0(ckpt) == "runs/checkpoint-20"
+    assert checkpoints.target_path(ckpt, two) == "/w/b/outputs/syncd/code/runs/checkpoint-20"
+    # without a sync the workdir is where the ranks start
+    plain = Job.objects.create(name="plain", script="train.py")
+    other = Checkpoint.objects.create(job=plain, node=one, path="/w/a/outputs/plain/checkpoint_step5.pt", size=1,
+                                      mtime=1.0, step=5, ready=True)  # fmt: skip
+    assert checkpoints.path_for_rank0(other) == "outputs/plain/checkpoint_step5.pt"

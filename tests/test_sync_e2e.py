@@ -153,3 +153,20 @@ def test_bad_sync_input_is_refused_in_one_line_and_leaves_nothing_behind(project
     assert "over the 0 MB limit; biggest: train.py" in refused("--sync", str(project))
     monkeypatch.undo()
     assert "script nope.py is not in" in refused("--sync", str(project), "--script", "nope.py")
+
+
+def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_starts(project, lab):
+    # given a second node where the job's copy cannot be made (a file stands where its directory goes)
+    blocker = Path(lab.nodes[1].workdir) / "outputs" / "nocopy"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("in the way")
+    try:
+        with pytest.raises(CommandError, match=r"code sync failed on node2: .*Nothing was started"):
+            run("launch", "--name", "nocopy", "--node", "node1", "--node", "node2", "--sync", str(project),
+                "--script", "train.py", "--detach")  # fmt: skip
+        job = Job.objects.get(name="nocopy")
+        assert job.state == Job.State.FAILED and job.failure_kind == "PREFLIGHT" and job.running_at is None
+        assert not job.ranks.exclude(pid=None).exists()
+        assert "node1" not in job.failure_reason.split("code sync failed on ", 1)[1].split(":")[0]
+    finally:
+        blocker.unlink()
