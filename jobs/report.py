@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import time
@@ -291,6 +292,9 @@ def code_changes(base: Job, other: Job) -> dict:
             old = new = {}
         files = {"added": sorted(set(new) - set(old)), "removed": sorted(set(old) - set(new)),
                  "changed": sorted(p for p in set(old) & set(new) if old[p] != new[p])}  # fmt: skip
+        diff = _text_diff([(p, old[p], new[p]) for p in files["changed"]])
+    else:
+        diff = ""
 
     def first(code: JobCode | None) -> dict[str, str]:
         listing = next(iter(code.packages.values()), []) if code and code.packages else []
@@ -300,7 +304,32 @@ def code_changes(base: Job, other: Job) -> dict:
     packages = [f"+ {n}=={pb[n]}" for n in sorted(set(pb) - set(pa))]
     packages += [f"- {n}=={pa[n]}" for n in sorted(set(pa) - set(pb))]
     packages += [f"{n} {pa[n]} -> {pb[n]}" for n in sorted(set(pa) & set(pb)) if pa[n] != pb[n]]
-    return {"base": base.name, "other": other.name, "files": files, "packages": packages}
+    return {"base": base.name, "other": other.name, "files": files, "packages": packages, "diff": diff}
+
+
+DIFF_FILE_MAX = 256 * 1024  # a changed file bigger than this is named, not diffed
+DIFF_MAX = 128 * 1024  # the whole diff shown on the compare page
+
+
+def _text_diff(changed: list[tuple[str, str, str]]) -> str:
+    """A unified diff of the changed text files of two snapshots, from the controller's store (both versions
+    are there); binary or big files are named instead."""
+    out: list[str] = []
+    size = 0
+    for path, old_sha, new_sha in changed:
+        try:
+            before, after = sync.object_bytes(old_sha, DIFF_FILE_MAX), sync.object_bytes(new_sha, DIFF_FILE_MAX)
+            lines = difflib.unified_diff(before.decode().splitlines(True), after.decode().splitlines(True),
+                                         f"a/{path}", f"b/{path}")  # fmt: skip
+            text = "".join(lines)
+        except (OSError, ValueError):  # too big, binary (not UTF-8) or no longer in the store
+            text = f"Binary or large file {path} differs\n"
+        if size + len(text) > DIFF_MAX:
+            out.append(f"... (diff cut at {DIFF_MAX // 1024} KB)\n")
+            break
+        out.append(text)
+        size += len(text)
+    return "".join(out)
 
 
 def job_detail(job: Job) -> list[str]:

@@ -150,6 +150,14 @@ def load_manifest(digest: str) -> dict:
         raise SyncError(f"the job's code snapshot {digest[:12]} is not in the controller's store") from None
 
 
+def object_bytes(sha: str, limit: int) -> bytes:
+    """A stored file's bytes; ValueError when it is bigger than limit, OSError when it is not stored."""
+    path = _object(check_digest(sha))
+    if path.stat().st_size > limit:
+        raise ValueError(f"object {sha[:12]} is over {limit} bytes")
+    return path.read_bytes()
+
+
 def missing_objects(manifest: dict) -> list[str]:
     """The objects of a manifest the controller's store lacks (what an upload must still send)."""
     missing = []

@@ -158,9 +158,12 @@ def test_the_job_page_and_compare_show_what_ran_and_what_changed_escaped(db, cli
 
     settings.DATA_DIR = tmp_path
     client.force_login(get_user_model().objects.create_user("viewer1", password="x" * 12))
-    old = {"files": [{"path": "train.py", "sha256": "a" * 64, "size": 1, "mode": 420},
+    v1, v2 = b"lr = 1\nprint('<b>v1</b>')\n", b"lr = 1\nprint('<b>v2</b>')\n"
+    for data in (v1, v2):
+        sync.put_object(hashlib.sha256(data).hexdigest(), [data], 1000)
+    old = {"files": [{"path": "train.py", "sha256": hashlib.sha256(v1).hexdigest(), "size": len(v1), "mode": 420},
                      {"path": "gone.py", "sha256": "b" * 64, "size": 1, "mode": 420}]}  # fmt: skip
-    new = {"files": [{"path": "train.py", "sha256": "c" * 64, "size": 1, "mode": 420},
+    new = {"files": [{"path": "train.py", "sha256": hashlib.sha256(v2).hexdigest(), "size": len(v2), "mode": 420},
                      {"path": "new.py", "sha256": "d" * 64, "size": 1, "mode": 420}]}  # fmt: skip
     env = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "driver": "580.65.06",
            "gpu": "NVIDIA H200", "script_sha256": "e" * 64, "packages_sha256": "f" * 64,
@@ -183,6 +186,7 @@ def test_the_job_page_and_compare_show_what_ran_and_what_changed_escaped(db, cli
     assert "gpu1: 2.14.0, gpu2: 2.13.0" in compare  # the nodes differed in r2: each is named
     assert "~ train.py" in compare and "+ new.py" in compare and "- gone.py" in compare
     assert "torch 2.13.0 -&gt; 2.14.0" in compare
+    assert "-print(&#x27;&lt;b&gt;v1&lt;/b&gt;&#x27;)\n+print(&#x27;&lt;b&gt;v2&lt;/b&gt;&#x27;)" in compare  # the code diff
     listed = client.get("/api/v1/jobs/r2/packages?node=gpu1&text=1")
     assert listed.status_code == 200, listed.content
     assert listed.content.decode() == "numpy==2.1.0\ntorch==2.14.0\n"
