@@ -190,7 +190,7 @@ def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab,
     from cluster.models import Node
 
     # pre-flight would catch this node; skip it to reach the start itself (say the env vanished since)
-    monkeypatch.setattr("jobs.launch.run_preflight", lambda job, ranks: [])
+    monkeypatch.setattr("jobs.launch.run_preflight", lambda job, ranks, base=None: [])
     Node.objects.filter(name="node3").update(torchrun_command="/nonexistent/bin/torchrun")
     with pytest.raises(CommandError):
         launch("--name", "halfstart", "--", *SLOW_TRAIN)
