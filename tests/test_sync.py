@@ -186,7 +186,8 @@ def test_the_job_page_and_compare_show_what_ran_and_what_changed_escaped(db, cli
     assert "gpu1: 2.14.0, gpu2: 2.13.0" in compare  # the nodes differed in r2: each is named
     assert "~ train.py" in compare and "+ new.py" in compare and "- gone.py" in compare
     assert "torch 2.13.0 -&gt; 2.14.0" in compare
-    assert "-print(&#x27;&lt;b&gt;v1&lt;/b&gt;&#x27;)\n+print(&#x27;&lt;b&gt;v2&lt;/b&gt;&#x27;)" in compare  # the code diff
+    # the code diff, escaped
+    assert "-print(&#x27;&lt;b&gt;v1&lt;/b&gt;&#x27;)\n+print(&#x27;&lt;b&gt;v2&lt;/b&gt;&#x27;)" in compare
     listed = client.get("/api/v1/jobs/r2/packages?node=gpu1&text=1")
     assert listed.status_code == 200, listed.content
     assert listed.content.decode() == "numpy==2.1.0\ntorch==2.14.0\n"
