@@ -104,7 +104,7 @@ def record_found(rank: Rank, entries: list[dict]) -> int:
     .safetensors/.bin files whose name carries a step. A path another running job already recorded on this
     node is that job's, as is one an ended job recorded and nothing rewrote since. Returns how many are ready."""
     wanted = [e for e in entries if e.get("kind") == "checkpoint" and _named_as_checkpoint(e)]
-    wanted = [e for e in wanted if not in_other_jobs_dir(rank, e["path"])]
+    wanted = [e for e in wanted if not rank.in_other_jobs_dir(e["path"])]
     if not wanted:
         return 0
     # another job's: one it runs now, or one it recorded as it still is (a run that ended just before this
@@ -114,15 +114,6 @@ def record_found(rank: Rank, entries: list[dict]) -> int:
     recorded = set(others.values_list("path", "mtime"))
     mine = [e for e in wanted if e["path"] not in running and (e["path"], e["mtime"]) not in recorded]
     return _record(rank, mine, set())
-
-
-def in_other_jobs_dir(rank: Rank, path: str) -> bool:
-    """Whether a path lies in another job's own directory, <workdir>/outputs/<that job>/: that job's."""
-    base = f"{rank.node.workdir.rstrip('/')}/outputs/"
-    if not path.startswith(base):
-        return False
-    owner = path[len(base) :].split("/", 1)[0]
-    return owner != rank.job.name and Job.objects.filter(name=owner).exists()
 
 
 def _named_as_checkpoint(entry: dict) -> bool:

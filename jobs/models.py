@@ -205,6 +205,15 @@ class Rank(models.Model):
     def __str__(self) -> str:
         return f"{self.job.name} rank {self.index} on {self.node.name}"
 
+    def in_other_jobs_dir(self, path: str) -> bool:
+        """Whether a path on this rank's node lies in another job's own directory, <workdir>/outputs/<that
+        job>/: that job's files (discovery leaves them to it)."""
+        base = f"{self.node.workdir.rstrip('/')}/outputs/"
+        if not path.startswith(base):
+            return False
+        owner = path[len(base) :].split("/", 1)[0]
+        return owner != self.job.name and Job.objects.filter(name=owner).exists()
+
     @property
     def local_log(self) -> Path:
         return self.job.logs_dir / f"rank_{self.index}.log"

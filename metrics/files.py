@@ -33,7 +33,6 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from jobs.checkpoints import in_other_jobs_dir
 from jobs.events import publish_job
 from jobs.logs import write_at
 from jobs.models import Job, Rank
@@ -120,7 +119,7 @@ def adopt(job: Job, rank: Rank, entries: list[dict]) -> int:
     on a second node of the job (a shared filesystem) is followed once, from the lowest rank. Returns how
     many are new."""
     paths = [e["path"] for e in entries if e.get("kind") == "metrics" and kind_of(e["path"]) and
-             not in_other_jobs_dir(rank, e["path"])]  # fmt: skip
+             not rank.in_other_jobs_dir(e["path"])]  # fmt: skip
     if not paths:
         return 0
     taken = set(
