@@ -130,3 +130,28 @@ def test_launch_form_shows_the_commands_without_queuing(nodes):
     assert response.status_code == 200 and not Job.objects.exists()
     assert "What each rank would run" in html
     assert "--max-restarts=0 /srv/w0/train/train_production.py --max-steps 40\n" in html
+
+
+def test_the_clusters_default_sync_directory_is_used_unless_a_launch_says_none(nodes, tmp_path):
+    from cluster.models import ClusterSettings
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "train.py").write_text("print(1)\n")
+    cs = ClusterSettings.load()
+    cs.training = {"sync": str(project)}
+    cs.paths = {"sync_roots": [str(tmp_path)]}
+    cs.save()
+    # a launch with no --sync starts its ranks in the job's copy of the cluster's directory
+    lines = dry("--name", "exp3", "--nodes", "2", "--script", "train.py").splitlines()
+    assert lines[1] == "rank 0 on gpu0 (127.0.0.2, GPUs 0), in /srv/w0/outputs/exp3/code:"
+    assert "/srv/w0/outputs/exp3/code/train.py" in shlex.split(lines[2])
+    # and `--sync none` runs it from each node's workdir
+    lines = dry("--name", "exp4", "--nodes", "2", "--script", "train.py", "--sync", "none").splitlines()
+    assert lines[1] == "rank 0 on gpu0 (127.0.0.2, GPUs 0), in /srv/w0:" and "/srv/w0/train.py" in lines[2]
+    # a default outside the sync roots is refused in one line, naming where it may be
+    cs.paths = {"sync_roots": [str(tmp_path / "elsewhere")]}
+    cs.save()
+    with pytest.raises(CommandError, match=r"^--sync .*proj: outside the directories UGRO may sync \("):
+        dry("--name", "exp5", "--nodes", "2", "--script", "train.py")
+    assert not Job.objects.exists()
