@@ -278,14 +278,6 @@ def _best(candidates: list[_Candidate]) -> _Candidate | None:
     return min(candidates, key=lambda c: (c.priority, c.position), default=None)
 
 
-def decisive_line(lines: list[str]) -> str | None:
-    """The line that says why a rank failed: an out-of-memory line first, then the first exception line that
-    ends a traceback (or reads `SomeError: ...`), a worker's signal, an NCCL error, a rendezvous error, a
-    signal to torchrun, a peer or store that went away, and last any line that says "error". None if none."""
-    best = _best(_candidates(_prepare(lines)))
-    return _bound(_clean(best.line), LINE_MAX) if best else None
-
-
 # --- torchrun's error file -----------------------------------------------------------------------------------
 
 

@@ -75,10 +75,6 @@ class NodeView:
     usable: bool = True
     slots: list[Slot] = field(default_factory=list)
 
-    @property
-    def has_gpus(self) -> bool:
-        return bool(self.slots) and self.slots[0].index != WHOLE_NODE
-
 
 @dataclass
 class Demand:

@@ -26,7 +26,7 @@ row first, so they take turns.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from django.db import connection, transaction
@@ -268,24 +268,6 @@ def _fold_in_sql(job_id: int, first: int, last: int) -> int:
             [job_id, first, last, job_id],
         )
         return cursor.fetchone()[0]
-
-
-def _fold_in_python(job_id: int, first: int, last: int) -> int:
-    """_fold_in_sql's result the slow way, fold_points and upsert with the points read in chunks: nothing
-    in the product calls it; tests/test_rollup.py checks the fold in SQL against it. The points folded."""
-    rows = MetricPoint.objects.filter(
-        job_id=job_id, id__gte=first, id__lte=last, superseded=False, step__isnull=False
-    ).order_by("id")
-    folded = 0
-
-    def counted() -> Iterator[Sequence]:
-        nonlocal folded
-        for row in rows.values_list("job_id", "rank", "step", "name", "value", "time").iterator(chunk_size=20000):
-            folded += 1
-            yield row
-
-    upsert(fold_into_levels(counted()))
-    return folded
 
 
 def cut(job_id: int, from_step: int | None) -> None:

@@ -16,7 +16,11 @@ from jobs.failure import (
     Failure,
     FailureKind,
     RankFacts,
-    decisive_line,
+    _best,
+    _bound,
+    _candidates,
+    _clean,
+    _prepare,
     explain,
     parse_error_file,
 )
@@ -24,6 +28,12 @@ from jobs.failure import (
 RECORDINGS = Path(__file__).parent / "data" / "failures"
 CASES = sorted(p.name for p in RECORDINGS.iterdir() if (p / "case.json").exists())
 TAIL = 200  # what the controller keeps of a rank's output
+
+
+def decisive_line(lines: list) -> str | None:
+    """The line explain() would quote for these lines alone: the best candidate, cleaned and bounded."""
+    best = _best(_candidates(_prepare(lines)))
+    return _bound(_clean(best.line), LINE_MAX) if best else None
 
 
 def recorded(case: str) -> tuple[list[RankFacts], dict | None]:

@@ -37,11 +37,6 @@ def pgdata(data: Path | None = None) -> Path:
     return (data or data_dir()) / "postgres"
 
 
-def sqlite_file(data: Path | None = None) -> Path:
-    """Where UGRO before PostgreSQL kept its database."""
-    return (data or data_dir()) / "ugro.sqlite3"
-
-
 def settings_dict(data: Path) -> dict:
     """Django's DATABASES entry for the private server (the socket's directory is its HOST)."""
     return {
