@@ -23,8 +23,8 @@ def on_each[T](
 ) -> list[tuple[T, Any, Exception | None]]:
     """Run fn on every item concurrently; return (item, result, error) in input order.
 
-    pool: an executor whose threads are kept (the follower's node reads, every pass: a thread started per node
-    per pass was a twentieth of the worker's time); fn must not wait for other work of the same pool.
+    pool: an executor whose threads are kept, so that a caller that runs every pass (the follower's node reads)
+    does not start a thread per node each time; fn must not wait for other work of the same pool.
     Without it, threads of this call's own. within (with a pool): return after that many seconds with what
     has answered; a call still running is left to finish on its own, its result unused, and its item gets
     Late (a LinkBusy: not a sign of an unreachable node)."""
@@ -61,10 +61,10 @@ def unreachable(err: Exception | None) -> bool:
     """Whether an error says the node could not be reached (connecting failed, the link was found dead
     before the request was written, or the socket failed), as opposed to a node that answered with an
     error or a request it took but answered late. Only the first counts as silence towards calling a
-    rank lost: a controller too busy to read answers in time must not fail jobs whose nodes are fine
-    (bench/reliability.py R10 at 10 jobs). A node that really fell off is unreachable on the very next
-    request: the late answer drops the link and marks it silent, and the requests after it fail at once
-    (cluster/links.py) or cannot connect. A link merely busy with another long request is not silence."""
+    rank lost: a controller too busy to read answers in time must not fail jobs whose nodes are fine. A
+    node that really fell off is unreachable on the very next request: the late answer drops the link and
+    marks it silent, and the requests after it fail at once (cluster/links.py) or cannot connect. A link
+    merely busy with another long request is not silence."""
     if isinstance(err, LinkBusy):
         return False
     if isinstance(err, LinkError):

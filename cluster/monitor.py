@@ -13,8 +13,8 @@ again on the next beat tick (not after its adaptive interval), and a warm link i
 with a `hello` bounded by the connect timeout, so a silent node fails each attempt within
 CONNECT_TIMEOUT_S rather than PROBE_TIMEOUT_S. Between its probes, a node with a warm link gets
 that hello on every tick (`gone_silent`); when it fails, that counts as the first failure and the
-node is probed at once (two more) rather than when its interval comes round. DOWN within about
-25 s of going silent, idle or busy (measured: bench/node_down.py). A node that has never answered
+node is probed at once (two more) rather than when its interval comes round. So a silent node is DOWN
+within a tick and three connect timeouts, idle or busy (bench/node_down.py times it). A node that has never answered
 is DOWN on its first failed poll: there is no good record to protect from flapping. A DOWN node waiting
 out its breaker's backoff gets a TCP knock on every tick and is probed as soon as it answers (`knocked`).
 """

@@ -79,7 +79,7 @@ LANES = 8  # jobs whose passes run side by side when one follower takes every jo
 ROUND_GRACE_S = 0.25  # beyond its long-poll wait, how long a round waits for its jobs' passes
 # A follower whose passes take nothing polls less often: each quiet round doubles its idle budget (the long
 # polls' wait, or the sleep), up to QUIET_MAX_FACTOR x idle_sleep; a round that takes anything resets it.
-# An idle job cost about 4 % of a CPU in round trips and queries (R10 before GO: 10 jobs, 34-56 % of one).
+# Without it every idle job costs a steady stream of round trips and queries.
 # Lines on the node that last had some still come at once (its long poll answers when its log grows);
 # a quiet job's other nodes are asked at most every QUIET_MAX_FACTOR x idle_sleep (1 s by default).
 QUIET_MAX_FACTOR = 4
@@ -231,8 +231,8 @@ class JobFollower:
 
     def running_ranks(self) -> list[Rank]:
         """The job's running ranks, with their nodes. Each pass asks only which ranks run (one light statement):
-        the rows are loaded again (with their nodes, through the ORM: a seventh of the worker's time under R10
-        at 20 lines/s) only when that set changed. What a pass reads on them stays true meanwhile: the
+        the rows are loaded again (with their nodes, through the ORM: too costly for every pass) only when
+        that set changed. What a pass reads on them stays true meanwhile: the
         offsets, line counts, contact times and steps are written only by the lease holder, which is this
         follower as long as it writes at all (LeaseLost otherwise, and a new follower starts afresh), and a
         rank that is lost or exits leaves the running set."""
@@ -538,7 +538,7 @@ def follow(
     follower may follow (another follower holds them all, or none runs), so periodic tasks do not pile up.
     max_jobs: follow at most this many jobs at once; when jobs nobody follows are left over, call
     more_wanted (at most every MORE_WANTED_EVERY_S) so that another follower takes them: each job's
-    pass then waits only for its own nodes and writes, not for every other job's (R10: 10 jobs).
+    pass then waits only for its own nodes and writes, not for every other job's.
     stopping: checked between passes; once it says so, the jobs are handed back (leases released) at
     once, for the next follower to take without waiting for a lease to lapse.
     idle_sleep: the time a round of passes spends waiting for lines; it grows while rounds take nothing
@@ -550,7 +550,7 @@ def follow(
     asked_more = 0.0
     budget = idle_sleep
     # Every round lists the jobs to follow: compiled once, run as one light statement (whole Job rows through
-    # the ORM, every round of every follow task, were a tenth of the worker's time under R10 at 20 lines/s).
+    # the ORM, every round of every follow task, cost the worker too much at that rate).
     # A job gets its whole row only when a follower for it starts.
     listing = Job.objects.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("pk"))
     if job_ids is not None:
@@ -582,9 +582,9 @@ def follow(
                     continue
                 f = followers.get(job.pk)
                 holding = f is not None and f.job.attempt == job.attempt and f.holds_lease()
-                # a claim per pass was a twentieth of the worker's CPU; nor is one tried for a job whose row, as
-                # read this round, shows another follower's live lease (a follower with room tried every such
-                # job every round: a tenth of the worker's time with R10's 10 jobs)
+                # no claim (an UPDATE) while this follower's lease is fresh: not one per pass; nor for a job whose
+                # row, as read this round, shows another follower's live lease (else a follower with room would
+                # try every such job every round)
                 claimable = job.follower == owner or followed_by_nobody(job, timezone.now())
                 if not holding and not (claimable and claim(job.pk, owner)):
                     followers.pop(job.pk, None)
@@ -631,8 +631,8 @@ def follow(
             if taken:
                 budget = idle_sleep
                 # MIN_ROUND: the next round no sooner than FOLLOW_MIN_ROUND_S after this one began. Without
-                # it a rank printing every 20 ms got a pass, an event and a commit of its own per line or two:
-                # one job at 150 lines/s cost the worker 58 % of a CPU and daphne 24 % (R10's harness).
+                # it a rank printing every 20 ms would get a pass, an event and a commit of its own per line or
+                # two, and the worker and the web process would spend their CPU on those.
                 rest = min(float(settings.UGRO["FOLLOW_MIN_ROUND_S"]) - (time.monotonic() - started),
                            deadline - time.monotonic())  # fmt: skip
                 if rest > 0:

@@ -319,8 +319,8 @@ def _newest_points(job: Job) -> list[tuple[int, str, object]]:
 
     Read backwards along the (job, id) index from the job's end, as rollup._after_mark reads: the row
     comparison and the ORDER BY leave the planner no other plan, with or without statistics (a growing
-    table's lag behind; without them PostgreSQL sorted every point of the job, 60-140 ms a check of each
-    running job, every reconcile, in R10)."""
+    table's lag behind; with plain filters PostgreSQL may sort every point of the job, on every check of
+    every running job)."""
     return _points_sql(
         "SELECT rank, name, time FROM (SELECT job_id, attempt, rank, name, time FROM {points}"
         " WHERE (job_id, id) <= (%s, %s) ORDER BY job_id DESC, id DESC LIMIT %s) AS newest"

@@ -147,7 +147,7 @@ def parse_lines(
         if rank is None:
             rank = rank_index
         # json.dumps of {"rank", "step", "name", "value", "time"[, "final"]}, byte for byte, without
-        # building a dict and an encoder per point (it was a sixth of the follower's CPU at 30k lines/s).
+        # building a dict and an encoder per point (the follower writes one line per point it stores).
         # The parser's steps are ints and its values finite floats, whose repr is what json writes.
         quoted = _json_name(name)
         if type(step) is int and type(value) is float and not final:

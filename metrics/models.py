@@ -15,8 +15,8 @@ class MetricPoint(models.Model):
     """One value of one named metric at one step, as printed by one rank."""
 
     # indexed by (job, id) below: the rollup's catch_up and the charts read a job's points past its mark.
-    # No foreign key constraint in the database: its check, a lookup of the job's row per point, was 40 % of
-    # PostgreSQL's COPY (11.0 -> 6.8 us a row, measured with psql). Every writer first updates the job's row
+    # No foreign key constraint in the database: its check, a lookup of the job's row per point, is a large
+    # share of the cost of PostgreSQL's COPY of points. Every writer first updates the job's row
     # (the follower's renew()), so it writes nothing for a job already deleted; deleting a job still deletes
     # its points (Django's CASCADE, which never needed the constraint). Left possible: points a follower
     # commits while the job's deletion is under way stay behind, under an id no job has again (never read).
@@ -144,7 +144,7 @@ class RollupMark(models.Model):
     (or superseded), none past it.
 
     The follower stores points with COPY in its lease's transaction and folds them later, in a
-    transaction of its own (metrics/rollup.py catch_up), so the fold no longer holds the job's row lock.
+    transaction of its own (metrics/rollup.py catch_up), so the fold does not hold the job's row lock.
     A job with no mark has no rollup yet: all its points are past the mark.
     """
 

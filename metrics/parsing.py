@@ -61,7 +61,7 @@ MAX_PATTERN_CHARS = 500
 STEP_KEYS = ("step", "global_step")
 # A run's planned total of steps, when a script logs it beside the step (HF's state.max_steps).
 TOTAL_KEYS = ("max_steps", "total_steps")
-# Both pairs by name, for the per-line checks (two `in`s: 0.35 us a line less than `keys().isdisjoint(...)`)
+# Both pairs by name, for the per-line checks (two `in`s cost less per line than `keys().isdisjoint(...)`)
 _STEP_KEY, _GLOBAL_STEP_KEY = STEP_KEYS
 _MAX_STEPS_KEY, _TOTAL_STEPS_KEY = TOTAL_KEYS
 NOT_METRICS = frozenset({"step", "global_step", "rank", "v_num", *TOTAL_KEYS})
@@ -93,7 +93,7 @@ _N_OF_M = re.compile(r"(?<![\w./])(?P<n>\d+)\s*/\s*(?P<m>\d+)(?![\w./])")
 
 class Point(NamedTuple):
     """One value of one named metric at one step (a named tuple: the follower makes thousands a second,
-    and a frozen dataclass's __init__ cost a tenth of parsing a line)."""
+    and a frozen dataclass's __init__ is a Python call per point)."""
 
     step: int | None  # None: the step is not known (a Lightning bar's value), only the time
     name: str
@@ -360,8 +360,8 @@ class LineParser:
         if not values and rejected:
             raise _Malformed  # e.g. {"step": 1, "loss": NaN}: numbers were there but none usable
         rank = _rank(obj.get("rank"))
-        # tuple.__new__ with the fields in order: a named tuple's own __new__ is a Python function (a tenth of
-        # a line's parsing, with keywords)
+        # tuple.__new__ with the fields in order: a named tuple's own __new__ is a Python function, a call per
+        # point on the follower's hot path
         return [_new_tuple(Point, (step, name, value, rank, final)) for name, value in values]
 
     def _take_total(self, obj: dict[Any, Any], step: int) -> None:
@@ -429,8 +429,9 @@ _SCAN_JSON = json.JSONDecoder().scan_once  # the C scanner under json.loads, wit
 
 def _load_json(text: str) -> Any:
     """json.loads of a stripped line, or None when it is not JSON (including too deep or too big to decode).
-    The scanner is called directly (6.6 -> 5.3 us a line in bench/pass_cost.py's parse); like json.loads it
-    refuses anything after the value."""
+    The scanner is called directly, without json.loads' Python layers and whitespace regexes (every line the
+    follower reads comes through here: bench/pass_cost.py times it); like json.loads it refuses anything
+    after the value."""
     try:
         value, end = _SCAN_JSON(text, 0)
     except (StopIteration, ValueError, RecursionError, MemoryError, TypeError):

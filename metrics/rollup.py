@@ -1,4 +1,4 @@
-"""A multi-resolution rollup of every metric, kept beside the points, so a chart's query no longer grows with
+"""A multi-resolution rollup of every metric, kept beside the points, so a chart's query does not grow with
 the points stored.
 
 For each job, metric and rank, and each level k in LEVELS (every other power of two), bucket b holds the steps

@@ -6,11 +6,11 @@ lines on every pass. Here each thread keeps one event loop of its own for the li
 channels_redis keeps its connections (0.45 ms a send, measured), and the send stays synchronous: the
 caller's events leave in its order, and a follower cannot outrun the viewers.
 
-(Tried and dropped: one publishing thread per process with a queue. It took the wait off the follower,
-which then read faster than one thread could send under R10's 30,000 lines/s: 110 s behind, and events
-dropped once the queue was full.)
+Not one publishing thread per process with a queue: that takes the wait off the follower, which can then
+read faster than one thread can send at tens of thousands of lines a second, so events fall behind and are
+dropped once the queue is full.
 
-Best effort, as before: the database is the record, and a page that reconnects reloads from it. After a
+Best effort: the database is the record, and a page that reconnects reloads from it. After a
 failed send this thread skips sending for RETRY_AFTER_S, so a Redis outage costs a follower one timeout,
 not one per event, and is logged once.
 """
