@@ -162,12 +162,6 @@ def _number_problems(req: LaunchRequest) -> list[tuple[str, str]]:
     return problems
 
 
-def _check_numbers(req: LaunchRequest) -> None:
-    problems = _number_problems(req)
-    if problems:
-        raise LaunchError(problems=problems)
-
-
 def check_script(script: str) -> str:
     """The script as given, refused when it could be read as an option or climbs out of a directory."""
     script = script.strip()
