@@ -133,9 +133,12 @@ class _Pipe:
     far end is known to be gone (the agent exited or the channel closed)."""
 
     def __init__(self, send, recv, fileno, close, stderr, alive, host_key: str = "", host_key_source: str = "",
-                 pending=None) -> None:  # fmt: skip
+                 pending=None, run_with_input=None) -> None:  # fmt: skip
         self.send, self.recv, self.fileno, self._close, self.stderr = send, recv, fileno, close, stderr
         self.alive = alive
+        # run_with_input(argv, chunks, timeout) -> (exit code, stderr tail): a command beside the agent on the
+        # same connection, its stdin the chunks as raw bytes (bulk data without the requests' JSON framing)
+        self.run_with_input = run_with_input
         # After select() says readable: whether recv() has something (or the end) to return now.
         self.pending = pending or (lambda: True)
         self.host_key, self.host_key_source = host_key, host_key_source
@@ -175,8 +178,22 @@ def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
             return ""
         return proc.stderr.read().decode("utf-8", "replace")[-2000:]
 
+    def run_with_input(argv: list[str], chunks, timeout: float) -> tuple[int, str]:
+        side = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            for chunk in chunks:
+                side.stdin.write(chunk)
+            side.stdin.close()
+            err = side.stderr.read(65536)
+            return side.wait(timeout=timeout), err.decode("utf-8", "replace")[-2000:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            side.kill()
+            side.wait()
+            return -1, str(exc) or type(exc).__name__
+
     fd = proc.stdout.fileno()
-    return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None)
+    return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None,
+                 run_with_input=run_with_input)  # fmt: skip
 
 
 def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.socket:
@@ -337,7 +354,27 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
         chan.close()
         conn.close()
 
-    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending)
+    def run_with_input(argv: list[str], chunks, timeout: float) -> tuple[int, str]:
+        try:
+            side = transport.open_session(timeout=timeout)
+            side.settimeout(timeout)
+            side.exec_command(shlex.join(argv))
+            for chunk in chunks:
+                side.sendall(chunk)
+            side.shutdown_write()
+            if not side.status_event.wait(timeout):
+                side.close()
+                return -1, f"no exit status within {timeout:g} s"
+            err = b""
+            while side.recv_stderr_ready():
+                err += side.recv_stderr(65536)
+            rc = side.recv_exit_status()
+            side.close()
+            return rc, err.decode("utf-8", "replace")[-2000:]
+        except (OSError, SSHException, EOFError) as exc:
+            return -1, str(exc) or type(exc).__name__
+
+    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending, run_with_input)
 
 
 def fetch_host_key(ep: Endpoint, timeout: float = 10.0) -> str:
@@ -390,6 +427,17 @@ class NodeLink:
         self.hello: dict[str, Any] | None = None
         self.connect_seconds: float | None = None
         self.host_key = ep.host_key  # the key this link insists on; learned on first use when none is pinned
+
+    def run_with_input(self, argv: list[str], chunks, timeout: float = 60.0) -> tuple[int, str]:
+        """Run argv on the node with the chunks (bytes) as its stdin, over this link's connection but beside
+        the agent (requests go on meanwhile); (exit code, stderr tail). LinkError when the node cannot be
+        reached."""
+        if self._pipe is None or self._pipe.run_with_input is None:
+            self.request("hello", timeout=self.connect_timeout)  # connects
+        pipe = self._pipe
+        if pipe is None or pipe.run_with_input is None:
+            raise LinkError(f"{self.ep.describe()}: no connection to run {argv[0]} on", delivered=False)
+        return pipe.run_with_input(argv, chunks, timeout)
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:

@@ -3,10 +3,11 @@ and the node agent's store and copy (a real agent process on this machine)."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
+import io
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,26 @@ def agent():
     link.close()
 
 
-def blob(data: bytes) -> dict:
-    return {"sha256": hashlib.sha256(data).hexdigest(), "data": base64.b64encode(data).decode()}
+def stream(agent, store: str, objects: dict[str, bytes]) -> dict:
+    """Send objects (name -> bytes) to the agent's store as UGRO does: a tar on a second channel, then adopt."""
+    staging = agent.request("sync_stage", store=store)["dir"]
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in objects.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    rc, err = agent.run_with_input(["tar", "-xf", "-", "-C", staging], [buffer.getvalue()], 30)
+    assert rc == 0, err
+    try:
+        sizes = {name: len(data) for name, data in objects.items()}
+        return agent.request("sync_adopt", store=store, staging=staging, objects=sizes)
+    finally:
+        assert not os.path.exists(staging)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, tmp_path):
@@ -113,10 +132,10 @@ def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, t
     have = agent.request("sync_have", store=store, digest=digest, manifest=listing)
     assert sorted(have["missing"]) == sorted({hashlib.sha256(d).hexdigest() for d in files.values()})
     # an object whose bytes are not its name is refused and not kept
-    bad = dict(blob(b"print('v1')\n"), data=base64.b64encode(b"tampered").decode())
-    with pytest.raises(AgentRequestError, match="checksum mismatch"):
-        agent.request("sync_put", store=store, blobs=[bad])
-    agent.request("sync_put", store=store, blobs=[blob(d) for d in set(files.values())])
+    with pytest.raises(AgentRequestError, match=r"1 objects not kept: .* has sha256 "):
+        stream(agent, store, {sha(b"print('v1')\n"): b"tampered"})
+    assert agent.request("sync_have", store=store, manifest=listing)["missing"] == have["missing"]
+    assert stream(agent, store, {sha(d): d for d in set(files.values())}) == {"kept": 2}
     assert agent.request("sync_have", store=store, digest=digest, manifest=listing) == {"known": True, "missing": []}
     # then the copy is built from the store: every file, its link, read-only objects shared by hard links
     done = agent.request("sync_apply", store=store, digest=digest, dest=dest)
@@ -132,8 +151,8 @@ def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_w
     dest.mkdir()
     (dest / "train.py").write_text("old")
     data = b"new"
-    agent.request("sync_put", store=store, blobs=[blob(data)])
-    entry = {"path": "train.py", "sha256": hashlib.sha256(data).hexdigest(), "size": 3, "mode": 0o644}
+    stream(agent, store, {sha(data): data})
+    entry = {"path": "train.py", "sha256": sha(data), "size": 3, "mode": 0o644}
     absent = {"path": "lib.py", "sha256": "0" * 64, "size": 1, "mode": 0o644}
     for listing, why in (
         ({"files": [entry, absent]}, "lib.py: object 000000000000 is not in the store"),

@@ -6,11 +6,11 @@
 # directory or job it came from: a file unchanged since the node's last copy is never sent again. A job's
 # copy is built beside its place from hard links into the store (a copy where links cannot be made), and
 # moved into place only once whole, so a rank never starts in a partial tree.
-import base64
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 
 
@@ -75,26 +75,48 @@ def _sync_save_manifest(store, digest, manifest):
     os.replace(tmp, path)
 
 
-def _sync_write_object(store, sha, data):
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise AgentError("checksum mismatch for object %s" % sha)
-    path = _sync_object(store, sha)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.%d.ugro-part" % (path, os.getpid())
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, path)
+def op_sync_stage(req):
+    """A fresh directory inside the store for a stream of objects (a tar whose members are named by their
+    sha256, unpacked there by `tar` beside the agent); sync_adopt checks and keeps them."""
+    store = os.path.expanduser(req["store"])
+    os.makedirs(store, exist_ok=True)
+    return {"dir": tempfile.mkdtemp(prefix=".stage-", dir=store)}
 
 
-def op_sync_put(req):
-    """Write whole small objects into the store, each checked against its sha256 before it is kept."""
-    written = 0
-    for blob in req["blobs"]:
-        data = base64.b64decode(blob["data"])
-        _sync_write_object(req["store"], blob["sha256"], data)
-        written += len(data)
-    return {"written": written}
+def op_sync_adopt(req):
+    """Keep the objects a stream unpacked into a staging directory: each checked against its name (sha256)
+    and expected size, made read-only and moved into the store; the staging directory is removed.
+    Anything missing or wrong fails the request (what was right is kept)."""
+    store = os.path.expanduser(req["store"])
+    staging = os.path.realpath(os.path.expanduser(req["staging"]))
+    if not staging.startswith(os.path.realpath(store) + "/.stage-"):
+        raise AgentError("not a staging directory of this store: %s" % req["staging"])
+    bad, kept = [], 0
+    try:
+        for sha, size in sorted(req["objects"].items()):
+            path = os.path.join(staging, _sync_object("", sha).rsplit("/", 1)[-1])
+            h = hashlib.sha256()
+            try:
+                with open(path, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(block)
+                got = os.path.getsize(path)
+            except OSError:
+                bad.append("%s missing" % sha[:12])
+                continue
+            if h.hexdigest() != sha or got != int(size):
+                bad.append("%s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
+                continue
+            target = _sync_object(store, sha)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.chmod(path, 0o444)
+            os.replace(path, target)
+            kept += 1
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if bad:
+        raise AgentError("%d objects not kept: %s" % (len(bad), ", ".join(bad[:5])))
+    return {"kept": kept}
 
 
 def op_sync_apply(req):
@@ -151,4 +173,5 @@ def op_sync_apply(req):
 
 
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
-EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_apply": op_sync_apply})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_stage": op_sync_stage, "sync_adopt": op_sync_adopt,
+                  "sync_apply": op_sync_apply})
