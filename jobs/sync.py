@@ -15,6 +15,7 @@ attempt before a rank starts.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -27,11 +28,13 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
+from cluster.links import AgentRequestError
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, file_sha256, git_info
 
 from .models import Job, JobCode
 
+INLINE_BYTES = 1024 * 1024  # up to this much to send travels inside one request: no second channel to open
 STREAM_PIECE = 1024 * 1024  # bytes handed to the link at a time while objects stream to a node
 STREAM_TIMEOUT_S = 600.0  # a stream's every step, and its end: 200 MB over a slow Wi-Fi link
 REQUEST_TIMEOUT_S = 60.0
@@ -171,11 +174,32 @@ def missing_objects(manifest: dict) -> list[str]:
 
 def push(job: Job, nodes: list[Node]) -> Pushed:
     """Copy the job's snapshot to every node and build its copy there; SyncError naming the nodes that
-    failed (nothing has started then)."""
+    failed (nothing has started then). Every node is asked what it lacks before any bytes travel: a node
+    still connecting is not starved by the streams to the others."""
     code = JobCode.objects.get(job=job)
-    manifest = load_manifest(code.sync_digest)
+    digest = code.sync_digest
+    manifest = load_manifest(digest)
+    sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
     t0 = time.monotonic()
-    results = on_each(nodes, lambda node: _push_one(job, node, code.sync_digest, manifest))
+    asked = on_each(nodes, lambda node: _lacks(node, digest, manifest))
+    failed = [f"{node.name}: {err}" for node, _, err in asked if err is not None]
+    if failed:
+        raise SyncError("code sync failed on " + "; ".join(failed))
+    lacking = {node.pk: missing for node, missing, _ in asked}
+
+    def deliver(node: Node) -> int:
+        store, dest = node_store(node), code_dir_on(job, node)
+        sent = _send(node, store, lacking[node.pk], sizes)
+        try:
+            node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest)
+        except AgentRequestError as exc:  # a new agent since it was asked (the link reconnected)
+            if "is not known here" not in str(exc):
+                raise
+            node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest,
+                         manifest=manifest)  # fmt: skip
+        return sent
+
+    results = on_each(nodes, deliver)
     failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
     if failed:
         raise SyncError("code sync failed on " + "; ".join(failed))
@@ -184,28 +208,27 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
     return pushed
 
 
-def _push_one(job: Job, node: Node, digest: str, manifest: dict) -> int:
+def _lacks(node: Node, digest: str, manifest: dict) -> list[str]:
+    """The objects the node's store lacks (none when it already knows this snapshot: one small request)."""
     store = node_store(node)
     have = node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest)
-    sent = 0
-    if not have["known"]:
-        have = node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
-                            manifest=manifest)  # fmt: skip
-        sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
-        sent = _send(node, store, have["missing"], sizes)
-        if sent or have["missing"]:  # the node saves the manifest once it holds every object
-            node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, manifest=manifest)
-    node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
-                 dest=code_dir_on(job, node))  # fmt: skip
-    return sent
+    if have["known"]:
+        return []
+    return node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
+                        manifest=manifest)["missing"]  # fmt: skip
 
 
 def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> int:
-    """Stream the objects a node lacks to it as one tar (raw bytes on a second channel of the node's link,
-    unpacked by `tar` into a staging directory of its store), then have the agent check each against its
-    sha256 and keep it. Returns the bytes sent; SyncError in one line."""
+    """Send the objects a node lacks: a few small ones inside one request; more as one tar stream (raw bytes
+    on a second channel of the node's link, unpacked by `tar` into a staging directory of its store), each
+    then checked by the agent against its sha256 and kept. Returns the bytes sent; SyncError in one line."""
+    total = sum(sizes[sha] for sha in missing)
     if not missing:
         return 0
+    if total <= INLINE_BYTES:
+        blobs = [{"sha256": sha, "data": base64.b64encode(_object(sha).read_bytes()).decode()} for sha in missing]
+        node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
+        return total
     staging = node_request(node, "sync_stage", timeout=REQUEST_TIMEOUT_S, store=store)["dir"]
     rc, err = node.link().run_with_input(["tar", "-xf", "-", "-C", staging], _tar_chunks(missing, sizes),
                                          timeout=STREAM_TIMEOUT_S)  # fmt: skip
@@ -214,7 +237,7 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> 
     if rc != 0:
         detail = (err.strip().splitlines() or ["no output"])[-1]
         raise SyncError(f"unpacking the code there failed (tar exit {rc}): {detail}")
-    return sum(objects.values())
+    return total
 
 
 def _tar_chunks(shas: list[str], sizes: dict[str, int]):

@@ -6,6 +6,7 @@
 # directory or job it came from: a file unchanged since the node's last copy is never sent again. A job's
 # copy is built beside its place from hard links into the store (a copy where links cannot be made), and
 # moved into place only once whole, so a rank never starts in a partial tree.
+import base64
 import hashlib
 import json
 import os
@@ -42,6 +43,9 @@ def _sync_rel(path):
     return path
 
 
+_sync_pending = {}  # digest -> a manifest sync_have was given, for the sync_apply that follows on this link
+
+
 def op_sync_have(req):
     """Which of the manifest's objects the store lacks. With only a digest: whether the node has that
     manifest and every object it names ("known"), so an unchanged tree costs one small request."""
@@ -61,8 +65,9 @@ def op_sync_have(req):
             seen.add(sha)
             if not _sync_have_object(store, sha, int(f["size"])):
                 missing.append(sha)
-    if digest and not missing and req.get("manifest") is not None:
-        _sync_save_manifest(store, digest, manifest)
+    if digest and req.get("manifest") is not None:
+        _sync_pending.clear()
+        _sync_pending[digest] = manifest
     return {"known": not missing, "missing": missing}
 
 
@@ -124,10 +129,15 @@ def op_sync_apply(req):
     by digest), its mode, and its symlinks; in '<dest>.ugro-part' first, moved into place only whole.
     An object missing from the store fails the request and leaves dest as it was."""
     store = req["store"]
-    manifest = req.get("manifest")
-    if manifest is None:
-        with open(_sync_manifest_path(store, req["digest"])) as fh:
-            manifest = json.load(fh)
+    digest = req.get("digest")
+    manifest = req.get("manifest") or _sync_pending.get(digest)
+    saved = manifest is None
+    if saved:
+        try:
+            with open(_sync_manifest_path(store, digest)) as fh:
+                manifest = json.load(fh)
+        except (OSError, ValueError):
+            raise AgentError("snapshot %s is not known here" % str(digest)[:12])
     dest = os.path.expanduser(req["dest"]).rstrip("/")
     part = dest + ".ugro-part"
     if os.path.lexists(part):
@@ -169,9 +179,31 @@ def op_sync_apply(req):
     except Exception:
         shutil.rmtree(part, ignore_errors=True)
         raise
+    if digest and not saved:  # every object was there: the next sync of this tree is one small request
+        _sync_save_manifest(store, digest, manifest)
     return {"files": count, "bytes": total}
 
 
+def op_sync_put(req):
+    """Keep a few small objects sent inside the request (a change of a file or two costs no second channel),
+    each checked against its sha256 first."""
+    written = 0
+    for blob in req["blobs"]:
+        data = base64.b64decode(blob["data"])
+        sha = blob["sha256"]
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise AgentError("checksum mismatch for object %s" % sha[:12])
+        path = _sync_object(req["store"], sha)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = "%s.%d.ugro-part" % (path, os.getpid())
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, path)
+        written += len(data)
+    return {"written": written}
+
+
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
-EXTRA_OPS.update({"sync_have": op_sync_have, "sync_stage": op_sync_stage, "sync_adopt": op_sync_adopt,
-                  "sync_apply": op_sync_apply})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_stage": op_sync_stage,
+                  "sync_adopt": op_sync_adopt, "sync_apply": op_sync_apply})
