@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 from pathlib import Path
@@ -144,11 +145,49 @@ def fast_settings(settings, tmp_path):
 
 @pytest.fixture
 def lab(loopback, transactional_db, fast_settings):
-    """Three loopback nodes imported from cluster.yaml (the 4th is left out, as in the user's lab)."""
+    """Three loopback nodes imported from cluster.yaml (the 4th is left out, as in the user's lab), with no
+    process left on them by an earlier test's job (one that froze a rank, or ended with its node away), and
+    no link of an earlier test (one whose connection just failed repeats that failure for a few seconds)."""
     from cluster.config_yaml import import_cluster
+    from cluster.links import pool
 
+    end_leftovers(loopback.root)
+    pool.close_all()
     import_cluster(cluster_yaml(loopback, 3))
     return loopback
+
+
+def end_leftovers(root: Path, wait_s: float = 10.0) -> None:
+    """Kill (after waking: a frozen one ignores nothing but SIGKILL, which needs no wake, yet its children
+    may be stopped too) every process of a UGRO job whose working directory is under this session's nodes."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            tagged = b"\0UGRO_JOB=" in b"\0" + Path(f"/proc/{name}/environ").read_bytes()
+            cwd = os.readlink(f"/proc/{name}/cwd")
+        except OSError:
+            continue
+        if tagged and cwd.startswith(str(root) + "/"):
+            pids.append(int(name))
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
 
 
 def free_port() -> int:
