@@ -182,7 +182,7 @@ def path_for_rank0(checkpoint: Checkpoint) -> str:
     """How rank 0 names the checkpoint: relative to where the ranks start (the job's synced copy, else the
     workdir) when it lies under it (the same relative path then holds on any node it is copied to), else
     its absolute path."""
-    start = (sync.code_base(checkpoint.job, checkpoint.node) or checkpoint.node.workdir).rstrip("/") + "/"
+    start = sync.start_dir(checkpoint.job, checkpoint.node).rstrip("/") + "/"
     if checkpoint.path.startswith(start):
         return checkpoint.path[len(start) :]
     return checkpoint.path
@@ -210,7 +210,7 @@ def batch_args(job: Job) -> list[str]:
 
 def target_path(checkpoint: Checkpoint, node: Node) -> str:
     rel = path_for_rank0(checkpoint)
-    return rel if rel.startswith("/") else f"{(sync.code_base(checkpoint.job, node) or node.workdir).rstrip('/')}/{rel}"
+    return rel if rel.startswith("/") else f"{sync.start_dir(checkpoint.job, node).rstrip('/')}/{rel}"
 
 
 def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:

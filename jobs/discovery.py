@@ -33,7 +33,7 @@ CLOCK_SLACK_S = 2.0
 
 def walk(rank: Rank, started: datetime) -> list[dict] | None:
     """The entries the node's walk found for this rank (None when the node did not answer)."""
-    root = sync.code_base(rank.job, rank.node) or rank.node.workdir  # where the ranks start
+    root = sync.start_dir(rank.job, rank.node)  # where the ranks start
     try:
         answer = node_request(
             rank.node, "discover", timeout=10, when_silent=False, root=root,

@@ -587,7 +587,7 @@ def dry_run(req: LaunchRequest) -> list[str]:
         out.append(f"  (it would wait: {decision.reason}, {decision.detail}; these GPUs are its estimate)")
     for rank in ranks:
         gpus = f", GPUs {','.join(map(str, rank.gpu_indices))}" if rank.gpu_indices else ""
-        where = sync.code_base(job, rank.node) or rank.node.workdir
+        where = sync.start_dir(job, rank.node)
         out.append(f"rank {rank.index} on {rank.node.name} ({rank.node.address}{gpus}), in {where}:")
         out.append("  " + shlex.join(rank_command(job, rank, len(ranks), job.rdzv_endpoint)))
         env = rank_env(job, rank)
@@ -636,7 +636,7 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
     args = _with_places(_with_local_batch(job.script_args, getattr(rank, "local_batch", None)), job, node)
     # the batch and resume arguments after the user's: argparse keeps the last value
     extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
-    return [*prefix, script_path(node, job.script, sync.code_base(job, node)), *args, *extra], len(prefix)
+    return [*prefix, script_path(node, job.script, sync.start_dir(job, node)), *args, *extra], len(prefix)
 
 
 def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
@@ -745,7 +745,7 @@ def launch(job: Job) -> Job:
             return job
         log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
                  pushed.seconds, pushed.sent_bytes)  # fmt: skip
-    problems = run_preflight(job, ranks, {r.node_id: sync.code_base(job, r.node) for r in ranks})
+    problems = run_preflight(job, ranks, {r.node_id: sync.start_dir(job, r.node) for r in ranks})
     if problems:
         lifecycle.fail_unstarted(
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
@@ -765,7 +765,7 @@ def launch(job: Job) -> Job:
         argv, script_index = rank_command_and_script_index(job, rank, len(ranks), job.rdzv_endpoint)
         result = node_request(
             rank.node, "start", timeout=left, argv=argv, script_index=script_index,
-            env=rank_env(job, rank), cwd=sync.code_base(job, rank.node) or rank.node.workdir, log=rank.remote_log,
+            env=rank_env(job, rank), cwd=sync.start_dir(job, rank.node), log=rank.remote_log,
             exit_file=rank.remote_exit,
             key=rank.start_key, record=rank.start_record, mkdirs=[job_dir_on(job, rank.node)],
         )  # fmt: skip

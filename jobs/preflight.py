@@ -26,6 +26,7 @@ from django.conf import settings
 from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
+from ugro_client.manifest import git_info
 
 from .models import Job, JobCode, Rank
 
@@ -78,8 +79,8 @@ class PreflightReport:
 
 
 def script_path(node: Node, script: str, base: str = "") -> str:
-    """The script's path on a node: as given when absolute, else under base (the job's synced copy) or
-    the node's working directory."""
+    """The script's path on a node: as given when absolute, else under base (where the job's ranks start:
+    its synced copy or the workdir), by default the node's working directory."""
     if os.path.isabs(script) or script.startswith("~"):
         return script
     return f"{(base or node.workdir).rstrip('/')}/{script}"
@@ -109,7 +110,7 @@ def _node_checks(
     the script's sha256, the GPU model and driver, and the env's packages.
 
     held: the GPUs the job will use there (only those must have free memory: another job may be using
-    the node's other GPUs); None: all of them. base: the job's synced copy, where its script is."""
+    the node's other GPUs); None: all of them. base: where the job's ranks start there (jobs.sync.start_dir)."""
     problems: list[str] = []
     notes: list[str] = []
     node.reach()  # a silent node fails here within the connect timeout, as in the health poll
@@ -209,8 +210,8 @@ def check_nodes(
     base: dict[int, str] | None = None, allow_mismatch: bool = False,
 ) -> PreflightReport:
     """Every pre-flight check for a job on `nodes` (rank 0 first) with this script and rendezvous; held:
-    node id -> the GPUs the job holds there (None: every GPU of each node); base: node id -> the job's
-    synced copy there; allow_mismatch: a script that differs between nodes is a note, not a problem."""
+    node id -> the GPUs the job holds there (None: every GPU of each node); base: node id -> where the
+    job's ranks start there; allow_mismatch: a script that differs between nodes is a note, not a problem."""
     report = PreflightReport()
     reachable = []
     held, base = held or {}, base or {}
@@ -272,11 +273,11 @@ def run_preflight(job: Job, ranks: list[Rank], base: dict[int, str] | None = Non
     report = check_nodes([r.node for r in ranks], job.script, host, int(port), held, base, code.allow_mismatch)
     for note in report.notes:
         log.warning("job %s pre-flight: %s", job.name, note)
-    record(job, code, ranks, report, base or {})
+    record(job, code, ranks, report)
     return report.problems
 
 
-def record(job: Job, code: JobCode, ranks: list[Rank], report: PreflightReport, base: dict[int, str]) -> None:
+def record(job: Job, code: JobCode, ranks: list[Rank], report: PreflightReport) -> None:
     """Keep what this attempt's nodes hold with the job: per node the versions, hashes and packages (the
     package list once, its sha256 beside the versions); the script's repository on rank 0's node when the
     job has no synced copy (whose repository was read at launch)."""
@@ -305,10 +306,8 @@ def _git_on(node: Node, script: str) -> dict:
             return None
         return out["stdout"] if out.get("rc") == 0 else None
 
-    head = git("rev-parse", "HEAD", "--abbrev-ref", "HEAD")
-    if not head:
-        return {}
-    commit, _, branch = head.strip().partition("\n")
-    diff = git("diff", "HEAD", "--", ".") or ""
-    return {"commit": commit, "branch": branch.strip(), "dirty": bool(diff), "diff": diff,
-            "diff_truncated": len(diff) >= 65536, "where": f"{node.name}:{directory}"}  # fmt: skip
+    info = git_info(directory, git)
+    if info:  # the agent's exec keeps the last 64 KB of what a command prints
+        info.update(diff_truncated=info["diff_truncated"] or len(info["diff"]) >= 65536,
+                    where=f"{node.name}:{directory}")  # fmt: skip
+    return info

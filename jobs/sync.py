@@ -19,7 +19,6 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import tarfile
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from django.conf import settings
 from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError
 from cluster.models import ClusterSettings, Node
-from ugro_client.manifest import Manifest, ManifestError, build, digest_of, file_sha256, git_info
+from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
 from .models import Job, JobCode
 
@@ -82,11 +81,11 @@ def job_sync_digest(job: Job) -> str:
         return ""
 
 
-def code_base(job: Job, node: Node) -> str:
-    """Where the job's ranks start on a node: its synced copy, '' for the node's working directory."""
+def start_dir(job: Job, node: Node) -> str:
+    """Where the job's ranks start on a node: its synced copy, else the node's working directory."""
     if getattr(job, "sync_planned", None) or job_sync_digest(job):
         return code_dir_on(job, node)
-    return ""
+    return node.workdir
 
 
 def check_digest(digest: str) -> str:
@@ -123,16 +122,12 @@ def snapshot(path: str) -> tuple[Manifest, dict]:
     except ManifestError as exc:
         raise SyncError(str(exc)) from None
     for f in manifest.files:
-        target = _object(f["sha256"])
-        if target.exists() and target.stat().st_size == f["size"]:
+        if _stored(f["sha256"], f["size"]):
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(f"{target.name}.{os.getpid()}.part")
-        shutil.copyfile(os.path.join(manifest.root, f["path"]), part)
-        if file_sha256(str(part)) != f["sha256"]:  # changed while it was read: the launch says so
-            part.unlink()
+        with open(os.path.join(manifest.root, f["path"]), "rb") as fh:
+            got, _ = _keep(f["sha256"], iter(lambda fh=fh: fh.read(1 << 20), b""))
+        if got != f["sha256"]:  # changed since the manifest read it: the launch says so
             raise SyncError(f"--sync: {f['path']} changed while it was copied; launch again")
-        part.replace(target)
     save_manifest(manifest.as_dict())
     return manifest, git_info(manifest.root)
 
@@ -162,14 +157,42 @@ def object_bytes(sha: str, limit: int) -> bytes:
     return path.read_bytes()
 
 
+def _stored(sha: str, size: int) -> bool:
+    try:
+        return _object(sha).stat().st_size == size
+    except OSError:
+        return False
+
+
+def _keep(sha: str, chunks, limit: int | None = None) -> tuple[str, int]:
+    """Write the chunks into the store as object sha, in one pass hashing them: kept only when their sha256
+    is sha. (their sha256, their size); SyncError past limit bytes (nothing kept)."""
+    target = _object(check_digest(sha))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f"{target.name}.{os.getpid()}.part")
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as fh:
+            for chunk in chunks:
+                size += len(chunk)
+                if limit is not None and size > limit:
+                    raise SyncError(f"object {sha[:12]} is over the {limit / 1e6:.0f} MB upload limit")
+                h.update(chunk)
+                fh.write(chunk)
+        if h.hexdigest() == sha:
+            part.replace(target)
+    finally:
+        part.unlink(missing_ok=True)
+    return h.hexdigest(), size
+
+
 def missing_objects(manifest: dict) -> list[str]:
-    """The objects of a manifest the controller's store lacks (what an upload must still send)."""
-    missing = []
+    """The objects of a manifest the controller's store lacks (what an upload must still send), each once."""
+    missing: dict[str, None] = {}
     for f in manifest["files"]:
-        obj = _object(f["sha256"])
-        if not (obj.exists() and obj.stat().st_size == f["size"]) and f["sha256"] not in missing:
-            missing.append(f["sha256"])
-    return missing
+        if f["sha256"] not in missing and not _stored(f["sha256"], f["size"]):
+            missing[f["sha256"]] = None
+    return list(missing)
 
 
 def push(job: Job, nodes: list[Node]) -> Pushed:
@@ -300,24 +323,9 @@ def _check_rel(path: object) -> None:
 def put_object(sha: str, chunks, limit: int) -> int:
     """Store one uploaded object from an iterable of byte chunks, checked against its sha256 (nothing is
     kept otherwise); refuses more than limit bytes. Returns its size."""
-    check_digest(sha)
-    target = _object(sha)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(f"{target.name}.{os.getpid()}.upload")
-    h, size = hashlib.sha256(), 0
-    try:
-        with open(part, "wb") as fh:
-            for chunk in chunks:
-                size += len(chunk)
-                if size > limit:
-                    raise SyncError(f"object {sha[:12]} is over the {limit / 1e6:.0f} MB upload limit")
-                h.update(chunk)
-                fh.write(chunk)
-        if h.hexdigest() != sha:
-            raise SyncError(f"object {sha[:12]}: the uploaded bytes have sha256 {h.hexdigest()[:12]}")
-        part.replace(target)
-    finally:
-        part.unlink(missing_ok=True)
+    got, size = _keep(sha, chunks, limit)
+    if got != sha:
+        raise SyncError(f"object {sha[:12]}: the uploaded bytes have sha256 {got[:12]}")
     return size
 
 

@@ -141,11 +141,12 @@ def build(root: str, limit_bytes: int | None = None, limit_files: int | None = N
     return out
 
 
-def git_info(directory: str) -> dict:
+def git_info(directory: str, git=None) -> dict:
     """The commit, branch, uncommitted diff and untracked files of the git work tree holding directory
-    ({} when it is not in one, or git is not installed)."""
+    ({} when it is not in one, or git is not installed). git(*args) runs `git -C directory ARGS` and gives
+    its output, None when it failed: here by default (a node's agent runs it for the controller)."""
 
-    def git(*args: str):
+    def here(*args: str):
         try:
             done = subprocess.run(["git", "-C", directory, *args], capture_output=True, timeout=10,
                                   stdin=subprocess.DEVNULL)  # fmt: skip
@@ -153,6 +154,7 @@ def git_info(directory: str) -> dict:
             return None
         return done.stdout.decode("utf-8", "replace") if done.returncode == 0 else None
 
+    git = git or here
     head = git("rev-parse", "HEAD", "--abbrev-ref", "HEAD")
     if not head:
         return {}

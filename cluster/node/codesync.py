@@ -15,15 +15,26 @@ import tempfile
 import time
 
 
-def _sync_object(store, sha):
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+def _sync_sha(sha):
+    if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
         raise AgentError("not a sha256: %r" % (sha,))
-    return os.path.join(os.path.expanduser(store), sha[:2], sha)
+    return sha
+
+
+def _sync_object(store, sha):
+    return os.path.join(os.path.expanduser(store), sha[:2], _sync_sha(sha))
 
 
 def _sync_manifest_path(store, digest):
-    _sync_object(store, digest)  # checks it is a sha256
-    return os.path.join(os.path.expanduser(store), "manifests", digest + ".json")
+    return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
+
+
+def _sync_keep(store, sha, path):
+    """Move a checked file into the store as object sha, read-only."""
+    target = _sync_object(store, sha)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.chmod(path, 0o444)
+    os.replace(path, target)
 
 
 def _sync_have_object(store, sha, size):
@@ -99,7 +110,7 @@ def op_sync_adopt(req):
     bad, kept = [], 0
     try:
         for sha, size in sorted(req["objects"].items()):
-            path = os.path.join(staging, _sync_object("", sha).rsplit("/", 1)[-1])
+            path = os.path.join(staging, _sync_sha(sha))
             h = hashlib.sha256()
             try:
                 with open(path, "rb") as fh:
@@ -112,10 +123,7 @@ def op_sync_adopt(req):
             if h.hexdigest() != sha or got != int(size):
                 bad.append("%s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
                 continue
-            target = _sync_object(store, sha)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.chmod(path, 0o444)
-            os.replace(path, target)
+            _sync_keep(store, sha, path)
             kept += 1
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -193,13 +201,11 @@ def op_sync_put(req):
         sha = blob["sha256"]
         if hashlib.sha256(data).hexdigest() != sha:
             raise AgentError("checksum mismatch for object %s" % sha[:12])
-        path = _sync_object(req["store"], sha)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = "%s.%d.ugro-part" % (path, os.getpid())
+        tmp = "%s.%d.ugro-part" % (_sync_object(req["store"], sha), os.getpid())
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
         with open(tmp, "wb") as fh:
             fh.write(data)
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, path)
+        _sync_keep(req["store"], sha, tmp)
         written += len(data)
     return {"written": written}
 
