@@ -39,10 +39,10 @@ from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
 from .stop import stop_processes
 
-# The train_production.py interface; a cluster can name another script and template. An item whose
-# value was neither given nor configured is left out (with its option): nothing is passed silently.
 log = logging.getLogger(__name__)
 
+# The train_production.py interface; a cluster can name another script and template. An item whose
+# value was neither given nor configured is left out (with its option): nothing is passed silently.
 DEFAULT_ARGS_TEMPLATE = [
     "--model-name", "{model}", "--dataset-name", "{dataset}", "--num-epochs", "{epochs}",
     "--learning-rate", "{lr}",
