@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -35,7 +35,7 @@ from cluster.links import AgentRequestError, LinkError
 from cluster.models import Node
 from metrics import rollup
 from metrics.models import MetricPoint
-from ugro_site.celery import send_task, worker_alive
+from ugro_site.celery import send_task
 
 from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain_now
@@ -261,21 +261,20 @@ def _after_commit_stopping(job: Job) -> None:
 
 
 def dispatch_teardown(job: Job) -> None:
-    """Hand the teardown to a live worker; without one, run it on a thread of this process."""
-    if worker_alive() and send_task("jobs.tasks.teardown_job", job.pk):
-        return
+    """Hand the teardown to the worker. Not queued (the broker away): the reconciler tears a stopping job
+    down again after STOPPING_RETRY_S, so nothing is lost but time."""
+    if not send_task("jobs.tasks.teardown_job", job.pk):
+        log.warning("teardown of %s not queued (no broker); the reconciler repeats it", job.name)
 
-    def run() -> None:
-        try:
-            teardown(Job.objects.get(pk=job.pk))
-        except Exception:  # the reconciler repeats it
-            log.exception("teardown of %s failed; the reconciler will repeat it", job.name)
-        finally:
-            connections.close_all()
 
-    # Not a daemon: a command that returns once the job is final must not end the process before this
-    # thread announced the end (the failure alert, the pages' event); the teardown itself is bounded.
-    threading.Thread(target=run, name=f"teardown-{job.pk}", daemon=False).start()
+def wait_final(job: Job) -> Job:
+    """Wait (bounded: the kill grace and a margin) for the worker to bring a stopping job to its final
+    state; returns the job as it then is."""
+    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    while job.is_stopping and time.monotonic() < deadline:
+        time.sleep(0.1)
+        job.refresh_from_db()
+    return job
 
 
 def _announce_end(job: Job) -> None:

@@ -20,6 +20,14 @@ LINE_CUT = 1024 * 1024  # bytes: a longer "line" (no newline yet) is taken and s
 TAIL_READ_BYTES = 256 * 1024  # a tail reads at most this much from the end of each log
 
 
+def job_settled(job: Job) -> bool:
+    """The job reached its final state and the worker's follower copied every rank's output it could
+    (no rank is still running): what a terminal following the job waits for before it stops reading."""
+    return Job.objects.filter(pk=job.pk, state__in=Job.ENDED_STATES).exists() and not job.ranks.filter(
+        state="running"
+    ).exists()
+
+
 def write_at(path: Path, offset: int, chunk: bytes) -> None:
     """Write chunk at offset, first dropping anything past it: a central copy (log, metrics.jsonl,
     event file) is cut back to its committed size before each append, so a crash between a write and

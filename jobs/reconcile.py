@@ -1,7 +1,7 @@
 """The reconciler: make the database agree with what the nodes say, for every job, every few seconds.
 
 The pattern of SkyPilot's job-status reconciler and dstack's per-state timeouts. Beat runs
-`reconcile()` every few seconds; a command with no worker behind it runs it for its own job. Each
+`reconcile()` on the worker every few seconds (the worker is the only executor of job work). Each
 rule is idempotent and bounded in time, so running it twice, or after a crash anywhere, is safe:
 
 - A live job past its time limit (the job's own, else the cluster default): FAILING with kind TIMEOUT;

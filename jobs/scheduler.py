@@ -9,6 +9,7 @@ scheduler simply leaves that job for the next pass.
 from __future__ import annotations
 
 import logging
+import time
 
 from django.db import transaction
 from django.utils import timezone
@@ -99,9 +100,21 @@ def schedule(only: list[int] | None = None) -> list[Job]:
 
 
 def request_schedule() -> None:
-    """After this transaction commits, ask the worker to start what can start (if a broker answers).
-
-    Without one, jobs wait QUEUED for beat's next tick or a waiting `launch` command, which
-    schedules for itself.
-    """
+    """After this transaction commits, ask the worker to start what can start (if a broker answers;
+    without one, jobs wait QUEUED for beat's next tick)."""
     transaction.on_commit(lambda: send_task("jobs.tasks.schedule_jobs"))
+
+
+def hand_to_worker(job: Job, handover_s: float = 5.0) -> Job:
+    """Ask the worker to start what can start, and wait (bounded) for its answer about this job: placed
+    and its ranks up, failed, or still queued (its nodes busy). The worker does the starting."""
+    request_schedule()  # runs now: a command's connection is in autocommit
+    deadline = time.monotonic() + handover_s
+    while job.state == Job.State.QUEUED and time.monotonic() < deadline:
+        time.sleep(0.02)
+        job.refresh_from_db()
+    deadline = time.monotonic() + job.sync_window_s + 60
+    while job.state == Job.State.STARTING and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job.refresh_from_db()
+    return job

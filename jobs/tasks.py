@@ -34,7 +34,8 @@ def _hand_back_on_shutdown(**_kwargs) -> None:
 
 @shared_task(ignore_result=True, acks_late=True)
 def schedule_jobs() -> None:
-    schedule()
+    if schedule():
+        send_task("jobs.tasks.follow_jobs")  # their first lines are copied now, not at beat's next tick
 
 
 @shared_task(ignore_result=True, acks_late=True)

@@ -144,17 +144,46 @@ def fast_settings(settings, tmp_path):
 
 
 @pytest.fixture
-def lab(loopback, transactional_db, fast_settings):
+def worker_heartbeat():
+    """A worker has said it is alive, and nothing runs its tasks: for tests of what a command records or
+    refuses, which drive the loops themselves if at all."""
+    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, worker_alive
+
+    _start_heartbeat()
+    wait_for(worker_alive, timeout=5, what="the heartbeat")
+    yield
+    _stop_heartbeat()
+
+
+@pytest.fixture
+def test_worker(transactional_db):
+    """A real worker on a thread of this process (tests/worker_here.py), for tests without `lab`."""
+    from .worker_here import worker_here
+
+    with worker_here() as worker:
+        yield worker
+
+
+@pytest.fixture
+def lab(request, loopback, transactional_db, fast_settings):
     """Three loopback nodes imported from cluster.yaml (the 4th is left out, as in the user's lab), with no
     process left on them by an earlier test's job (one that froze a rank, or ended with its node away), and
-    no link of an earlier test (one whose connection just failed repeats that failure for a few seconds)."""
+    no link of an earlier test (one whose connection just failed repeats that failure for a few seconds);
+    and a worker on a thread of this process (tests/worker_here.py) unless the test is marked
+    `no_test_worker`."""
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
 
     end_leftovers(loopback.root)
     pool.close_all()
     import_cluster(cluster_yaml(loopback, 3))
-    return loopback
+    if request.node.get_closest_marker("no_test_worker"):
+        yield loopback
+        return
+    from .worker_here import worker_here
+
+    with worker_here():
+        yield loopback
 
 
 def end_leftovers(root: Path, wait_s: float = 10.0) -> None:

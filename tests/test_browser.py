@@ -19,7 +19,7 @@ from jobs.models import Job
 
 from .conftest import REPO, job_pids, training_pids, wait_for
 
-pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.no_test_worker]  # `server` runs its worker
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -150,6 +150,7 @@ def test_logs_follow_prints_each_line_once_until_the_job_ends(ugro_script, serve
 
 
 @pytest.mark.e2e
+@pytest.mark.no_test_worker
 def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_cancels(
     ugro_script, lab, controller_env, live_server, tmp_path
 ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import io
 import json
 import os
@@ -44,8 +45,8 @@ def pids_on(tag: str, node: str) -> list[int]:
     return on_node(job_pids(tag), node)
 
 
-def test_detach_then_logs_follow_without_a_worker_frees_the_nodes_every_time(scripts):
-    # given no worker; when a job is launched detached and followed with logs --follow, ten times over
+def test_detach_then_logs_follow_frees_the_nodes_every_time(scripts):
+    # given the worker; when a job is launched detached and followed with logs --follow, ten times over
     for i in range(10):
         run("launch", "--name", f"d{i}", "--nodes", "2", "--script", "scripts/quick.py", "--detach")
         out = run("logs", f"d{i}", "--follow")
@@ -104,36 +105,47 @@ def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django
     assert job_pids(job.tag) == []
 
 
-def test_an_attached_launch_returns_only_after_the_end_of_its_failed_job_was_announced(scripts, controller_env):
-    from cluster.models import Alert
+@pytest.mark.no_test_worker
+def test_with_no_worker_commands_refuse_in_one_line_and_change_nothing(scripts):
+    # given no worker running
+    # when a job is launched, attached or detached, or a sweep started: one line, and nothing is recorded
+    for args in (["launch", "--name", "nw"], ["launch", "--name", "nw", "--detach"],
+                 ["sweep", "nws", "--grid", "lr=0.1,0.2"]):  # fmt: skip
+        with pytest.raises(CommandError) as err:
+            run(*args, "--script", "scripts/quick.py")
+        assert str(err.value) == "no UGRO worker is running: start it with bin/start"
+    assert not Job.objects.exists()
+    # a queued job can still be cancelled (nothing of it runs), and a dry run still shows the commands
+    from django.contrib.auth import get_user_model
 
-    # given no worker, and announcing a job's end (its failure alert) that takes a second
-    code = (
-        "import time, django; django.setup()\n"
-        "from jobs import lifecycle\n"
-        "announce = lifecycle.job_ended_alerts\n"
-        "lifecycle.job_ended_alerts = lambda job: (time.sleep(1.0), announce(job))\n"
-        "from django.core.management import call_command\n"
-        "call_command('launch', '--name', 'late', '--nodes', '3', '--script', 'scripts/oom.py', '--', '2')\n"
-    )
-    env = {**controller_env, "DJANGO_SETTINGS_MODULE": "ugro_site.settings"}
-    # when a launch attached to it fails (its teardown runs on a thread of the command's process)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)
-    assert proc.returncode == 1 and b"job late failed" in proc.stderr, proc.stderr.decode()[-2000:]
-    # then, the moment the command has returned, the failure is announced: the process waited for that thread
-    assert Job.objects.get(name="late").state == Job.State.FAILED
-    assert Alert.objects.filter(key="job_failed:late", resolved_at__isnull=True).exists()
+    from accounts import actions
+    from jobs.launch import LaunchRequest
 
+    me = get_user_model().objects.get(username=getpass.getuser())
+    actions.launch(me, LaunchRequest(name="waiting", count=2, script="scripts/quick.py"), "cli")
+    assert "cancelled" in run("cancel", "waiting")
+    with pytest.raises(CommandError, match="^no UGRO worker is running: start it with bin/start$"):
+        run("resume", "waiting")
+    assert Job.objects.get(name="waiting").attempt == 1
+    assert "torchrun" in run("launch", "--name", "dry", "--dry-run", "--script", "scripts/quick.py")
 
-def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconciler(scripts, controller_env,
-                                                                                   fast_settings):  # fmt: skip
-    # given a launch command that dies (SIGKILL) right after its ranks started, before the job is RUNNING
+@pytest.mark.no_test_worker
+def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_finishes(scripts, controller_env,
+                                                                                        fast_settings):  # fmt: skip
+    from django.contrib.auth import get_user_model
+
+    from accounts import actions
+    from jobs.launch import LaunchRequest
+
+    # given a queued job, and a worker that dies (SIGKILL) right after its ranks started, before it is RUNNING
+    me = get_user_model().objects.get(username=getpass.getuser())
+    actions.launch(me, LaunchRequest(name="crash", count=3, extra_args=list(SLOW_TRAIN)), "cli")
     code = (
         "import os, signal, django; django.setup()\n"
         "from jobs import lifecycle\n"
         "lifecycle.ranks_started = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
-        "from django.core.management import call_command\n"
-        f"call_command('launch', '--name', 'crash', '--nodes', '3', '--', *{SLOW_TRAIN!r})\n"
+        "from jobs.tasks import schedule_jobs\n"
+        "schedule_jobs()\n"
     )
     env = {**controller_env, "DJANGO_SETTINGS_MODULE": "ugro_site.settings"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, timeout=120)

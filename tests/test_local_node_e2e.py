@@ -16,7 +16,7 @@ from .conftest import FAST_TRAIN, NODE_ENV, REPO
 pytestmark = pytest.mark.e2e
 
 
-def test_local_node_trains_without_ssh(transactional_db, fast_settings, tmp_path):
+def test_local_node_trains_without_ssh(test_worker, fast_settings, tmp_path):
     workdir = tmp_path / "local"
     shutil.copytree(REPO / "train", workdir / "train")
     import_cluster(

@@ -15,7 +15,7 @@ from metrics import files
 from metrics.files import events_points, follow_metric_files
 from metrics.models import JobMetrics, MetricFile, MetricPoint
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]  # each test follows its job's files itself
 
 CORPUS = Path(__file__).parent / "data" / "frameworks" / "lightning_tqdm" / "lightning_logs"
 

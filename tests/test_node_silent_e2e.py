@@ -28,7 +28,7 @@ from .conftest import REPO, cluster_yaml, job_pids, rendezvous_ports, wait_for
 from .loopback import LoopbackCluster, on_node
 from .test_browser import stop
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 # a long run (with --epochs 50: one epoch of the shipped text is 182 steps), a metric line a step, a checkpoint
 # every 10 steps
 TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--save-every", "10",
@@ -108,6 +108,9 @@ def worker(controller_env, tmp_path):
     log = tmp_path / "worker.log"
     proc = subprocess.Popen([str(REPO / "bin" / "worker"), "-n", "cut@%h"], cwd=REPO, env=env,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    from ugro_site.celery import worker_alive
+
+    wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
     yield log
     stop(proc)
 

@@ -17,7 +17,6 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from jobs import checkpoints
-from jobs.follow import follow
 from jobs.models import Attempt, Checkpoint, Job, Rank
 from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
@@ -50,14 +49,8 @@ def last_step(job: Job) -> int:
 
 
 def follow_until(job: Job, predicate, timeout: float = 120, what: str = "condition"):
-    """Follow (and reconcile) the job until predicate() holds."""
-
-    def step():
-        follow(0.5, job_ids=[job.pk])
-        reconcile([job.pk], orphans=False)
-        return predicate()
-
-    return wait_for(step, timeout=timeout, interval=0.05, what=what)
+    """Wait while the worker follows and reconciles the job, until predicate() holds."""
+    return wait_for(predicate, timeout=timeout, interval=0.1, what=what)
 
 
 def final_losses(job: Job, step: int) -> dict[int, float]:
@@ -223,18 +216,9 @@ SHORT = ["--max-steps", "40", "--seq-len", "16", "--log-every", "5", "--save-eve
 
 
 def drive(job: Job, predicate, timeout: float = 150, what: str = "condition"):
-    """Follow, reconcile (hangs, stragglers, the retry policy) and start the job's queued attempts, as a
-    worker would, until predicate() holds."""
-    from jobs.scheduler import schedule
-
-    def step():
-        follow(0.5, job_ids=[job.pk])
-        reconcile([job.pk], orphans=False)
-        if Job.objects.filter(pk=job.pk, state=Job.State.QUEUED).exists():
-            schedule(only=[job.pk])
-        return predicate()
-
-    return wait_for(step, timeout=timeout, interval=0.05, what=what)
+    """Wait while the worker follows, reconciles (hangs, stragglers, the retry policy) and starts the job's
+    queued attempts, until predicate() holds."""
+    return wait_for(predicate, timeout=timeout, interval=0.1, what=what)
 
 
 def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_the_accumulation(recovery_settings):
@@ -282,8 +266,7 @@ def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_set
     assert "crash loop" in job.recovery_note and "failed at step 25" in job.recovery_note, job.recovery_note
     alert = Alert.objects.get(key="recovery:loop", resolved_at__isnull=True)
     assert alert.severity == Alert.Severity.CRITICAL and "crash loop" in alert.message
-    for _ in range(3):
-        reconcile([job.pk], orphans=False)
+    time.sleep(3)  # three of the worker's reconciler passes
     job.refresh_from_db()
     assert job.attempt == 2 and job.state == Job.State.FAILED
 
@@ -331,7 +314,6 @@ def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recov
 def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_from_its_checkpoint(
     recovery_settings,
 ):
-    from jobs.scheduler import schedule
 
     lab = recovery_settings
     # given a 2-node job that may be retried after a lost node, but names no --min-nodes
@@ -364,10 +346,7 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
         assert job.resume_checkpoint.node.name == gone and job.resume_step >= 10 and job.resume_step % 10 == 0
         assert f"waiting for node {gone} to come back" in run("queue")
         # and it is not started elsewhere while the node is away (the third node is free)
-        for _ in range(3):
-            reconcile([job.pk], orphans=False)
-            schedule(only=[job.pk])
-            time.sleep(0.5)
+        time.sleep(3)  # three of the worker's reconciler and scheduler passes
         job.refresh_from_db()
         assert job.state == Job.State.QUEUED and job.wait_nodes == [gone] and not job.ranks.exists()
     finally:

@@ -3,20 +3,19 @@ stays up, follows the job to its end, and no log line is lost or repeated."""
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
-from django.core.management import call_command
 
 from jobs.models import Job
 
 from .conftest import REPO, free_port, redis_server, wait_for, wait_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 TRAIN = ["--max-steps", "60", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.2"]
 
 
@@ -39,7 +38,14 @@ def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_p
         cwd=REPO, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        call_command("launch", "--name", "outage", "--detach", "--", *TRAIN, stdout=io.StringIO())
+        # the launch command speaks to the worker's Redis: as a process of its own, with the worker's environment
+        import redis as redis_client
+
+        beat = redis_client.Redis(port=port)
+        wait_for(lambda: beat.exists("ugro:worker-alive"), timeout=60, what="the worker's heartbeat")
+        argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "outage", "--detach", "--", *TRAIN]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
         job = Job.objects.get(name="outage")
         wait_for(lambda: all(r.log_lines >= 5 for r in job.ranks.all()), timeout=60, what="the worker to follow")
         # when Redis stops for 5 s while the job runs, and comes back empty (it keeps nothing on disk)

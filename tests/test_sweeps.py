@@ -18,7 +18,7 @@ from jobs.scheduler import place_queued, queue
 from jobs.sweeps import trial_rows
 from metrics.models import MetricPoint
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("worker_heartbeat")]
 
 
 @pytest.fixture
@@ -97,7 +97,8 @@ def test_max_concurrent_keeps_the_other_trials_waiting_with_a_reason(four_gpus):
     assert len(place_queued()) == 1
 
 
-def test_cancelling_a_sweep_cancels_every_trial_not_yet_ended(four_gpus):
+@pytest.mark.django_db(transaction=True)
+def test_cancelling_a_sweep_cancels_every_trial_not_yet_ended(four_gpus, test_worker):
     sweep("c1", "--grid", "lr=1,2,3", "--gpus", "1")
     trials = list(Job.objects.filter(sweep__name="c1").order_by("name"))
     Job.objects.filter(pk=trials[0].pk).update(state=Job.State.SUCCEEDED)

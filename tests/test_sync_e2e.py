@@ -14,9 +14,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from cluster.models import ClusterSettings
-from jobs.follow import follow
+from jobs.logs import job_settled
 from jobs.models import Job, JobCode
-from jobs.reconcile import reconcile
 from ugro_client import manifest
 
 from .conftest import NODE_ENV, wait_for
@@ -39,12 +38,7 @@ def run(*args: str) -> str:
 
 
 def finish(job: Job) -> Job:
-    def ended() -> bool:
-        follow(0.5, job_ids=[job.pk])
-        reconcile([job.pk], orphans=False)
-        return Job.objects.get(pk=job.pk).is_ended and not job.ranks.filter(state="running").exists()
-
-    wait_for(ended, timeout=120, interval=0.05, what=f"job {job.name} to end")
+    wait_for(lambda: job_settled(job), timeout=120, interval=0.1, what=f"job {job.name} to end")
     job.refresh_from_db()
     return job
 

@@ -19,7 +19,7 @@ from metrics.models import MetricPoint
 
 from .conftest import REPO, SLOW_TRAIN, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 SHORT = ["--max-steps", "30", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.1"]
 
 

@@ -14,10 +14,11 @@ from django.core.management import call_command
 
 from jobs.models import Job
 from metrics.models import MetricPoint
+from ugro_site.celery import worker_alive
 
 from .conftest import REPO, wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.2"]
 
 
@@ -36,12 +37,13 @@ def kill_worker(proc: subprocess.Popen) -> None:
 
 
 def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
-    call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
-    job = Job.objects.get(name="durable")
-    assert job.state == Job.State.RUNNING
     env = {**controller_env, "UGRO_FOLLOW_SECONDS": "600"}  # follow tasks that would run ten minutes
     first = start_worker(env, tmp_path, "w1")
     try:
+        wait_for(worker_alive, timeout=60, what="w1's heartbeat")
+        call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
+        job = Job.objects.get(name="durable")
+        assert job.state == Job.State.RUNNING
         # given the worker is following the job; when it is killed without warning
         wait_for(lambda: all(r.log_lines >= 10 for r in job.ranks.all()), timeout=90, what="w1 to follow")
     finally:
@@ -84,8 +86,6 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
 
     worker = start_worker(controller_env, tmp_path, "w3")
     try:
-        from ugro_site.celery import worker_alive
-
         wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
         # when a launch command runs while the worker is up
         argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "handed", "--detach", "--", *FAST_TRAIN]
@@ -106,13 +106,14 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
     from .conftest import SLOW_TRAIN, job_pids
 
     # given a detached job and the worker exactly as bin/start runs it: no beat beside it (its schedule is in it)
-    call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
-    job = Job.objects.get(name="vanish")
     worker = subprocess.Popen([str(REPO / "bin" / "worker"), "-n", "alone@%h"], cwd=REPO,
                               env={**controller_env, "UGRO_WORKER_THREADS": "4"},
                               stdout=open(tmp_path / "alone.log", "wb"), stderr=subprocess.STDOUT,
                               start_new_session=True)  # fmt: skip
     try:
+        wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
+        call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
+        job = Job.objects.get(name="vanish")
         wait_for(lambda: all(r.log_lines >= 2 for r in job.ranks.all()), timeout=120, what="the worker to follow")
         # when every process of the job is killed at once, wrappers included (no exit code recorded)
         for pid in job_pids(job.tag):

@@ -52,8 +52,9 @@ def send_task(name: str, *args) -> bool:
     return True
 
 
-# A worker says it is alive through a short-lived Redis key, so a `launch` command can hand the
-# start to it (its links to the nodes are warm) instead of connecting to every node itself.
+# A worker says it is alive through a short-lived Redis key. The worker is the only executor of job work
+# (starting, following, judging, stopping): a command or page submits and reads, and a command that would
+# need a worker and finds none refuses in one line (require_worker).
 HEARTBEAT_KEY = "ugro:worker-alive"
 HEARTBEAT_TTL_S = 10
 
@@ -71,28 +72,49 @@ def worker_alive() -> bool:
         return False
     try:
         return bool(_redis().exists(HEARTBEAT_KEY))
-    except Exception:  # no answer is the same as no worker: the caller launches by itself
+    except Exception:  # no answer is the same as no worker
         return False
+
+
+NO_WORKER = "no UGRO worker is running: start it with bin/start"
+_heartbeat: list = []  # this process's heartbeat: (stop event, thread)
+
+
+class NoWorker(RuntimeError):
+    """Job work was asked of a deployment with no worker to do it (commands only submit and read)."""
+
+
+def require_worker() -> None:
+    """NoWorker (one line) unless a worker has said it is alive: commands never do a job's work themselves."""
+    if not worker_alive():
+        raise NoWorker(NO_WORKER)
 
 
 @signals.worker_ready.connect
 def _start_heartbeat(**kwargs) -> None:
     import threading
-    import time
+
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 _redis().set(HEARTBEAT_KEY, f"{os.uname().nodename}:{os.getpid()}", ex=HEARTBEAT_TTL_S)
             except Exception:  # Redis away for a moment: say it again next time
                 pass
-            time.sleep(HEARTBEAT_TTL_S / 3)
+            stop.wait(HEARTBEAT_TTL_S / 3)
 
-    threading.Thread(target=beat, name="ugro-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="ugro-heartbeat", daemon=True)
+    thread.start()
+    _heartbeat.append((stop, thread))
 
 
 @signals.worker_shutdown.connect
 def _stop_heartbeat(**kwargs) -> None:
+    while _heartbeat:
+        stop, thread = _heartbeat.pop()
+        stop.set()
+        thread.join(timeout=2)  # so that no last beat says it again after the key is gone
     try:
         _redis().delete(HEARTBEAT_KEY)
     except Exception:  # it expires by itself

@@ -6,6 +6,7 @@ from accounts import actions, policy
 from accounts.commands import UserCommand
 from jobs import lifecycle
 from jobs.report import get_job
+from ugro_site.celery import NoWorker, require_worker
 
 
 class Command(UserCommand):
@@ -18,12 +19,12 @@ class Command(UserCommand):
     def handle(self, name, **options):
         job = get_job(name)
         try:
+            if job.is_live or job.is_stopping:
+                require_worker()  # its processes are the worker's to stop
             job = actions.cancel(self.user, job, self.source)
-        except (ValueError, policy.Refused) as exc:
+        except (ValueError, policy.Refused, NoWorker) as exc:
             raise CommandError(str(exc)) from None
-        if job.is_stopping:
-            lifecycle.teardown(job)  # here and now (a worker may be doing the same: both are safe)
-            job.refresh_from_db()
+        job = lifecycle.wait_final(job)
         if job.is_stopping:
             raise CommandError(f"job {job.name} is {job.state}: its processes are still being stopped")
         if job.state != "cancelled":

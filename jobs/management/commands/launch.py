@@ -3,19 +3,18 @@ from __future__ import annotations
 import sys
 import time
 
-from django.conf import settings
 from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
 from jobs.batches import parse_weights
 from jobs.launch import LaunchError, LaunchRequest
+from jobs.lifecycle import wait_final
 from jobs.limits import parse_duration, parse_size_mb
-from jobs.logs import rank_lines
+from jobs.logs import job_settled, rank_lines
 from jobs.models import Job
-from jobs.scheduler import request_schedule, schedule
-from jobs.watch import JobWatch
-from ugro_site.celery import worker_alive
+from jobs.scheduler import hand_to_worker
+from ugro_site.celery import NO_WORKER, NoWorker, worker_alive
 
 
 class Command(UserCommand):
@@ -142,20 +141,22 @@ class Command(UserCommand):
                 self.stdout.write(row)
             return
         try:
+            if not worker_alive():
+                actions.preview(self.user, req)  # bad input is named first; then the missing worker
+                raise NoWorker(NO_WORKER)  # before anything is recorded: nothing is left behind
             job = actions.launch(self.user, req, self.source)
-        except (LaunchError, policy.Refused) as exc:
+        except (LaunchError, policy.Refused, NoWorker) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued (id {job.pk})")
-        job = start(job)
+        job = hand_to_worker(job)
         if job.is_stopping:
-            job = wait_final(job)  # a failed launch's teardown may run on a thread of this process
+            job = wait_final(job)  # a failed start: the worker is tearing it down
         if o["detach"]:
             return self._report_detached(job)
         watcher = Watcher(job, self.stdout)
         try:
             job = watcher.run()
         except KeyboardInterrupt:
-            watcher.stop.set()
             self.stdout.write(
                 f"\nleft job {job.name} running. Follow it: ugro logs {job.name} --follow; "
                 f"cancel it: ugro cancel {job.name}"
@@ -168,10 +169,6 @@ class Command(UserCommand):
             raise CommandError(f"job {job.name} failed: {job.failure_reason}")
         where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
         self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
-        if not worker_alive():
-            # nothing else would follow it (or start it once nodes free up) until a worker runs
-            self.stdout.write(f"no UGRO worker is running: `ugro logs {job.name} --follow` follows it, "
-                              "bin/start runs the worker")  # fmt: skip
 
     def _finish(self, job: Job) -> None:
         spread = f", rank start spread {job.launch_spread_s * 1000:.0f} ms" if job.launch_spread_s else ""
@@ -180,75 +177,31 @@ class Command(UserCommand):
             raise CommandError(f"job {job.name} {job.state}: {job.failure_reason or '-'}")
 
 
-def wait_final(job: Job) -> Job:
-    """Wait (bounded: the kill grace and a margin) for a stopping job to reach its final state."""
-    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
-    while job.is_stopping and time.monotonic() < deadline:
-        time.sleep(0.1)
-        job.refresh_from_db()
-    return job
-
-
-def start(job: Job, handover_s: float = 5.0) -> Job:
-    """Hand the start to a live worker (warm links to the nodes); launch here if none takes it.
-
-    Here, only this job is scheduled: a command never starts other people's queued jobs.
-    """
-    if worker_alive():
-        request_schedule()  # runs now: a command's connection is in autocommit
-        deadline = time.monotonic() + handover_s
-        while time.monotonic() < deadline:
-            job.refresh_from_db()
-            if job.state != Job.State.QUEUED:
-                break
-            time.sleep(0.02)
-        # the worker is launching it: wait (bounded) until the ranks are up or it failed
-        deadline = time.monotonic() + job.sync_window_s + 60
-        while job.state == Job.State.STARTING and time.monotonic() < deadline:
-            time.sleep(0.05)
-            job.refresh_from_db()
-    if job.state == Job.State.QUEUED:
-        schedule(only=[job.pk])
-        job.refresh_from_db()
-    return job
-
-
 class Watcher:
-    """Shows a job's progress in the terminal while following it (so no worker is needed)."""
+    """Shows a job's progress in the terminal: its states and its ranks' lines as the worker's follower
+    copies them. It only reads; the job goes on without it."""
 
     def __init__(self, job: Job, out) -> None:
         self.job, self.out = job, out
         self.offsets: dict[int, int] = {}
-        self.watch = JobWatch(job, "cli")
-
-    @property
-    def stop(self):
-        return self.watch.stop
 
     def run(self) -> Job:
         job, state, t0 = self.job, None, time.monotonic()
-        self.watch.start()
-        try:
-            while True:
+        while True:
+            job.refresh_from_db()
+            if job.state != state:
+                state = job.state
+                ranks = ", ".join(f"{r.index}:{r.node.name}" for r in job.ranks.select_related("node"))
+                self.out.write(
+                    f"[{time.monotonic() - t0:6.1f}s] {job.name} {state}"
+                    + (f" (ranks {ranks})" if ranks and state == Job.State.RUNNING else "")
+                )
+            settled = job_settled(job)
+            self._print_new_lines(job)
+            if settled:
                 job.refresh_from_db()
-                if job.state == Job.State.QUEUED:
-                    schedule(only=[job.pk])
-                    job.refresh_from_db()
-                if job.state != state:
-                    state = job.state
-                    ranks = ", ".join(f"{r.index}:{r.node.name}" for r in job.ranks.select_related("node"))
-                    self.out.write(
-                        f"[{time.monotonic() - t0:6.1f}s] {job.name} {state}"
-                        + (f" (ranks {ranks})" if ranks and state == Job.State.RUNNING else "")
-                    )
-                self._print_new_lines(job)
-                if self.watch.settled():
-                    job.refresh_from_db()
-                    self._print_new_lines(job)
-                    return job
-                time.sleep(0.3)
-        finally:
-            self.watch.close()
+                return job
+            time.sleep(0.3)
 
     def _print_new_lines(self, job: Job) -> None:
         for rank in job.ranks.order_by("index"):

@@ -6,9 +6,9 @@ import time
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
-from jobs.logs import earlier_attempt, job_lines, rank_lines
+from jobs.logs import earlier_attempt, job_lines, job_settled, rank_lines
 from jobs.report import get_job
-from jobs.watch import JobWatch
+from ugro_site.celery import NO_WORKER, worker_alive
 
 
 class Command(UserCommand):
@@ -53,31 +53,28 @@ class Command(UserCommand):
             self._write(line, rank)
 
     def _follow(self, job, rank_index, offsets):
-        # Following here (and reconciling when no worker runs) means the job ends, frees its nodes
-        # and has its last lines copied even with nothing else running.
-        watch = JobWatch(job, "logs").start()
-        try:
-            while True:
-                settled = watch.settled()
-                job.refresh_from_db()
-                for r in job.ranks.order_by("index"):
-                    if rank_index is not None and r.index != rank_index:
-                        continue
-                    for end, line in rank_lines(r, offsets.get(r.index, 0)):
-                        self._write(line, rank_index)
-                        offsets[r.index] = end
-                if settled:
-                    if self.as_json:
-                        end = {"job": job.name, "state": job.state, "reason": job.failure_reason or None}
-                        self.stdout.write(json.dumps(end))
-                    else:
-                        self.stdout.write(
-                            f"-- job {job.name} {job.state}" + (f": {job.failure_reason}" if job.failure_reason else "")
-                        )
-                    return
-                time.sleep(0.3)
-        finally:
-            watch.close()
+        # Only reads the central copies the worker's follower writes: the job goes on without this.
+        if not job.is_ended and not worker_alive():
+            self.stderr.write(f"{NO_WORKER}: job {job.name} is not followed or judged until one runs")
+        while True:
+            settled = job_settled(job)
+            job.refresh_from_db()
+            for r in job.ranks.order_by("index"):
+                if rank_index is not None and r.index != rank_index:
+                    continue
+                for end, line in rank_lines(r, offsets.get(r.index, 0)):
+                    self._write(line, rank_index)
+                    offsets[r.index] = end
+            if settled:
+                if self.as_json:
+                    end = {"job": job.name, "state": job.state, "reason": job.failure_reason or None}
+                    self.stdout.write(json.dumps(end))
+                else:
+                    self.stdout.write(
+                        f"-- job {job.name} {job.state}" + (f": {job.failure_reason}" if job.failure_reason else "")
+                    )
+                return
+            time.sleep(0.3)
 
     def _write(self, line, rank_index) -> None:
         if self.as_json:

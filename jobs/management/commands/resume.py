@@ -6,8 +6,8 @@ from accounts import actions, policy
 from accounts.commands import UserCommand
 from jobs.recovery import RecoveryError
 from jobs.report import get_job
-from jobs.scheduler import request_schedule, schedule
-from ugro_site.celery import worker_alive
+from jobs.scheduler import hand_to_worker
+from ugro_site.celery import NoWorker, require_worker
 
 
 class Command(UserCommand):
@@ -28,20 +28,15 @@ class Command(UserCommand):
         job = get_job(name)
         names = list(nodes or []) + [n.strip() for n in node_list.split(",") if n.strip()]
         try:
+            require_worker()
             job = actions.resume(self.user, job, wanted, names or None, self.source)
-        except (RecoveryError, policy.Refused) as exc:
+        except (RecoveryError, policy.Refused, NoWorker) as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"job {job.name} queued as attempt {job.attempt}: {job.recovery_note}")
         if detach:
             return
-        if worker_alive():
-            request_schedule()
-        else:
-            schedule(only=[job.pk])
-        job.refresh_from_db()
+        job = hand_to_worker(job)
         where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
         self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
         if job.state == job.State.FAILED:
             raise CommandError(f"job {job.name} attempt {job.attempt} failed: {job.failure_reason}")
-        if not worker_alive() and not job.is_ended:
-            self.stdout.write(f"no UGRO worker is running: `ugro logs {job.name} --follow` follows it")

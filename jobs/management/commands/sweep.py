@@ -5,11 +5,12 @@ from django.core.management.base import CommandError
 from accounts import actions, policy
 from accounts.commands import UserCommand
 from jobs.launch import LaunchError, LaunchRequest
-from jobs.lifecycle import teardown
+from jobs.lifecycle import wait_final
 from jobs.limits import parse_duration, parse_size_mb
-from jobs.models import Sweep
+from jobs.models import Job, Sweep
 from jobs.scheduler import request_schedule
 from jobs.sweeps import SweepRequest, trial_rows
+from ugro_site.celery import NoWorker, require_worker
 
 
 class Command(UserCommand):
@@ -67,6 +68,7 @@ class Command(UserCommand):
                 name="", script=o["script"], count=o["nodes"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
                 time_limit_s=limit, min_vram_mb=vram, priority=o["priority"], extra_args=o["extra"],
             )  # fmt: skip
+            require_worker()  # before anything is recorded
             sweep = actions.launch_sweep(
                 self.user,
                 SweepRequest(
@@ -84,7 +86,7 @@ class Command(UserCommand):
                 ),  # fmt: skip
                 self.source,
             )
-        except (LaunchError, ValueError, policy.Refused) as exc:
+        except (LaunchError, ValueError, policy.Refused, NoWorker) as exc:
             raise CommandError(str(exc)) from None
         request_schedule()
         n = sweep.trials.count()
@@ -106,11 +108,13 @@ class Command(UserCommand):
 
     def _cancel(self, sweep: Sweep) -> None:
         try:
+            if sweep.trials.filter(state__in=Job.LIVE_STATES + Job.STOPPING_STATES).exists():
+                require_worker()  # their processes are the worker's to stop
             stopping = actions.cancel_sweep_as(self.user, sweep, self.source)
-        except policy.Refused as exc:
+        except (policy.Refused, NoWorker) as exc:
             raise CommandError(str(exc)) from None
         for job in stopping:
-            teardown(job)  # here and now (a worker may be doing the same: both are safe)
+            wait_final(job)  # the worker stops each trial's processes
         counts: dict[str, int] = {}
         for state in sweep.trials.values_list("state", flat=True):
             counts[state] = counts.get(state, 0) + 1

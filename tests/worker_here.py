@@ -1,0 +1,62 @@
+"""The test process as the UGRO worker: the worker is the only executor of job work, so tests that launch
+need one. This is a real Celery worker (the threads pool, as bin/worker runs it) on a thread of the test
+process, consuming this run's Redis, with the worker's own heartbeat; a small beat sends the periodic job
+tasks more often than the shipped schedule (tests wait for their outcomes). The health poll is not sent:
+tests that need it drive it. Tests that run bin/worker, drive the loops themselves or check life without a
+worker are marked `no_test_worker`.
+
+Tasks run in the test process, so they see the test's settings (fast_settings) and its database.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+BEAT_TASKS = ("jobs.tasks.schedule_jobs", "jobs.tasks.follow_jobs", "jobs.tasks.reconcile_jobs")
+BEAT_EVERY_S = 1.0
+SHUTDOWN_TIMEOUT_S = 60.0  # a task in flight finishes (a teardown waits out the kill grace)
+
+
+def _close_connections(**_kwargs) -> None:
+    """Each task's thread lets go of its database connection: the test's flush, and the test database's
+    drop at the end of the run, find no connection left open by a worker thread."""
+    from django.db import connections
+
+    connections.close_all()
+
+
+@contextmanager
+def worker_here():
+    from celery.contrib.testing.worker import start_worker
+    from celery.signals import task_postrun
+
+    import jobs.tasks
+    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, send_task
+
+    app.control.purge()  # tasks an earlier test queued and nobody took
+    task_postrun.connect(_close_connections, weak=False)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(BEAT_EVERY_S):
+            for name in BEAT_TASKS:
+                send_task(name)
+
+    ticker = threading.Thread(target=beat, name="test-beat", daemon=True)
+    try:
+        with start_worker(app, concurrency=16, pool="threads", perform_ping_check=False,
+                          shutdown_timeout=SHUTDOWN_TIMEOUT_S, loglevel="WARNING") as worker:  # fmt: skip
+            _start_heartbeat()
+            ticker.start()
+            try:
+                yield worker
+            finally:
+                stop.set()
+                ticker.join()
+                _stop_heartbeat()
+                jobs.tasks._shutting_down.set()  # follow tasks hand their jobs back within a pass
+        app.control.purge()
+    finally:
+        jobs.tasks._shutting_down.clear()
+        task_postrun.disconnect(_close_connections)
