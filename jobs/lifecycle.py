@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 ERROR_FILE_MAX_BYTES = 256 * 1024
 # TERM to KILL for the ranks left when a node was lost: they cannot save anything consistent without it
 LOST_PEER_GRACE_S = 2.0
+# A job whose failed ranks only saw a peer go away waits this long for the rank that went away to report its own
+# end (the cause): a worker killed on one node is seen by its peers before its torchrun reports it.
+FAILURE_SETTLE_S = 5.0
 
 
 def _now() -> datetime:
@@ -554,7 +557,7 @@ def _settle_over(failed: list[Rank]) -> bool:
     seen = [r.last_contact for r in failed if r.last_contact is not None]
     if not seen:
         return True
-    return (_now() - min(seen)).total_seconds() >= float(settings.UGRO["FAILURE_SETTLE_S"])
+    return (_now() - min(seen)).total_seconds() >= FAILURE_SETTLE_S
 
 
 def followable() -> Q:

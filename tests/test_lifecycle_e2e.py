@@ -125,8 +125,9 @@ def test_an_attached_launch_returns_only_after_the_end_of_its_failed_job_was_ann
     assert Alert.objects.filter(key="job_failed:late", resolved_at__isnull=True).exists()
 
 
-def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconciler(scripts, controller_env,
-                                                                                   fast_settings):  # fmt: skip
+def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconciler(
+    scripts, controller_env, fast_settings, monkeypatch
+):
     # given a launch command that dies (SIGKILL) right after its ranks started, before the job is RUNNING
     code = (
         "import os, signal, django; django.setup()\n"
@@ -142,7 +143,8 @@ def test_a_launcher_killed_between_start_and_running_is_finished_by_the_reconcil
     assert job.state == Job.State.STARTING
     wait_for(lambda: len(job_pids(job.tag)) >= 6, timeout=30, what="the orphaned ranks to run")
     # when its STARTING window has passed and the reconciler runs
-    fast_settings.UGRO = {**fast_settings.UGRO, "STARTING_GRACE_S": 1.0, "STOPPING_RETRY_S": 1.0}
+    monkeypatch.setattr("jobs.reconcile.STARTING_GRACE_S", 1.0)
+    monkeypatch.setattr("jobs.reconcile.STOPPING_RETRY_S", 1.0)
     Job.objects.filter(pk=job.pk).update(sync_window_s=1.0)
     time.sleep(2.1)
 

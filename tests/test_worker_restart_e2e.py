@@ -39,7 +39,7 @@ def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, contr
     call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
     job = Job.objects.get(name="durable")
     assert job.state == Job.State.RUNNING
-    env = {**controller_env, "UGRO_FOLLOW_SECONDS": "600"}  # follow tasks that would run ten minutes
+    env = controller_env  # follow tasks run ten minutes (jobs.tasks.FOLLOW_SECONDS): the kill comes mid-task
     first = start_worker(env, tmp_path, "w1")
     try:
         # given the worker is following the job; when it is killed without warning

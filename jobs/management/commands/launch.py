@@ -8,6 +8,7 @@ from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
+from jobs import reconcile
 from jobs.batches import parse_weights
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.limits import parse_duration, parse_size_mb
@@ -182,7 +183,7 @@ class Command(UserCommand):
 
 def wait_final(job: Job) -> Job:
     """Wait (bounded: the kill grace and a margin) for a stopping job to reach its final state."""
-    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + reconcile.STOPPING_RETRY_S
     while job.is_stopping and time.monotonic() < deadline:
         time.sleep(0.1)
         job.refresh_from_db()
