@@ -14,7 +14,6 @@ An API token narrows what its user may do to its scope (read / launch / operate)
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.core.exceptions import PermissionDenied
 
 from jobs.launch import PRIORITY_MAX, PRIORITY_MIN
@@ -32,6 +31,8 @@ ACTIONS = {
     "audit": "accounts.view_audit",
 }
 JOB_ACTIONS = ("cancel", "resume")
+LAUNCHER_MAX_PRIORITY = 50  # a launcher's highest priority: the upper half is left for operators to jump the queue
+LAUNCHER_MAX_QUEUED = 10  # a launcher's most queued jobs: one person's sweep cannot fill the queue for everyone
 # what each token scope lets through
 SCOPES = {
     "read": {"view"},
@@ -42,14 +43,6 @@ SCOPES = {
 
 class Refused(PermissionDenied):
     """Refused by the policy; str() is the one-line reason."""
-
-
-def launcher_max_priority() -> int:
-    return int(settings.UGRO.get("LAUNCHER_MAX_PRIORITY", 50))
-
-
-def launcher_max_queued() -> int:
-    return int(settings.UGRO.get("LAUNCHER_MAX_QUEUED", 10))
 
 
 def role_of(user) -> str:
@@ -87,13 +80,13 @@ def reason(user, action: str, job=None, *, priority: int | None = None, scope: s
     if action == "launch":
         # outside PRIORITY_MIN-MAX for everyone: jobs.launch's bounds check says so, in its words
         if priority is not None and PRIORITY_MIN <= priority <= PRIORITY_MAX:
-            top = PRIORITY_MAX if user.has_perm("accounts.any_priority") else launcher_max_priority()
+            top = PRIORITY_MAX if user.has_perm("accounts.any_priority") else LAUNCHER_MAX_PRIORITY
             if priority > top:
                 return f"priority {priority} is out of range for {who}: {PRIORITY_MIN}-{top}"
         if not user.has_perm("accounts.any_priority"):
             queued = Job.objects.filter(owner=user, state=Job.State.QUEUED).count()
-            if queued >= launcher_max_queued():
-                return f"{who} already has {queued} queued jobs (quota {launcher_max_queued()})"
+            if queued >= LAUNCHER_MAX_QUEUED:
+                return f"{who} already has {queued} queued jobs (quota {LAUNCHER_MAX_QUEUED})"
     return None
 
 

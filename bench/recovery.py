@@ -411,18 +411,20 @@ def main() -> int:
 
 def run(args: argparse.Namespace, scenarios: list[str], database_url: str) -> int:
     tmp = make_tmp("ugro-bench-recovery-")
-    os.environ["LOG_LEVEL"] = "ERROR"
+    os.environ["UGRO_LOG_LEVEL"] = "error"
     setup_django(tmp, database_url)
     from django.conf import settings
 
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
+    from jobs import follow, recovery
     from tests.loopback import LoopbackCluster
 
     meta = machine_info()
     meta.update(train_args=TRAIN, inject_at_step=INJECT_AT, reconcile_every_s=RECONCILE_EVERY,
-                ugro={k: settings.UGRO[k] for k in ("NODE_LOST_AFTER_S", "RETRY_BACKOFF_S", "CHECKPOINT_SCAN_S",
-                                                    "HANG_FACTOR", "KILL_GRACE_S")})  # fmt: skip
+                ugro={**{k: settings.UGRO[k] for k in ("NODE_LOST_AFTER_S", "KILL_GRACE_S")},
+                      "RETRY_BACKOFF_S": recovery.RETRY_BACKOFF_S, "CHECKPOINT_SCAN_S": follow.CHECKPOINT_SCAN_S,
+                      "HANG_FACTOR": recovery.HANG_FACTOR})  # fmt: skip
     rows: list[dict] = []
     cluster = LoopbackCluster(tmp / "nodes", 3, subnet=SUBNET, first_octet=2)
     t0 = time.monotonic()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Severity = Literal["info", "warning", "critical"]
@@ -73,23 +73,6 @@ class Thresholds:
     score_crit: int = 50
     gpu_mem_free_min_mb: float = 1024
     cpu_warn: float = 95
-
-    @classmethod
-    def from_settings(cls, overrides: Mapping[str, Any] | None) -> Thresholds:
-        """Defaults with `overrides` applied; an unknown key is an error, not silently ignored."""
-        overrides = dict(overrides or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(overrides) - set(known))
-        if unknown:
-            raise ValueError(f"unknown health threshold(s): {', '.join(unknown)}")
-        values: dict[str, Any] = {}
-        for name, raw in overrides.items():
-            kind = int if known[name].type in ("int", int) else float
-            try:
-                values[name] = kind(raw)
-            except (TypeError, ValueError):
-                raise ValueError(f"health threshold {name} must be a number, got {raw!r}") from None
-        return cls(**values)
 
 
 @dataclass

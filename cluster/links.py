@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
 AGENT_FILES = ("probe.py", "codesync.py", "agent.py")
+# how long connecting to a node and its first answer may take: a LAN sshd answers in well under a second,
+# and a silent node must fail a probe, a pre-flight or a follower's read fast
+CONNECT_TIMEOUT_S = 5.0
 EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
 LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether its node went silent
 BOOTSTRAP = (

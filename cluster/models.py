@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from . import links
 from .links import Endpoint, fingerprint
 from .names import validate_safe_name
 
@@ -205,9 +206,7 @@ class Node(models.Model):
 
     def link(self):
         """The warm link to this node's agent (created on first use)."""
-        from .links import pool
-
-        return pool.get(self.endpoint(), settings.UGRO["CONNECT_TIMEOUT_S"])
+        return links.pool.get(self.endpoint(), links.CONNECT_TIMEOUT_S)
 
     def reach(self) -> dict:
         """A hello over the warm link (connecting if needed) within the connect timeout.
@@ -215,7 +214,7 @@ class Node(models.Model):
         The health poll and pre-flight start with it, so a node gone silent on a warm link fails as
         fast as one that refuses connections, not after a longer request's own timeout.
         """
-        return self.link().request("hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"])
+        return self.link().request("hello", timeout=links.CONNECT_TIMEOUT_S)
 
 
 class GPU(models.Model):

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Avg, Case, Count, IntegerField, Max, Q, Sum, Value, When
 from django.db.models.functions import TruncMinute
@@ -54,6 +53,9 @@ from .models import Alert, HealthSample, Node
 log = logging.getLogger(__name__)
 
 ATTEMPTS_PER_POLL = 2
+PROBE_TIMEOUT_S = 10.0  # one probe request: nvidia-smi on a busy or just-woken GPU can take seconds
+SAMPLES_RAW_HOURS = 24.0  # raw samples kept a day: last night's trouble at full resolution
+SAMPLES_KEEP_DAYS = 30.0  # per-minute aggregates kept a month: trends, at a bounded table size
 # How a minute of raw samples becomes one aggregate: peaks for what alerts on peaks, else means.
 AVERAGED = ("score", "rtt_ms", "cpu_percent", "disk_free_gb", "load1", "gpu_util_percent", "gpu_mem_used_mb",
             "gpu_power_w")  # fmt: skip
@@ -78,8 +80,8 @@ class PollOutcome:
     event: dict[str, Any] = field(default_factory=dict)
 
 
-def thresholds() -> Thresholds:
-    return Thresholds.from_settings(settings.UGRO.get("HEALTH_THRESHOLDS"))
+# The limits samples are judged by: the defaults of cluster/health.py Thresholds, read at each poll.
+THRESHOLDS = Thresholds()
 
 
 JobContext = Callable[[list[Node]], dict[int, tuple[str | None, datetime | None]]]
@@ -119,9 +121,7 @@ def _probe(node: Node) -> tuple[dict[str, Any], float]:
     node.reach()
     link = node.link()
     t0 = time.monotonic()
-    sample = link.request(
-        "probe", timeout=settings.UGRO["PROBE_TIMEOUT_S"], gpu_reader=node.gpu_reader or "auto", workdir=node.workdir
-    )
+    sample = link.request("probe", timeout=PROBE_TIMEOUT_S, gpu_reader=node.gpu_reader or "auto", workdir=node.workdir)
     return sample, round((time.monotonic() - t0) * 1000.0, 2)
 
 
@@ -217,7 +217,7 @@ def _claim(due: list[Node], force: bool) -> list[Node]:
     `force` (someone asked for a reading now) probes regardless.
     """
     now = timezone.now()
-    lease = timedelta(seconds=ATTEMPTS_PER_POLL * settings.UGRO["PROBE_TIMEOUT_S"] + 10)
+    lease = timedelta(seconds=ATTEMPTS_PER_POLL * PROBE_TIMEOUT_S + 10)
     with transaction.atomic():
         free = Node.objects.select_for_update(skip_locked=True).filter(pk__in=[n.pk for n in due])
         if not force:
@@ -342,7 +342,7 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
             breakers[node.pk].record_failure(now)
     probed = on_each(due, lambda n: probe_node(n, breakers[n.pk], now, force))
     at = timezone.now()
-    t = thresholds()
+    t = THRESHOLDS
     open_alerts: dict[int, list] = {}
     for alert in Alert.objects.filter(node__in=due, resolved_at__isnull=True):
         open_alerts.setdefault(alert.node_id, []).append(alert)
@@ -386,8 +386,8 @@ def prune_samples(now: datetime | None = None) -> dict[str, int]:
     """Raw samples older than 24 h become 1-minute aggregates; aggregates older than 30 days go."""
     now = now or timezone.now()
     # Only whole minutes: a minute straddling the cutoff waits for the next run.
-    raw_cutoff = (now - timedelta(hours=settings.UGRO["SAMPLES_RAW_HOURS"])).replace(second=0, microsecond=0)
-    keep_cutoff = now - timedelta(days=settings.UGRO["SAMPLES_KEEP_DAYS"])
+    raw_cutoff = (now - timedelta(hours=SAMPLES_RAW_HOURS)).replace(second=0, microsecond=0)
+    keep_cutoff = now - timedelta(days=SAMPLES_KEEP_DAYS)
     old = HealthSample.objects.filter(kind=HealthSample.Kind.RAW, time__lt=raw_cutoff)
     per_minute = (
         old.annotate(

@@ -25,8 +25,6 @@ import logging
 import re
 from pathlib import PurePosixPath
 
-from django.conf import settings
-
 from cluster.fanout import node_request, on_each
 from cluster.models import Node
 
@@ -43,6 +41,7 @@ STEP_PATTERNS = (
     re.compile(r"(?:step|global_step|iter)[_=-]?(\d+)", re.I),  # epoch=1-step=500.ckpt, iter_0001000
 )
 COPY_CHUNK = 2 * 1024 * 1024  # bytes per request when a checkpoint travels between nodes
+COPY_TIMEOUT_S = 60.0  # one chunk's request: 2 MB crosses even a slow LAN in seconds, a silent node fails
 
 
 def step_of(name: str) -> int | None:
@@ -220,7 +219,7 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
     targets = [n for n in nodes if n.pk != checkpoint.node_id]
     if not targets:
         return
-    timeout = float(settings.UGRO.get("CHECKPOINT_COPY_TIMEOUT_S", 60.0))
+    timeout = COPY_TIMEOUT_S
     try:
         want = node_request(checkpoint.node, "files", timeout=timeout, path=checkpoint.path)["files"]
     except Exception as exc:  # the node that holds it does not answer, or the files are gone
@@ -253,7 +252,7 @@ def copy_to(checkpoint: Checkpoint, node: Node) -> str:
     """
     source = checkpoint.node
     dest = target_path(checkpoint, node)
-    timeout = float(settings.UGRO.get("CHECKPOINT_COPY_TIMEOUT_S", 60.0))
+    timeout = COPY_TIMEOUT_S
     try:
         files = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
         for f in files:

@@ -40,6 +40,7 @@ from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from cluster import links
 from cluster.fanout import Late, node_request, on_each, unreachable
 from cluster.links import AgentRequestError, LinkError
 from metrics import rollup
@@ -83,14 +84,14 @@ ROUND_GRACE_S = 0.25  # beyond its long-poll wait, how long a round waits for it
 # Lines on the node that last had some still come at once (its long poll answers when its log grows);
 # a quiet job's other nodes are asked at most every QUIET_MAX_FACTOR x idle_sleep (1 s by default).
 QUIET_MAX_FACTOR = 4
-
-
-def _lease_s() -> float:
-    return float(settings.UGRO["FOLLOW_LEASE_S"])
-
-
-def _rollup_interval_s() -> float:
-    return float(settings.UGRO["ROLLUP_INTERVAL_S"])
+# A follower's claim on a job lasts this long unrenewed: a dead follower's jobs are taken over within it, and
+# no read may outlast it (a quarter to wait for lines, half to answer).
+FOLLOW_LEASE_S = 15.0
+# MIN_ROUND: a round of passes that took lines is followed by the next no sooner than this after it began;
+# lines that stream in are taken a round's worth at a time, not a pass, an event and a commit per line.
+FOLLOW_MIN_ROUND_S = 0.05
+ROLLUP_INTERVAL_S = 1.0  # how often a job's new points are folded into the charts' rollup: the charts show the rest
+CHECKPOINT_SCAN_S = 30.0  # how often a running rank's checkpoint directory is listed: saves come minutes apart
 
 
 def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
@@ -102,7 +103,7 @@ def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
     )
     if not any_state:
         qs = qs.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("pk"))
-    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=_lease_s())))
+    return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=FOLLOW_LEASE_S)))
 
 
 def followed_by_nobody(job: Job | _Listed, now: datetime) -> bool:
@@ -130,7 +131,7 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
         " WHERE id = %s AND follower = %s AND follower_until > %s"
         " RETURNING metrics_bytes - %s"
     )
-    params = [now + timedelta(seconds=_lease_s()), grow, job_id, owner, now, grow]
+    params = [now + timedelta(seconds=FOLLOW_LEASE_S), grow, job_id, owner, now, grow]
     with connection.cursor() as cursor:
         cursor.execute(f"{RELAXED_COMMIT}; {sql}" if relaxed else sql, params)
         if relaxed:
@@ -227,7 +228,7 @@ class JobFollower:
     def holds_lease(self, within: float = 1 / 3) -> bool:
         """Whether the lease was renewed within this fraction of it. Within a third, a claim would only renew
         it again: the next pass renews it anyway (LeaseLost then, if another follower took it meanwhile)."""
-        return time.monotonic() - self.renewed_at < _lease_s() * within
+        return time.monotonic() - self.renewed_at < FOLLOW_LEASE_S * within
 
     def running_ranks(self) -> list[Rank]:
         """The job's running ranks, with their nodes. Each pass asks only which ranks run (one light statement):
@@ -274,8 +275,8 @@ class JobFollower:
         # wait for lines. A node gone silent holds up this pass (and the other jobs of this follow task) once,
         # for that long: then its link is silent, and reads of it fail at once until the health poll or the
         # reconciler reaches it again.
-        wait = min(wait, _lease_s() / 4)
-        read_timeout = min(_lease_s() / 2, settings.UGRO["CONNECT_TIMEOUT_S"])
+        wait = min(wait, FOLLOW_LEASE_S / 4)
+        read_timeout = min(FOLLOW_LEASE_S / 2, links.CONNECT_TIMEOUT_S)
 
         def tail(group: list[Rank]) -> dict:
             files = [
@@ -338,7 +339,7 @@ class JobFollower:
         """Fold the points stored since the last fold into the charts' rollup: at most every
         ROLLUP_INTERVAL_S, or at once (a rank's last lines are in, the follower stops). Outside the lease's
         transaction, in one of its own; a database error leaves the points for the next fold."""
-        if not self.unfolded or (not now and time.monotonic() - self.folded_at < _rollup_interval_s()):
+        if not self.unfolded or (not now and time.monotonic() - self.folded_at < ROLLUP_INTERVAL_S):
             return
         self.folded_at = time.monotonic()
         try:
@@ -362,7 +363,7 @@ class JobFollower:
                     self.metric_files = True
                 checkpoints.record_found(rank, found)
         last = self.scanned.get(rank.pk)
-        every = float(settings.UGRO.get("CHECKPOINT_SCAN_S", 30.0))
+        every = CHECKPOINT_SCAN_S
         if not ended and last is not None and time.monotonic() - last < every:
             return
         self.scanned[rank.pk] = time.monotonic()
@@ -387,7 +388,7 @@ class JobFollower:
             try:
                 boot_now = (node_request(rank.node, "hello", timeout=5) or {}).get("boot_id") or ""
                 item = node_request(
-                    rank.node, "tail", timeout=_lease_s() / 2,
+                    rank.node, "tail", timeout=FOLLOW_LEASE_S / 2,
                     files=[{"key": rank.pk, "path": rank.remote_log, "offset": rank.log_offset,
                             "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES, "zlib": True}],
                 )["files"][0]  # fmt: skip
@@ -633,7 +634,7 @@ def follow(
                 # MIN_ROUND: the next round no sooner than FOLLOW_MIN_ROUND_S after this one began. Without
                 # it a rank printing every 20 ms would get a pass, an event and a commit of its own per line or
                 # two, and the worker and the web process would spend their CPU on those.
-                rest = min(float(settings.UGRO["FOLLOW_MIN_ROUND_S"]) - (time.monotonic() - started),
+                rest = min(FOLLOW_MIN_ROUND_S - (time.monotonic() - started),
                            deadline - time.monotonic())  # fmt: skip
                 if rest > 0:
                     time.sleep(rest)
@@ -663,7 +664,7 @@ def _one_pass(f: JobFollower, wait: float) -> int:
         f.job.refresh_from_db()
         f.judge_at = None
         if not lifecycle.judge(f.job) and lifecycle.failure_settling(f.job):
-            f.judge_at = time.monotonic() + float(settings.UGRO["FAILURE_SETTLE_S"])
+            f.judge_at = time.monotonic() + lifecycle.FAILURE_SETTLE_S
     f.fold(now=ended)  # after a rank's last lines at once: an ended job's rollup is whole
     return taken
 

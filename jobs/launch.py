@@ -21,6 +21,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
+from cluster import links
 from cluster.fanout import node_request, on_each
 from cluster.models import GPU, ClusterSettings, Node
 from cluster.names import check_name
@@ -48,6 +49,8 @@ DEFAULT_ARGS_TEMPLATE = [
     "--learning-rate", "{lr}",
 ]  # fmt: skip
 MAX_ARG_LEN = 4096
+# a job's ranks must all have started within this (connect, sync, spawn on every node) or the launch fails
+SYNC_WINDOW_S = 30.0
 
 # Bounds of the numbers a launch takes (forms, CLI and build_job all read these).
 PRIORITY_MIN, PRIORITY_MAX = 0, 100  # the api helper's per-role bounds narrow this, never widen it
@@ -365,7 +368,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         min_vram_mb=vram,
         vram_source=vram_source,
         priority=req.priority,
-        sync_window_s=settings.UGRO["SYNC_WINDOW_S"],
+        sync_window_s=SYNC_WINDOW_S,
         owner=req.owner,
         sweep=req.sweep,
         sweep_params=req.sweep_params,
@@ -727,7 +730,7 @@ def launch(job: Job) -> Job:
     write_job_config(job, ranks)
 
     # Connect (or reuse warm links) to every node at once; an unreachable node fails fast.
-    reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=settings.UGRO["CONNECT_TIMEOUT_S"]))
+    reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=links.CONNECT_TIMEOUT_S))
     down = [f"node {r.node.name}: {err}" for r, _, err in reached if err]
     if down:
         first = next(r.node.name for r, _, err in reached if err)

@@ -45,9 +45,14 @@ from .stop import stop_processes
 
 log = logging.getLogger(__name__)
 
+STOPPING_RETRY_S = 15.0  # a teardown not done by the kill grace plus this was lost with its worker: run it again
+
 ERROR_FILE_MAX_BYTES = 256 * 1024
 # TERM to KILL for the ranks left when a node was lost: they cannot save anything consistent without it
 LOST_PEER_GRACE_S = 2.0
+# A job whose failed ranks only saw a peer go away waits this long for the rank that went away to report its own
+# end (the cause): a worker killed on one node is seen by its peers before its torchrun reports it.
+FAILURE_SETTLE_S = 5.0
 
 
 def _now() -> datetime:
@@ -270,7 +275,7 @@ def dispatch_teardown(job: Job) -> None:
 def wait_final(job: Job) -> Job:
     """Wait (bounded: the kill grace and a margin) for the worker to bring a stopping job to its final
     state; returns the job as it then is."""
-    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    deadline = time.monotonic() + settings.UGRO["KILL_GRACE_S"] + STOPPING_RETRY_S
     while job.is_stopping and time.monotonic() < deadline:
         time.sleep(0.1)
         job.refresh_from_db()
@@ -553,7 +558,7 @@ def _settle_over(failed: list[Rank]) -> bool:
     seen = [r.last_contact for r in failed if r.last_contact is not None]
     if not seen:
         return True
-    return (_now() - min(seen)).total_seconds() >= float(settings.UGRO["FAILURE_SETTLE_S"])
+    return (_now() - min(seen)).total_seconds() >= FAILURE_SETTLE_S
 
 
 def followable() -> Q:

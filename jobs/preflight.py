@@ -1,9 +1,9 @@
 """Checks run on every chosen node before any rank starts. Each problem is one line naming its node.
 
 Per node, concurrently: reachable; working directory and script present; declared GPUs visible
-and with enough free memory; disk free over UGRO["PREFLIGHT_DISK_FREE_GB"]; torch and CUDA
+and with enough free memory; disk free over DISK_FREE_GB; torch and CUDA
 versions of the node's training env (read with the python next to its torchrun). Across nodes:
-versions equal (a failure or a note, per UGRO["PREFLIGHT_VERSION_MISMATCH"]), NCCL too; the script the
+versions equal (a failure or a note, per VERSION_MISMATCH), NCCL too; the script the
 same file on every node (its sha256; a failure unless the job allows a mismatch); the rendezvous
 address not loopback when a node is on another host; the rendezvous port free on rank 0's node
 and reachable from every other node over a real TCP connection (rank 0 listens, the others
@@ -20,8 +20,6 @@ import os
 import posixpath
 import time
 from dataclasses import dataclass, field
-
-from django.conf import settings
 
 from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError, LinkError
@@ -62,6 +60,11 @@ VERSION_TIMEOUT_S = 35.0
 LISTEN_S = 5.0
 CONNECT_TIMEOUT_S = 3.0
 PORT_RELEASE_S = 3.0
+GPU_FREE_MB = 1024.0  # free memory a GPU needs to be used: less is another process's, and CUDA's context takes ~500 MB
+DISK_FREE_GB = 2.0  # free disk a node needs: room for the logs and a checkpoint or two of a small model
+# "fail": torch, CUDA or NCCL versions that differ between nodes fail the launch (a collective between them
+# can hang or crash); "warn": a note only
+VERSION_MISMATCH = "fail"
 
 
 @dataclass
@@ -130,7 +133,7 @@ def _node_checks(
     if node.gpu_count and len(gpus) < node.gpu_count:
         why = sample.get("gpu_error") or f"reader: {sample.get('gpu_source')}"
         problems.append(f"{node.name}: {len(gpus)} of {node.gpu_count} declared GPUs visible ({why})")
-    need_mb = settings.UGRO["PREFLIGHT_GPU_FREE_MB"]
+    need_mb = GPU_FREE_MB
     for pos, gpu in enumerate(gpus[: node.gpu_count or 0]):
         if held is not None and gpu.get("index", pos) not in held:
             continue
@@ -140,7 +143,7 @@ def _node_checks(
                 f"{node.name}: GPU {gpu.get('index')} has {total - used:g} MB free (needs {need_mb:g} MB); "
                 "is another process using it?"
             )
-    need_gb = settings.UGRO["PREFLIGHT_DISK_FREE_GB"]
+    need_gb = DISK_FREE_GB
     free_gb = sample.get("disk_free_gb")
     if isinstance(free_gb, (int, float)) and free_gb < need_gb:
         problems.append(f"{node.name}: {free_gb:g} GB free under {node.workdir} (needs {need_gb:g} GB)")
@@ -244,7 +247,7 @@ def check_nodes(
             for name, v in checked.items()
         )
         line = f"torch/CUDA/NCCL versions differ between nodes: {each}"
-        if settings.UGRO["PREFLIGHT_VERSION_MISMATCH"] == "warn":
+        if VERSION_MISMATCH == "warn":
             report.notes.append(line)
         else:
             report.problems.append(line)

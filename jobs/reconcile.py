@@ -53,6 +53,7 @@ from .sweeps import median_stop
 log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 5.0
+STARTING_GRACE_S = 60.0  # STARTING may last the sync window plus this (connect, pre-flight) before it is a dead launch
 LOST_OUTPUT_DAYS = 7
 LEFTOVERS_S = 3600  # how long after its end a job's unfolded points are still looked for
 
@@ -142,7 +143,7 @@ def _starting_overdue(jobs, now) -> list[str]:
     failed = []
     for job in jobs.filter(state=Job.State.STARTING):
         since = job.state_changed_at or job.started_at or now
-        limit = job.sync_window_s + settings.UGRO["STARTING_GRACE_S"]
+        limit = job.sync_window_s + STARTING_GRACE_S
         if (now - since).total_seconds() > limit:
             line = f"the launch did not finish within {limit:g}s (launcher {job.launcher or 'unknown'} gone?)"
             failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
@@ -153,7 +154,7 @@ def _starting_overdue(jobs, now) -> list[str]:
 
 def _lost_teardowns(jobs, now) -> list[str]:
     """CANCELLING or FAILING past the kill grace and the retry time: the teardown was lost."""
-    retry_after = settings.UGRO["KILL_GRACE_S"] + settings.UGRO["STOPPING_RETRY_S"]
+    retry_after = settings.UGRO["KILL_GRACE_S"] + lifecycle.STOPPING_RETRY_S
     done = []
     for job in jobs.filter(state__in=Job.STOPPING_STATES):
         since = job.state_changed_at or now

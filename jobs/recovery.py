@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from datetime import timedelta
 
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -37,7 +36,7 @@ from cluster.names import check_name
 from metrics.models import MetricPoint
 from metrics.rollup import INT8_MAX
 
-from . import checkpoints, lifecycle
+from . import checkpoints, follow, lifecycle
 from .failure import Failure, FailureKind
 from .logs import tail_lines
 from .models import Job, Rank
@@ -58,6 +57,15 @@ RETRY_KINDS = {
     "unknown": FailureKind.UNKNOWN,
 }
 HELLO_TIMEOUT_S = 3.0  # asking a lost node whether it is back
+# The retry policy when a job names none: retry nothing, so a person sees a failure before anything reruns.
+RETRY_ON: tuple[str, ...] = ()
+MAX_ATTEMPTS = 3  # a job's attempts when it names none: a flaky node gets two more chances, a broken script few
+RETRY_BACKOFF_S = 10.0  # before the first retry: a rebooting node or a freed port has time to come back
+RETRY_BACKOFF_MAX_S = 600.0  # the doubling backoff stops here: a retry still comes within minutes
+# Hang detection: silent for HANG_FACTOR x the median interval between metric lines, and at least HANG_MIN_S
+HANG_MIN_S = 60.0  # (a job's --hang-after overrides it): a checkpoint save or an eval pass is not a hang
+HANG_FACTOR = 5.0  # a step now and then several times slower (data loading, GC) is not a hang
+HANG_STARTUP_S = 600.0  # before an attempt's first line: imports, rendezvous and loading a checkpoint take long
 HANG_SAMPLE_POINTS = 64  # the median line interval is taken over this many recent points
 
 
@@ -143,15 +151,14 @@ def resume(job: Job, wanted: str | None = "latest", nodes: list[str] | None = No
 def policy(job: Job) -> tuple[list[str], int]:
     """(failure kinds retried, most attempts) for the job: its own, else the cluster default."""
     kinds = list(job.retry_on or [])
-    if not kinds and settings.UGRO.get("RETRY_ON"):
-        kinds = parse_retry(list(settings.UGRO["RETRY_ON"]))
-    return kinds, int(job.max_attempts or settings.UGRO.get("MAX_ATTEMPTS", 3))
+    if not kinds and RETRY_ON:
+        kinds = parse_retry(list(RETRY_ON))
+    return kinds, int(job.max_attempts or MAX_ATTEMPTS)
 
 
 def backoff_s(attempt: int) -> float:
     """Seconds before attempt `attempt + 1` starts: base x 2^(attempt - 1), capped."""
-    ugro = settings.UGRO
-    return min(ugro.get("RETRY_BACKOFF_S", 10.0) * 2 ** max(0, attempt - 1), ugro.get("RETRY_BACKOFF_MAX_S", 600.0))
+    return min(RETRY_BACKOFF_S * 2 ** max(0, attempt - 1), RETRY_BACKOFF_MAX_S)
 
 
 def last_step(job: Job, attempt: int) -> int | None:
@@ -236,7 +243,7 @@ def retry_pass(job_ids: list[int] | None = None) -> list[str]:
     now = timezone.now()
     # jobs with a policy that failed lately (turning a cluster default on does not wake old failures)
     jobs = Job.objects.filter(state=Job.State.FAILED, finished_at__gte=now - timedelta(days=1))
-    if not settings.UGRO.get("RETRY_ON"):
+    if not RETRY_ON:
         jobs = jobs.exclude(retry_on=[])
     if job_ids is not None:
         jobs = jobs.filter(pk__in=job_ids)
@@ -346,8 +353,7 @@ def hang_limit(job: Job, newest: list | None = None) -> tuple[float, float | Non
 
     The interval is measured on the series the job logs most often among its newest points (a rank's
     loss, say, rather than an eval metric logged once an epoch); newest: _newest_points(job), if read."""
-    ugro = settings.UGRO
-    floor = job.hang_after_s if job.hang_after_s else ugro.get("HANG_MIN_S", 60.0)
+    floor = job.hang_after_s if job.hang_after_s else HANG_MIN_S
     newest = _newest_points(job) if newest is None else newest
     median = None
     if newest:
@@ -358,7 +364,7 @@ def hang_limit(job: Job, newest: list | None = None) -> tuple[float, float | Non
         gaps = [g for g in gaps if g > 0]
         if gaps:
             median = statistics.median(gaps)
-    limit = max(ugro.get("HANG_FACTOR", 5.0) * (median or 0.0), floor)
+    limit = max(HANG_FACTOR * (median or 0.0), floor)
     return limit, median
 
 
@@ -372,7 +378,7 @@ def check_hang(job: Job) -> bool:
     ranks = list(job.ranks.select_related("node").order_by("index"))
     if not ranks or any(r.state != "running" for r in ranks):
         return False  # a rank ended or was lost: judge() explains that
-    lease = float(settings.UGRO["FOLLOW_LEASE_S"])
+    lease = follow.FOLLOW_LEASE_S
     contacts = [r.last_contact for r in ranks if r.last_contact]
     if len(contacts) < len(ranks) or (now - min(contacts)).total_seconds() > 2 * lease:
         return False  # nobody has copied its logs lately: cannot tell a hang from an absent follower
@@ -381,7 +387,7 @@ def check_hang(job: Job) -> bool:
     limit, median = hang_limit(job, newest)
     if since is None:  # start-up (imports, rendezvous, loading a checkpoint) gets its own, longer allowance
         since = job.running_at
-        limit = max(limit, settings.UGRO.get("HANG_STARTUP_S", 600.0))
+        limit = max(limit, HANG_STARTUP_S)
     silent = (now - since).total_seconds()
     if silent <= limit:
         return False
@@ -428,6 +434,8 @@ def dump_stacks(job: Job, ranks: list, settle_s: float = 2.0) -> str:
 # -- stragglers -------------------------------------------------------------------------------------
 
 STRAGGLER_METRIC = "compute_s"  # the reference script's per-rank time per step, waiting excluded
+STRAGGLER_RATIO = 1.33  # a rank a third slower than the median holds every other rank back by as much
+STRAGGLER_WINDOWS = 3  # windows in a row: one slow step (a checkpoint, a GC pause) is no straggler
 GPU_SKEW_POINTS = 30.0  # fallback: a node this many utilisation points above the others' median
 
 
@@ -455,8 +463,7 @@ def stragglers(job: Job) -> list[dict]:
     """Ranks slower than STRAGGLER_RATIO x the median rank in each of the last STRAGGLER_WINDOWS windows
     (a window: one metric line's interval), from the per-rank step time the script prints; when it prints
     none, nodes whose GPU utilisation stands GPU_SKEW_POINTS above the others'. Reads the DB only."""
-    ugro = settings.UGRO
-    ratio_max, windows = ugro.get("STRAGGLER_RATIO", 1.33), int(ugro.get("STRAGGLER_WINDOWS", 3))
+    ratio_max, windows = STRAGGLER_RATIO, STRAGGLER_WINDOWS
     points = MetricPoint.objects.filter(job=job, attempt=job.attempt, name=STRAGGLER_METRIC, superseded=False)
     steps = list(points.order_by("-step").values_list("step", flat=True).distinct()[: windows + 1])
     by_step: dict[int, dict[int, float]] = {}

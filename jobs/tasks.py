@@ -10,7 +10,6 @@ import threading
 
 from celery import shared_task
 from celery.signals import worker_shutting_down
-from django.conf import settings
 
 from ugro_site.celery import send_task
 
@@ -21,6 +20,10 @@ from .reconcile import reconcile
 from .scheduler import schedule
 
 log = logging.getLogger(__name__)
+# One follow task follows this long, then hands its jobs to a fresh one: each hand-over delays the lines of that
+# moment by up to a second, so hand-overs are rare, and a task stays well under the broker's visibility timeout.
+FOLLOW_SECONDS = 600.0
+FOLLOW_JOBS_PER_TASK = 2  # more jobs, more follow tasks (worker threads): one slow node holds up at most one other job
 _shutting_down = threading.Event()
 
 
@@ -57,7 +60,7 @@ def follow_jobs() -> None:
     is never held for good, and under the broker's visibility timeout (an hour: acks_late); long, because
     each hand-over delays the lines of that moment (a fresh follower and its first pass)."""
     follow(
-        settings.UGRO["FOLLOW_SECONDS"], exit_when_idle=True, max_jobs=settings.UGRO["FOLLOW_JOBS_PER_TASK"],
+        FOLLOW_SECONDS, exit_when_idle=True, max_jobs=FOLLOW_JOBS_PER_TASK,
         more_wanted=lambda: send_task("jobs.tasks.follow_jobs"), stopping=_shutting_down.is_set,
     )  # fmt: skip
     if Job.objects.filter(lifecycle.followable(), follower="").exists():

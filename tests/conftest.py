@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from .controller import with_constants
+
 REPO = Path(__file__).resolve().parent.parent
 NODE_ENV = Path(os.environ.get("UGRO_NODE_ENV", REPO / ".venv-node"))
 FAST_TRAIN = ["--max-steps", "12", "--seq-len", "32", "--batch-size", "8", "--log-every", "2", "--save-every", "6"]
@@ -138,7 +140,6 @@ def fast_settings(settings, tmp_path):
         "KILL_GRACE_S": 3.0,
         "JOIN_TIMEOUT_S": 20,
         "NODE_LOST_AFTER_S": 5.0,
-        "CONNECT_TIMEOUT_S": 5.0,
     }
     return settings
 
@@ -336,7 +337,7 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str 
 
 
 @pytest.fixture
-def controller_env(fast_settings, tmp_path):
+def controller_env(fast_settings, tmp_path, monkeypatch):
     """Environment for a controller process (worker, CLI) that shares this test's DB and data dir."""
     from django.db import connection
 
@@ -348,8 +349,7 @@ def controller_env(fast_settings, tmp_path):
         UGRO_KILL_GRACE_S="3",
         UGRO_JOIN_TIMEOUT_S="20",
         UGRO_NODE_LOST_AFTER_S="5",
-        UGRO_FOLLOW_LEASE_S="4",
         PYTHONUNBUFFERED="1",
     )
-    fast_settings.UGRO = {**fast_settings.UGRO, "FOLLOW_LEASE_S": 4.0}
-    return env
+    monkeypatch.setattr("jobs.follow.FOLLOW_LEASE_S", 4.0)
+    return with_constants(env, {"jobs.follow.FOLLOW_LEASE_S": 4.0})

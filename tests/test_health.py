@@ -237,21 +237,8 @@ def test_score_sample_never_says_down() -> None:
 # -- thresholds ----------------------------------------------------------------------------------
 
 
-def test_thresholds_from_settings() -> None:
-    t = Thresholds.from_settings({"gpu_temp_warn": "75", "score_warn": 60.0})
-    assert t.gpu_temp_warn == 75.0 and t.score_warn == 60 and isinstance(t.score_warn, int)
-    assert t.gpu_temp_crit == 85 and Thresholds.from_settings(None) == Thresholds()
-
-
-def test_thresholds_reject_typos_and_junk() -> None:
-    with pytest.raises(ValueError, match="gpu_temp_wran"):
-        Thresholds.from_settings({"gpu_temp_wran": 70})
-    with pytest.raises(ValueError, match="must be a number"):
-        Thresholds.from_settings({"ram_warn": "high"})
-
-
 def test_overridden_thresholds_are_used() -> None:
-    t = Thresholds.from_settings({"gpu_temp_warn": 60, "gpu_temp_crit": 70})
+    t = Thresholds(gpu_temp_warn=60, gpu_temp_crit=70)
     s = sample(gpus=[gpu(0, temp=72)])
     result = score_sample(s, declared_gpus=1, thresholds=t)
     assert result.status == "degraded"

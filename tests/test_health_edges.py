@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from cluster import monitor
+from cluster import links, monitor
 from cluster.models import Alert, Node
 
 from .conftest import REPO, free_port
+from .controller import with_constants
 
 pytestmark = pytest.mark.e2e
 UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]  # the admin commands (ugro-admin)
@@ -65,7 +66,7 @@ def test_first_poll_of_a_node_never_reached_says_down_with_the_reason(transactio
 def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactional_db, controller_env, silent_sshd):
     # given a node whose sshd accepts the connection but never sends its banner
     _ssh_node("mute", silent_sshd)
-    env = {**controller_env, "UGRO_CONNECT_TIMEOUT_S": "1.5"}
+    env = with_constants(controller_env, {"cluster.links.CONNECT_TIMEOUT_S": 1.5})
     # when `ugro health` runs (first call after start)
     done = subprocess.run([*UGRO, "health"], env=env, capture_output=True, text=True, timeout=120)
     # then it exits 1 with the node DOWN and the plain reason, no paramiko traceback
@@ -125,12 +126,12 @@ def _thaw(pids: list[int]) -> None:
             pass
 
 
-def test_preflight_fails_a_silent_node_within_the_connect_timeout(lab, fast_settings, silent_sshd):
+def test_preflight_fails_a_silent_node_within_the_connect_timeout(lab, fast_settings, silent_sshd, monkeypatch):
     import io
 
     from django.core.management import CommandError, call_command
 
-    fast_settings.UGRO = {**fast_settings.UGRO, "CONNECT_TIMEOUT_S": 1.5}
+    monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 1.5)
     # given node1 answered over a warm link, then froze; and a node whose sshd never speaks
     monitor.poll_once(force=True)
     _ssh_node("mute", silent_sshd)
@@ -232,8 +233,8 @@ def test_preflight_json_names_the_unreachable_node(transactional_db, fast_settin
     assert problem.startswith("ghost: cannot reach ghost") and "refused" in problem.lower()
 
 
-def test_an_idle_node_that_goes_silent_is_down_on_the_next_tick_not_after_its_interval(lab, fast_settings):
-    fast_settings.UGRO = {**fast_settings.UGRO, "CONNECT_TIMEOUT_S": 1.5}
+def test_an_idle_node_that_goes_silent_is_down_on_the_next_tick_not_after_its_interval(lab, fast_settings, monkeypatch):
+    monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 1.5)
     # given three idle nodes just polled over warm links (none due again for 40 s)
     monitor.poll_once(force=True)
     assert monitor.poll_once() == []

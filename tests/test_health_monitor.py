@@ -6,6 +6,7 @@ No GPU exists here: nodes that need GPUs read them from a JSON fixture through t
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import threading
@@ -37,9 +38,9 @@ GPU = {
 
 
 @pytest.fixture(autouse=True)
-def shared_machine(settings):
+def shared_machine(monkeypatch):
     """Other test runs share this machine's CPUs: a busy CPU is not what these tests judge."""
-    settings.UGRO = {**settings.UGRO, "HEALTH_THRESHOLDS": {**settings.UGRO["HEALTH_THRESHOLDS"], "cpu_warn": 100}}
+    monkeypatch.setattr(monitor, "THRESHOLDS", dataclasses.replace(monitor.THRESHOLDS, cpu_warn=100))
 
 
 class _Receiver(BaseHTTPRequestHandler):

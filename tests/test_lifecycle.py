@@ -225,8 +225,10 @@ def test_a_failure_seen_first_as_a_peer_going_away_waits_for_the_rank_that_went_
     assert (job.failure_kind, job.failure_rank, job.failure_signal) == ("KILLED", 1, 9), job.failure_reason
 
 
-def test_a_failure_that_is_only_a_consequence_fails_the_job_after_the_settle_time(local_node, fast_settings):
-    fast_settings.UGRO = {**fast_settings.UGRO, "FAILURE_SETTLE_S": 0.5}
+def test_a_failure_that_is_only_a_consequence_fails_the_job_after_the_settle_time(
+    local_node, fast_settings, monkeypatch
+):
+    monkeypatch.setattr(lifecycle, "FAILURE_SETTLE_S", 0.5)
     # given rank 2 failed because its peer went away, and rank 1 never reports (its node is slow to say)
     job, _, rank2 = two_rank_job(local_node, "settled")
     end_rank(rank2, PEER_GONE, 1)
@@ -263,7 +265,7 @@ def test_the_follower_folds_the_rollup_outside_its_lease_at_most_every_interval_
 ):
     """The rollup's upserts no longer hold the job's row lock while points are stored: the follower folds
     them in a transaction of its own, at most every ROLLUP_INTERVAL_S, and at once after the last lines."""
-    fast_settings.UGRO = {**fast_settings.UGRO, "ROLLUP_INTERVAL_S": 3600.0}
+    monkeypatch.setattr(follow_module, "ROLLUP_INTERVAL_S", 3600.0)
     job = running_job(local_node)
     folds, batches = [], []
     real_catch_up, real_save_points = rollup.catch_up, follow_module.save_points
@@ -346,7 +348,7 @@ def test_events_a_follower_could_not_send_are_followed_by_a_resync(local_node, f
 
 
 def test_the_follower_folds_a_jobs_rollup_right_after_its_last_pass(local_node, fast_settings, tmp_path, monkeypatch):
-    fast_settings.UGRO = {**fast_settings.UGRO, "ROLLUP_INTERVAL_S": 3600.0}
+    monkeypatch.setattr(follow_module, "ROLLUP_INTERVAL_S", 3600.0)
     other = Node.objects.create(
         name="box2", address="127.0.0.1", transport="local", role="worker", workdir=str(tmp_path / "n2"),
         agent_python=sys.executable,
@@ -609,7 +611,7 @@ def test_a_follower_with_room_does_not_try_to_claim_jobs_others_hold(local_node,
 def test_lines_that_come_in_a_stream_are_taken_a_round_at_a_time(local_node, fast_settings, monkeypatch):
     """A rank printing every 5 ms got a pass (a round trip, a commit, an event) per line or two: rounds that
     take lines begin at most every FOLLOW_MIN_ROUND_S, and every line is still taken."""
-    fast_settings.UGRO = {**fast_settings.UGRO, "FOLLOW_MIN_ROUND_S": 0.1}
+    monkeypatch.setattr(follow_module, "FOLLOW_MIN_ROUND_S", 0.1)
     job = running_job(local_node)
     tails = count_tails(monkeypatch)
     stop = threading.Event()

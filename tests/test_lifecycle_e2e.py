@@ -130,8 +130,9 @@ def test_with_no_worker_commands_refuse_in_one_line_and_change_nothing(scripts):
     assert "torchrun" in run("launch", "--name", "dry", "--dry-run", "--script", "scripts/quick.py")
 
 @pytest.mark.no_test_worker
-def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_finishes(scripts, controller_env,
-                                                                                        fast_settings):  # fmt: skip
+def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_finishes(
+    scripts, controller_env, fast_settings, monkeypatch
+):
     from django.contrib.auth import get_user_model
 
     from accounts import actions
@@ -154,7 +155,8 @@ def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_f
     assert job.state == Job.State.STARTING
     wait_for(lambda: len(job_pids(job.tag)) >= 6, timeout=30, what="the orphaned ranks to run")
     # when its STARTING window has passed and the reconciler runs
-    fast_settings.UGRO = {**fast_settings.UGRO, "STARTING_GRACE_S": 1.0, "STOPPING_RETRY_S": 1.0}
+    monkeypatch.setattr("jobs.reconcile.STARTING_GRACE_S", 1.0)
+    monkeypatch.setattr("jobs.lifecycle.STOPPING_RETRY_S", 1.0)
     Job.objects.filter(pk=job.pk).update(sync_window_s=1.0)
     time.sleep(2.1)
 

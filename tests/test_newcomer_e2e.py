@@ -46,8 +46,9 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
     # bin/test gives each run a Redis server of its own: a database of ours on it; else the default server's
     redis = redis_url_for(os.environ["REDIS_URL"], REDIS_DB) if "REDIS_URL" in os.environ else (
         f"redis://127.0.0.1:6379/{REDIS_DB}")  # fmt: skip
-    # the default install: no DATABASE_URL, so bin/start runs its own PostgreSQL in the data dir
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "UGRO_TEST_DB_NAME", "UGRO_TOKEN")}
+    # the default install: no DATABASE_URL, so bin/start runs its own PostgreSQL in the data dir; UGRO's settings
+    skip = ("DATABASE_URL", "UGRO_TEST_DB_NAME", "UGRO_TOKEN", "DJANGO_SETTINGS_MODULE")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
     env.update(UGRO_DATA_DIR=data, UGRO_PORT=str(port), REDIS_URL=redis, HOME=str(home))
     client_env = dict(env, UGRO_URL=base)
     out = tmp_path / "start.out"

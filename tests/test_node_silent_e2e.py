@@ -38,7 +38,7 @@ BOUND_S = 30.0  # the issue's bound, from the cut to the job's end and to the no
 # CI machine, well under the 40 s a breaker backoff could make it wait
 BACK_BOUND_S = 15.0
 # the tests' fast settings that the worker must not get here: it runs with what ships
-FAST_KNOBS = ("UGRO_NODE_LOST_AFTER_S", "UGRO_FOLLOW_LEASE_S", "UGRO_KILL_GRACE_S", "UGRO_JOIN_TIMEOUT_S")
+FAST_KNOBS = ("UGRO_NODE_LOST_AFTER_S", "UGRO_KILL_GRACE_S", "UGRO_JOIN_TIMEOUT_S", "UGRO_TEST_CONSTANTS")
 
 
 class Cut:

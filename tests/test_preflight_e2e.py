@@ -100,7 +100,7 @@ def test_busy_rendezvous_port_on_rank0_fails_the_launch(lab, rdzv_port):
     assert "Rendezvous port in admin > Cluster settings" in job.failure_reason
 
 
-def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, settings):
+def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, monkeypatch):
     # given node3's env has another torch and CUDA
     Node.objects.filter(name="node3").update(torchrun_command=fake_env(tmp_path, "2.1.0", "12.1"))
     # when launched: it fails naming every node's versions
@@ -108,7 +108,7 @@ def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, s
     assert "torch/CUDA/NCCL versions differ between nodes:" in job.failure_reason
     assert "node3 torch 2.1.0 CUDA 12.1" in job.failure_reason and "node1 torch 2.13" in job.failure_reason
     # when the setting says warn: the pre-flight passes with a note
-    settings.UGRO = {**settings.UGRO, "PREFLIGHT_VERSION_MISMATCH": "warn"}
+    monkeypatch.setattr("jobs.preflight.VERSION_MISMATCH", "warn")
     out = io.StringIO()
     call_command("preflight", stdout=out)
     assert "note: torch/CUDA/NCCL versions differ" in out.getvalue() and "pre-flight passed" in out.getvalue()

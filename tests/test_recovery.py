@@ -16,6 +16,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from cluster import links
 from cluster.models import Node
 from jobs import checkpoints, lifecycle, recovery
 from jobs.models import Attempt, Checkpoint, Job, Rank
@@ -129,8 +130,7 @@ def test_requeue_makes_the_next_attempt_once_and_keeps_the_last_ones_logs_and_cu
     assert lifecycle.requeue(live, nxt) is False and live.attempt == 1
 
 
-def test_the_policy_retries_listed_kinds_with_backoff_and_stops_on_a_crash_loop(node, settings):
-    settings.UGRO = {**settings.UGRO, "RETRY_BACKOFF_S": 10.0, "RETRY_BACKOFF_MAX_S": 600.0}
+def test_the_policy_retries_listed_kinds_with_backoff_and_stops_on_a_crash_loop(node):
     assert [recovery.backoff_s(n) for n in (1, 2, 3, 8)] == [10.0, 20.0, 40.0, 600.0]
     job = failed_job(node, retry_on=["SCRIPT_ERROR"], max_attempts=4)
     points(job, 1, [10, 20, 30])
@@ -174,8 +174,7 @@ def test_an_oom_without_a_batch_template_is_proposed_with_its_line_and_the_nodes
     assert nxt.batch == {"batch": 4, "accum": 2} and "batch 4 x accum 2" in note
 
 
-def test_the_hang_limit_is_five_median_intervals_or_the_floor(node, settings):
-    settings.UGRO = {**settings.UGRO, "HANG_MIN_S": 60.0, "HANG_FACTOR": 5.0}
+def test_the_hang_limit_is_five_median_intervals_or_the_floor(node):
     job = Job.objects.create(name="h", script="t.py", state=Job.State.RUNNING)
     points(job, 1, range(1, 30), gap=20.0)
     assert recovery.hang_limit(job) == (100.0, 20.0)
@@ -223,8 +222,7 @@ def test_the_hang_check_reads_a_bounded_number_of_points_however_long_the_job_ra
     assert recovery.hang_limit(job) == (60.0, 1.0)
 
 
-def test_a_rank_above_the_ratio_for_three_windows_is_a_straggler(node, settings):
-    settings.UGRO = {**settings.UGRO, "STRAGGLER_RATIO": 1.33, "STRAGGLER_WINDOWS": 3}
+def test_a_rank_above_the_ratio_for_three_windows_is_a_straggler(node):
     job = Job.objects.create(name="s", script="t.py", state=Job.State.RUNNING)
     for rank, value in ((0, 0.10), (1, 0.11), (2, 0.15)):
         MetricPoint.objects.bulk_create(
@@ -264,8 +262,9 @@ def test_the_policy_leaves_jobs_without_one_alone(node):
     assert Alert.objects.get(key="recovery:ruled").severity == Alert.Severity.CRITICAL
 
 
-def test_a_cluster_default_policy_applies_to_jobs_that_name_none(node, settings):
-    settings.UGRO = {**settings.UGRO, "RETRY_ON": ["script-error"], "MAX_ATTEMPTS": 2}
+def test_a_cluster_default_policy_applies_to_jobs_that_name_none(node, monkeypatch):
+    monkeypatch.setattr(recovery, "RETRY_ON", ("script-error",))
+    monkeypatch.setattr(recovery, "MAX_ATTEMPTS", 2)
     job = failed_job(node, name="d1")
     ckpt(job, node, 10)
     nxt, note = recovery.decide(job)
@@ -290,9 +289,10 @@ def test_without_step_times_a_node_far_busier_than_the_others_is_flagged(node, t
 
 
 def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_starts_once_it_answers(
-    node, settings, client, django_user_model
+    node, monkeypatch, client, django_user_model
 ):
-    settings.UGRO = {**settings.UGRO, "RETRY_BACKOFF_S": 0.0, "CONNECT_TIMEOUT_S": 2.0}
+    monkeypatch.setattr(recovery, "RETRY_BACKOFF_S", 0.0)
+    monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 2.0)
     from jobs.scheduler import place
 
     # given a job that lost node "gone" (nothing listens on its port) and may be retried after a lost node

@@ -31,8 +31,9 @@ TRAIN = ["--max-steps", "100", "--seq-len", "16", "--batch-size", "4", "--log-ev
 
 
 @pytest.fixture
-def recovery_settings(lab, fast_settings):
-    fast_settings.UGRO = {**fast_settings.UGRO, "CHECKPOINT_SCAN_S": 0.5, "RETRY_BACKOFF_S": 0.5}
+def recovery_settings(lab, fast_settings, monkeypatch):
+    monkeypatch.setattr("jobs.follow.CHECKPOINT_SCAN_S", 0.5)
+    monkeypatch.setattr("jobs.recovery.RETRY_BACKOFF_S", 0.5)
     return lab
 
 

@@ -15,6 +15,7 @@ from django.contrib.auth.models import Group, User
 from django.core.management import CommandError, call_command
 from django.test import Client
 
+from accounts import policy
 from accounts.models import AuditEvent
 from accounts.tokens import create_token
 from cluster.models import Node
@@ -127,8 +128,8 @@ def test_role_action_surface(world, role, action, surface):
     assert attempt(surface, action, user, world) is (role in EXPECTED[action]), (role, action, surface)
 
 
-def test_launcher_quota_of_queued_jobs(world, settings):
-    settings.UGRO = {**settings.UGRO, "LAUNCHER_MAX_QUEUED": 2}
+def test_launcher_quota_of_queued_jobs(world, monkeypatch):
+    monkeypatch.setattr(policy, "LAUNCHER_MAX_QUEUED", 2)
     user = make_user("launcher")
     client = Client()
     client.force_login(user)

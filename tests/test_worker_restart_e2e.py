@@ -37,7 +37,7 @@ def kill_worker(proc: subprocess.Popen) -> None:
 
 
 def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
-    env = {**controller_env, "UGRO_FOLLOW_SECONDS": "600"}  # follow tasks that would run ten minutes
+    env = controller_env  # follow tasks run ten minutes (jobs.tasks.FOLLOW_SECONDS): the kill comes mid-task
     first = start_worker(env, tmp_path, "w1")
     try:
         wait_for(worker_alive, timeout=60, what="w1's heartbeat")

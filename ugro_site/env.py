@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import parse_qs, unquote, urlsplit
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class EnvError(ValueError):
@@ -64,6 +68,55 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or raw.strip() == "":
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise EnvError(f"{name}={value!r} must be one of: {', '.join(choices)}")
+    return value
+
+
+class Mail(NamedTuple):
+    """How UGRO sends mail: a Django mail backend, its options, the sender; configured: the URL was set."""
+
+    backend: str
+    options: dict
+    sender: str
+    configured: bool
+
+
+SMTP_SCHEMES = {"smtp": {}, "smtp+tls": {"use_tls": True}, "smtps": {"use_ssl": True}}
+
+
+def env_email_url(name: str) -> Mail:
+    """Mail from one URL: smtp://[user:password@]host[:port][?from=address] (smtp+tls:// for STARTTLS,
+    smtps:// for TLS from the start; user and password percent-encoded), or console:// to print mail
+    to the log. Unset: this machine's own mail server (localhost:25), and configured=False."""
+    raw = os.environ.get(name, "").strip()
+    url = urlsplit(raw or "smtp://localhost:25")
+    query = parse_qs(url.query)
+    unknown = set(query) - {"from"}
+    sender = query.get("from", ["ugro@localhost"])[-1]
+    if unknown:
+        raise EnvError(f"{name}: unknown parameter {sorted(unknown)[0]!r} (only ?from=address)")
+    if url.scheme == "console":
+        return Mail("django.core.mail.backends.console.EmailBackend", {}, sender, True)
+    if url.scheme not in SMTP_SCHEMES or not url.hostname:
+        raise EnvError(f"{name} must look like smtp://user:password@host:587 (or smtp+tls://, smtps://, console://)")
+    try:
+        port = url.port or (465 if url.scheme == "smtps" else 25)
+    except ValueError:
+        raise EnvError(f"{name} has a port that is not a number") from None
+    options = {
+        "host": url.hostname,
+        "port": port,
+        "username": unquote(url.username or ""),
+        "password": unquote(url.password or ""),
+        "timeout": 10,
+        **SMTP_SCHEMES[url.scheme],
+    }
+    return Mail("django.core.mail.backends.smtp.EmailBackend", options, sender, bool(raw))
 
 
 def data_dir() -> Path:

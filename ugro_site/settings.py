@@ -9,7 +9,7 @@ from pathlib import Path
 import dj_database_url
 
 from . import localdb
-from .env import EnvError, data_dir, env_bool, env_float, env_int, env_list, env_str
+from .env import LOG_LEVELS, EnvError, data_dir, env_choice, env_email_url, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = data_dir()
@@ -30,7 +30,7 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
-DEBUG = env_bool("DEBUG", False)
+DEBUG = False  # never from the environment: a debug page shows settings and source to whoever fails a request
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -101,8 +101,6 @@ if _url := env_str("DATABASE_URL", ""):
         raise EnvError("DATABASE_URL must be a PostgreSQL URL (postgres://...): UGRO runs on PostgreSQL only")
 else:
     DATABASES = {"default": localdb.settings_dict(DATA_DIR)}
-if test_db := env_str("UGRO_TEST_DB_NAME", ""):
-    DATABASES["default"]["TEST"] = {"NAME": test_db}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -118,13 +116,11 @@ AUTHENTICATION_BACKENDS = [
     "ugro_site.auth.LoginThrottleBackend",
     "django.contrib.auth.backends.ModelBackend",
 ]
-AXES_FAILURE_LIMIT = env_int("UGRO_LOGIN_FAILURE_LIMIT", 5, minimum=1, maximum=1000)
-AXES_COOLOFF_TIME = env_float("UGRO_LOGIN_LOCKOUT_HOURS", 0.25, minimum=0.01, maximum=24 * 30)
+AXES_FAILURE_LIMIT = 5  # enough for a few typos; a guesser gets 5 tries per quarter hour
+AXES_COOLOFF_TIME = 0.25  # hours: short enough that a locked-out user just waits, not calls an operator
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_VERBOSE = False
-# Password reset mails a link: offered only when mail is configured (EMAIL_HOST set).
-PASSWORD_RESET_ENABLED = bool(env_str("EMAIL_HOST", ""))
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -152,7 +148,6 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_TRANSPORT = "ugro_site.broker:Transport"  # kombu's Redis transport, Redis restarts survived
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_ALWAYS_EAGER = env_bool("UGRO_TASKS_EAGER", False)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
@@ -199,113 +194,40 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
-# UGRO behaviour.
+# What a user tunes (README, "Configuration"); every other knob is a constant beside the code that uses it.
 UGRO = {
-    "SYNC_WINDOW_S": env_float("UGRO_SYNC_WINDOW_S", 30.0, minimum=1.0, maximum=3600.0),
+    # how long torchrun waits for every node to join the rendezvous: slow-starting node envs want more
     "JOIN_TIMEOUT_S": env_int("UGRO_JOIN_TIMEOUT_S", 30, minimum=1, maximum=3600),
-    "CONNECT_TIMEOUT_S": env_float("UGRO_CONNECT_TIMEOUT_S", 5.0, minimum=0.5, maximum=300.0),
+    # between SIGTERM and SIGKILL on cancel and failure: the script's time to save a last checkpoint
     "KILL_GRACE_S": env_float("UGRO_KILL_GRACE_S", 10.0, minimum=0.0, maximum=3600.0),
     # a running rank whose node has not answered for this long is lost (docs/lifecycle.md: the 30 s budget)
     "NODE_LOST_AFTER_S": env_float("UGRO_NODE_LOST_AFTER_S", 15.0, minimum=1.0, maximum=86400.0),
-    # how long a job whose failed ranks only saw a peer go away waits for the rank that went away to report
-    # its own end (the cause) before it fails on what it knows
-    "FAILURE_SETTLE_S": env_float("UGRO_FAILURE_SETTLE_S", 5.0, minimum=0.0, maximum=600.0),
-    # how long one follow task follows before it hands its jobs to a fresh one: each hand-over delays the
-    # lines of that moment by up to a second, so hand-overs are kept rare
-    "FOLLOW_SECONDS": env_float("UGRO_FOLLOW_SECONDS", 600.0, minimum=1.0, maximum=3000.0),
-    "FOLLOW_LEASE_S": env_float("UGRO_FOLLOW_LEASE_S", 15.0, minimum=2.0, maximum=3600.0),
-    # A round of passes that took lines is followed by the next no sooner than this: lines that come
-    # in bursts are taken a round's worth at a time (jobs/follow.py MIN_ROUND).
-    "FOLLOW_MIN_ROUND_S": env_float("UGRO_FOLLOW_MIN_ROUND_S", 0.05, minimum=0.0, maximum=5.0),
-    # how often the follower folds a job's new metric points into the charts' rollup (metrics/rollup.py)
-    "ROLLUP_INTERVAL_S": env_float("UGRO_ROLLUP_INTERVAL_S", 1.0, minimum=0.0, maximum=3600.0),
     # SSH host keys (cluster/links.py): an entry here for a node is honoured as its expected key.
     "KNOWN_HOSTS": env_str("UGRO_KNOWN_HOSTS", "~/.ssh/known_hosts"),
-    # a follow task follows at most this many jobs; more jobs, more follow tasks (worker threads)
-    "FOLLOW_JOBS_PER_TASK": env_int("UGRO_FOLLOW_JOBS_PER_TASK", 2, minimum=1, maximum=1000),
-    # Per-state time limits (docs/lifecycle.md): STARTING may last the sync window plus this (connect,
-    # pre-flight); CANCELLING/FAILING are torn down again by the reconciler after the kill grace plus this.
-    "STARTING_GRACE_S": env_float("UGRO_STARTING_GRACE_S", 60.0, minimum=1.0, maximum=3600.0),
-    "STOPPING_RETRY_S": env_float("UGRO_STOPPING_RETRY_S", 15.0, minimum=1.0, maximum=3600.0),
-    # Roles (accounts/policy.py): a launcher's highest priority and most queued jobs; a new account's role.
-    "LAUNCHER_MAX_PRIORITY": env_int("UGRO_LAUNCHER_MAX_PRIORITY", 50, minimum=0, maximum=100),
-    "LAUNCHER_MAX_QUEUED": env_int("UGRO_LAUNCHER_MAX_QUEUED", 10, minimum=1, maximum=100000),
-    "DEFAULT_ROLE": env_str("UGRO_DEFAULT_ROLE", "viewer"),
+    # a new account's role (accounts/policy.py)
+    "DEFAULT_ROLE": env_choice("UGRO_DEFAULT_ROLE", "viewer", ("viewer", "launcher", "operator", "none")),
 }
-if UGRO["DEFAULT_ROLE"] not in ("viewer", "launcher", "operator", "none"):
-    raise EnvError("UGRO_DEFAULT_ROLE must be viewer, launcher, operator or none")
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
+    # bin/worker hands the same variable to Celery's --loglevel
+    "root": {"handlers": ["console"], "level": env_choice("UGRO_LOG_LEVEL", "warning", LOG_LEVELS).upper()},
     "loggers": {"paramiko": {"level": "WARNING"}},
 }
 
-# Health monitor, pre-flight and alerts (cluster/monitor.py, jobs/preflight.py, cluster/alerts.py).
+# Health monitor and alerts (cluster/monitor.py, cluster/alerts.py).
 # Beat fires the poll every 5 s; each node is probed only when its adaptive interval is due.
 CELERY_BEAT_SCHEDULE["poll-health"] = {"task": "cluster.tasks.poll_health", "schedule": 5.0}
 CELERY_BEAT_SCHEDULE["prune-samples"] = {"task": "cluster.tasks.prune_samples", "schedule": 600.0}
-UGRO.update(
-    {
-        "PROBE_TIMEOUT_S": env_float("UGRO_PROBE_TIMEOUT_S", 10.0, minimum=1.0),
-        # Overrides of cluster.health.Thresholds, e.g. UGRO_HEALTH_GPU_TEMP_CRIT=90.
-        "HEALTH_THRESHOLDS": {
-            key: env_float(f"UGRO_HEALTH_{key.upper()}", default)
-            for key, default in {
-                "gpu_temp_warn": 80.0,
-                "gpu_temp_crit": 85.0,
-                "ram_warn": 90.0,
-                "ram_crit": 95.0,
-                "disk_warn": 90.0,
-                "score_warn": 70.0,
-                "score_crit": 50.0,
-                "gpu_mem_free_min_mb": 1024.0,
-                "cpu_warn": 95.0,
-            }.items()
-        },
-        "PREFLIGHT_VERSION_MISMATCH": env_str("UGRO_PREFLIGHT_VERSION_MISMATCH", "fail"),
-        "PREFLIGHT_DISK_FREE_GB": env_float("UGRO_PREFLIGHT_DISK_FREE_GB", 2.0, minimum=0.0),
-        "PREFLIGHT_GPU_FREE_MB": env_float("UGRO_PREFLIGHT_GPU_FREE_MB", 1024.0, minimum=0.0),
-        "SAMPLES_RAW_HOURS": env_float("UGRO_SAMPLES_RAW_HOURS", 24.0, minimum=1.0),
-        "SAMPLES_KEEP_DAYS": env_float("UGRO_SAMPLES_KEEP_DAYS", 30.0, minimum=1.0),
-    }
-)
-# Recovery (docs/recovery.md): checkpoints, the retry policy's cluster default, hang detection.
-UGRO.update(
-    {
-        "CHECKPOINT_SCAN_S": env_float("UGRO_CHECKPOINT_SCAN_S", 30.0, minimum=0.1),
-        "CHECKPOINT_COPY_TIMEOUT_S": env_float("UGRO_CHECKPOINT_COPY_TIMEOUT_S", 60.0, minimum=1.0),
-        # failure kinds retried when a job names none (e.g. "node-lost,rendezvous"); empty: never
-        "RETRY_ON": env_list("UGRO_RETRY_ON", []),
-        "MAX_ATTEMPTS": env_int("UGRO_MAX_ATTEMPTS", 3, minimum=1),
-        "RETRY_BACKOFF_S": env_float("UGRO_RETRY_BACKOFF_S", 10.0, minimum=0.0),
-        "RETRY_BACKOFF_MAX_S": env_float("UGRO_RETRY_BACKOFF_MAX_S", 600.0, minimum=0.0),
-        "HANG_MIN_S": env_float("UGRO_HANG_MIN_S", 60.0, minimum=0.1),
-        "HANG_FACTOR": env_float("UGRO_HANG_FACTOR", 5.0, minimum=1.0),
-        "HANG_STARTUP_S": env_float("UGRO_HANG_STARTUP_S", 600.0, minimum=1.0),  # before an attempt's first line
-        "STRAGGLER_RATIO": env_float("UGRO_STRAGGLER_RATIO", 1.33, minimum=1.0),
-        "STRAGGLER_WINDOWS": env_int("UGRO_STRAGGLER_WINDOWS", 3, minimum=1),
-    }
-)
-if UGRO["PREFLIGHT_VERSION_MISMATCH"] not in ("fail", "warn"):
-    raise EnvError("UGRO_PREFLIGHT_VERSION_MISMATCH must be fail or warn")
 UGRO_ALERT_EMAILS = env_list("UGRO_ALERT_EMAILS", [])
 UGRO_ALERT_WEBHOOK_URL = env_str("UGRO_ALERT_WEBHOOK_URL", "")
 UGRO_PROMETHEUS_TOKEN = env_str("UGRO_PROMETHEUS_TOKEN", "")
-MAILERS = {
-    "default": {
-        "BACKEND": env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend"),
-        "OPTIONS": {
-            "host": env_str("EMAIL_HOST", "localhost"),
-            "port": env_int("EMAIL_PORT", 25, minimum=1),
-            "username": env_str("EMAIL_HOST_USER", ""),
-            "password": env_str("EMAIL_HOST_PASSWORD", ""),
-            "use_tls": env_bool("EMAIL_USE_TLS", False),
-            "timeout": 10,
-        },
-    }
-}
-DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "ugro@localhost")
+# Mail (password reset, alerts): one URL, smtp://user:password@host:587?from=ugro@example.org (ugro_site/env.py).
+_mail = env_email_url("EMAIL_URL")
+MAILERS = {"default": {"BACKEND": _mail.backend, "OPTIONS": _mail.options}}
+DEFAULT_FROM_EMAIL = _mail.sender
+# Password reset mails a link: offered only when mail is configured.
+PASSWORD_RESET_ENABLED = _mail.configured
