@@ -405,7 +405,7 @@ def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromi
     assert not errors, errors
 
 
-def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium):
+def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium, worker_heartbeat):
     from django.core.management import call_command
     from django.utils import timezone
 
