@@ -37,6 +37,7 @@ from metrics import rollup
 from metrics.models import MetricPoint
 from ugro_site.celery import send_task
 
+from . import locks
 from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain_now
 from .logs import archive_logs, restore_logs, tail_lines
@@ -244,17 +245,21 @@ def teardown(job: Job) -> bool:
     """Stop a stopping job's processes on every node, then make its end final. Safe to repeat.
 
     Nodes that could not be confirmed clean are named in the reason; the reconciler kills any
-    process tagged with an ended job when such a node answers again.
+    process tagged with an ended job when such a node answers again. A teardown of the same job already
+    under way on another worker (or thread) is left to finish: False here.
     """
-    job.refresh_from_db()
-    if not job.is_stopping:
-        return False
-    grace = None
-    if job.failure_kind == FailureKind.NODE_LOST:
-        # the others are stuck in a collective with the lost node's ranks: nothing to wait for
-        grace = min(settings.UGRO["KILL_GRACE_S"], LOST_PEER_GRACE_S)
-    unclean = stop_processes(job, grace=grace)
-    return finalize(job, unclean)
+    with locks.held(locks.TEARDOWN, job.pk) as mine:
+        if not mine:  # another worker is tearing it down right now
+            return False
+        job.refresh_from_db()
+        if not job.is_stopping:
+            return False
+        grace = None
+        if job.failure_kind == FailureKind.NODE_LOST:
+            # the others are stuck in a collective with the lost node's ranks: nothing to wait for
+            grace = min(settings.UGRO["KILL_GRACE_S"], LOST_PEER_GRACE_S)
+        unclean = stop_processes(job, grace=grace)
+        return finalize(job, unclean)
 
 
 def _after_commit_stopping(job: Job) -> None:

@@ -42,7 +42,7 @@ from cluster.models import Alert, Node
 from metrics import rollup
 from metrics.models import MetricPoint
 
-from . import lifecycle, recovery
+from . import lifecycle, locks, recovery
 from .failure import Failure, FailureKind
 from .follow import follower_id, recover_output
 from .models import Attempt, Job, Rank
@@ -80,11 +80,18 @@ class Report:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
 
 
-def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True) -> Report:
+def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True, wait: bool = True) -> Report:
     """One pass over every job (or the given ones); see the module docstring for the rules.
 
     Each rule runs on its own (run_rule): one that raises is logged and alerted, and the rules after it
-    still run in this pass."""
+    still run in this pass. One pass runs at a time across all workers (locks.RECONCILE): two workers
+    never act on the same job in the same second. wait=False (the periodic task): a pass already under
+    way elsewhere is enough, and this one is skipped (an empty report)."""
+    with locks.held(locks.RECONCILE, wait=wait) as mine:
+        return _pass(job_ids, orphans) if mine else Report()
+
+
+def _pass(job_ids: list[int] | None, orphans: bool) -> Report:
     report = Report()
     jobs = Job.objects.all() if job_ids is None else Job.objects.filter(pk__in=job_ids)
     now = timezone.now()
