@@ -1,0 +1,124 @@
+"""The worker's loops, rule by rule, against an in-memory node agent (tests/fake_agent.py): fast, and each
+rule alone. The same rules run end to end on real sshd and torchrun in tests/test_*_e2e.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from cluster.models import Alert, Node
+from jobs import lifecycle
+from jobs.models import Allocation, Job, Rank
+from jobs.reconcile import reconcile
+
+from .fake_agent import FakeCluster
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def nodes(monkeypatch, settings):
+    settings.UGRO = {**settings.UGRO, "KILL_GRACE_S": 0.2, "NODE_LOST_AFTER_S": 5.0}
+    monkeypatch.setattr(lifecycle, "send_task", lambda *a: True)  # the teardown task: these tests call the rules
+    for i in (1, 2):
+        Node.objects.create(name=f"n{i}", address=f"10.9.0.{i}", role="master" if i == 1 else "worker", order=i)
+    return FakeCluster("n1", "n2").install(monkeypatch)
+
+
+def running(name: str, cluster: FakeCluster, started_s_ago: float = 30.0) -> Job:
+    """A RUNNING job with a rank on n1 and n2, both started on their nodes."""
+    since = timezone.now() - timedelta(seconds=started_s_ago)
+    job = Job.objects.create(name=name, script="t.py", tag=f"{name}-tag", state=Job.State.RUNNING,
+                             started_at=since, running_at=since, state_changed_at=since)  # fmt: skip
+    for i, node in enumerate(Node.objects.order_by("order")):
+        rank = Rank.objects.create(job=job, node=node, index=i, state=Rank.State.RUNNING, active=True, started_at=since,
+                                   last_contact=since, remote_exit=f"/w/{name}/rank_{i}.exit")  # fmt: skip
+        cluster.run(node.name, job.tag, rank.start_key)
+    return job
+
+
+def test_a_rank_whose_processes_vanished_without_an_exit_record_is_lost_and_the_job_fails(nodes):
+    job = running("vanish", nodes)
+    # when n2's processes of it are gone and nothing recorded an exit
+    nodes["n2"].tags.pop(job.tag)
+    report = reconcile([job.pk])
+    # then that rank is LOST with the reason, the job fails on it, and its teardown stops the rest
+    assert report.lost == ["vanish/1"] and report.judged == ["vanish"]
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILING and "gone without recording an exit code" in job.failure_reason
+    assert lifecycle.teardown(job) and Job.objects.get(pk=job.pk).state == Job.State.FAILED
+    assert nodes["n1"].tags == {} and not Rank.objects.filter(job=job, active=True).exists()
+
+
+def test_a_rank_on_a_node_silent_longer_than_node_lost_after_is_lost_but_not_sooner(nodes):
+    job = running("quiet", nodes, started_s_ago=2.0)
+    nodes["n2"].silent = True
+    # a node silent for less than NODE_LOST_AFTER_S: its rank is still given the benefit of the doubt
+    assert reconcile([job.pk]).lost == []
+    # once its last contact is older than that, the rank is lost and named with its node
+    Rank.objects.filter(job=job).update(last_contact=timezone.now() - timedelta(seconds=6))
+    assert reconcile([job.pk]).lost == ["quiet/1"]
+    assert "node n2 stopped answering" in Rank.objects.get(job=job, index=1).lost_reason
+
+
+def test_a_launch_that_outlived_its_window_fails_as_a_timeout(nodes):
+    long_ago = timezone.now() - timedelta(seconds=600)
+    job = Job.objects.create(name="stuck", script="t.py", tag="stuck-tag", state=Job.State.STARTING,
+                             sync_window_s=30, started_at=long_ago, state_changed_at=long_ago)  # fmt: skip
+    assert reconcile([job.pk]).timed_out == ["stuck"]
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILING and job.failure_kind == "TIMEOUT" and "did not finish within 90s" in (
+        job.failure_reason
+    )
+
+
+def test_a_lost_teardown_is_run_again_and_kills_what_ignores_sigterm(nodes):
+    job = running("stubborn", nodes)
+    nodes["n1"].stubborn.add(job.tag)
+    lifecycle.cancel(job)
+    # given the teardown was lost with its worker (CANCELLING well past the kill grace and the retry time)
+    Job.objects.filter(pk=job.pk).update(state_changed_at=timezone.now() - timedelta(seconds=60))
+    report = reconcile([job.pk])
+    # then the reconciler runs it: TERM, then KILL for what ignored it, and the end is final
+    assert report.torn_down == ["stubborn"]
+    assert Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
+    kills = [f["signal"] for op, f in nodes["n1"].requests if op == "kill"]
+    assert kills == [15, 9] and nodes["n1"].tags == {} and nodes["n2"].tags == {}
+
+
+def test_an_ended_job_still_holding_nodes_is_released(nodes):
+    job = running("ended", nodes)
+    Allocation.objects.create(job=job, node=Node.objects.get(name="n1"), gpu_index=0, active=True)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    assert reconcile([job.pk]).released == ["ended"]
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    assert not Allocation.objects.filter(job=job, active=True).exists()
+
+
+def test_processes_of_an_ended_job_are_killed_and_people_told_on_each_node(nodes):
+    job = running("left", nodes)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLED, finished_at=timezone.now())
+    report = reconcile()
+    assert sorted(report.orphans_killed) == ["n1:left", "n2:left"]
+    assert nodes["n1"].tags == {} and nodes["n2"].tags == {}
+    assert Alert.objects.filter(key="orphans:left", severity=Alert.Severity.WARNING).count() == 2
+    # and a pass later there is nothing left to do
+    assert not reconcile().orphans_killed
+
+
+def test_a_rule_that_raises_stops_neither_the_pass_nor_the_other_rules(nodes, monkeypatch):
+    import jobs.reconcile as reconciler
+
+    job = running("ok", nodes)
+    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+
+    def broken(jobs, now):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(reconciler, "_starting_overdue", broken)
+    report = reconcile([job.pk])
+    # the starting rule failed, and the release rule after it still ran; the failure is an open alert
+    assert report.released == ["ok"]
+    assert Alert.objects.get(key="rule:starting", resolved_at__isnull=True).message.endswith("RuntimeError: boom")
