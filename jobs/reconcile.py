@@ -1,8 +1,10 @@
 """The reconciler: make the database agree with what the nodes say, for every job, every few seconds.
 
-The pattern of SkyPilot's job-status reconciler and dstack's per-state timeouts. Beat runs
-`reconcile()` on the worker every few seconds (the worker is the only executor of job work). Each
-rule is idempotent and bounded in time, so running it twice, or after a crash anywhere, is safe:
+The pattern of SkyPilot's job-status reconciler and dstack's per-state timeouts. Beat runs the
+reconciler on the worker every few seconds (the worker is the only executor of job work) as one task per
+loop (LOOPS: starts, running, stopping, ended, retries), side by side, one pass of each at a time across
+workers. Each rule is idempotent and bounded in time, so running it twice, or after a crash anywhere, is
+safe:
 
 - A live job past its time limit (the job's own, else the cluster default): FAILING with kind TIMEOUT;
   the teardown sends SIGTERM, then SIGKILL after the kill grace (time for a last checkpoint).
@@ -80,38 +82,55 @@ class Report:
         return any(getattr(self, f) for f in self.__dataclass_fields__)
 
 
-def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True, wait: bool = True) -> Report:
-    """One pass over every job (or the given ones); see the module docstring for the rules.
+# The reconciler's loops, one per concern, each a list of (rule name, rule). Each loop runs as a task of its
+# own (jobs.tasks.reconcile_loop), so a slow one (a teardown waiting out a kill grace, a node that does not
+# answer) never delays the others, and one pass of a loop runs at a time across all workers.
+LOOPS = ("starts", "running", "stopping", "ended", "retries")
+
+
+def _rules(loop: str, jobs, job_ids: list[int] | None, orphans: bool, report: Report, now) -> list:
+    every_job = job_ids is None
+    return {
+        # starts and limits: a launch past its window, a job past its time limit, a sweep trial worse than the median
+        "starts": [
+            ("starting", lambda: report.timed_out.extend(_starting_overdue(jobs, now))),
+            ("time-limits", lambda: report.timed_out.extend(stop_overdue(job_ids))),
+            *([("median-stop", lambda: report.stopped_early.extend(median_stop()))] if every_job else []),
+        ],
+        # running jobs: ranks checked on their nodes (lost ones marked), then judged; hangs and stragglers
+        "running": [("running", lambda: _running(jobs, report))],
+        # stopping jobs whose teardown was lost: torn down again
+        "stopping": [("teardowns", lambda: report.torn_down.extend(_lost_teardowns(jobs, now)))],
+        # ended jobs: nodes still held released, lost output fetched, points folded, leftover processes killed
+        "ended": [
+            ("release", lambda: report.released.extend(_release_ended(jobs))),
+            ("lost-output", lambda: report.recovered.extend(_recover_lost_output(jobs, now))),
+            ("rollup", lambda: report.folded.extend(fold_leftovers(jobs, now))),
+            *([("orphans", lambda: report.orphans_killed.extend(kill_orphans()))] if every_job and orphans else []),
+        ],
+        # the retry policy and jobs waiting for a lost node (jobs/recovery.py)
+        "retries": [
+            ("retries", lambda: report.retried.extend(recovery.retry_pass(job_ids))),
+            ("node-back", lambda: report.node_back.extend(recovery.release_waits(job_ids))),
+        ],
+    }[loop]
+
+
+def reconcile(job_ids: list[int] | None = None, *, orphans: bool = True, loops=LOOPS, wait: bool = True) -> Report:
+    """One pass of each loop over every job (or the given ones); see the module docstring for the rules.
 
     Each rule runs on its own (run_rule): one that raises is logged and alerted, and the rules after it
-    still run in this pass. One pass runs at a time across all workers (locks.RECONCILE): two workers
-    never act on the same job in the same second. wait=False (the periodic task): a pass already under
-    way elsewhere is enough, and this one is skipped (an empty report)."""
-    with locks.held(locks.RECONCILE, wait=wait) as mine:
-        return _pass(job_ids, orphans) if mine else Report()
-
-
-def _pass(job_ids: list[int] | None, orphans: bool) -> Report:
+    still run. One pass of a loop runs at a time across all workers (locks.RECONCILE, keyed by the loop):
+    two workers never act on the same job for the same concern at once. wait=False (the periodic tasks): a
+    pass of that loop already under way elsewhere is enough, and this one is skipped."""
     report = Report()
     jobs = Job.objects.all() if job_ids is None else Job.objects.filter(pk__in=job_ids)
-    now = timezone.now()
-    rules = [
-        ("starting", lambda: report.timed_out.extend(_starting_overdue(jobs, now))),
-        ("time-limits", lambda: report.timed_out.extend(stop_overdue(job_ids))),
-        ("teardowns", lambda: report.torn_down.extend(_lost_teardowns(jobs, now))),
-        ("running", lambda: _running(jobs, report)),
-        ("release", lambda: report.released.extend(_release_ended(jobs))),
-        ("lost-output", lambda: report.recovered.extend(_recover_lost_output(jobs, now))),
-        ("rollup", lambda: report.folded.extend(fold_leftovers(jobs, now))),
-        ("retries", lambda: report.retried.extend(recovery.retry_pass(job_ids))),
-        ("node-back", lambda: report.node_back.extend(recovery.release_waits(job_ids))),
-    ]
-    if job_ids is None:
-        rules.insert(2, ("median-stop", lambda: report.stopped_early.extend(median_stop())))
-        if orphans:
-            rules.append(("orphans", lambda: report.orphans_killed.extend(kill_orphans())))
-    for name, rule in rules:
-        run_rule(name, rule)
+    for loop in loops:
+        with locks.held(locks.RECONCILE, LOOPS.index(loop), wait=wait) as mine:
+            if not mine:
+                continue
+            for name, rule in _rules(loop, jobs, job_ids, orphans, report, timezone.now()):
+                run_rule(name, rule)
     if report:
         log.warning("reconcile: %s", report)
     return report

@@ -16,7 +16,7 @@ from ugro_site.celery import send_task
 from . import lifecycle
 from .follow import follow
 from .models import Job
-from .reconcile import reconcile
+from .reconcile import LOOPS, reconcile
 from .scheduler import schedule
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,16 @@ def teardown_job(job_id: int) -> None:
 
 @shared_task(ignore_result=True, acks_late=True)
 def reconcile_jobs() -> None:
-    reconcile(wait=False)  # a pass still running on another worker covers this tick
+    """Beat's tick of the reconciler: one task per loop, so that they run side by side on the worker's
+    threads and a slow loop never holds up the others."""
+    for loop in LOOPS:
+        if not send_task("jobs.tasks.reconcile_loop", loop):
+            reconcile(loops=[loop], wait=False)  # the broker away: this tick runs them here, one by one
+
+
+@shared_task(ignore_result=True, acks_late=True)
+def reconcile_loop(loop: str) -> None:
+    reconcile(loops=[loop], wait=False)  # a pass of this loop still running on another worker covers this tick
 
 
 @shared_task(ignore_result=True, acks_late=True)

@@ -53,18 +53,18 @@ def test_a_teardown_under_way_elsewhere_is_left_to_finish_and_one_after_it_runs(
     assert stopped == ["t1"] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
 
 
-def test_a_periodic_pass_is_skipped_while_another_worker_reconciles_and_a_direct_one_waits(monkeypatch):
+def test_a_periodic_pass_of_a_loop_is_skipped_while_another_worker_runs_it_and_a_direct_one_waits(monkeypatch):
     ran = []
     monkeypatch.setattr(reconcile, "_release_ended", lambda jobs: ran.append("release") or [])
-    with Holder(locks.RECONCILE) as other:
-        # the periodic task's pass (wait=False) finds a pass under way and runs no rule
-        assert not reconcile.reconcile(wait=False) and ran == []
-        # a direct pass waits for the other to end, then runs every rule
+    with Holder(locks.RECONCILE, reconcile.LOOPS.index("ended")) as other:
+        # the periodic task's pass of the loop (wait=False) finds one under way and runs no rule of it
+        assert not reconcile.reconcile(loops=["ended"], wait=False) and ran == []
+        # a direct pass waits for the other to end, then runs the loop's rules
         done = threading.Event()
 
         def direct() -> None:
             try:
-                reconcile.reconcile()
+                reconcile.reconcile(loops=["ended"])
                 done.set()
             finally:
                 connections.close_all()
@@ -75,3 +75,14 @@ def test_a_periodic_pass_is_skipped_while_another_worker_reconciles_and_a_direct
         other.release.set()
         waiter.join(10)
     assert done.is_set() and ran == ["release"]
+
+
+def test_a_slow_loop_holds_up_neither_the_other_loops_nor_another_pass_of_them(monkeypatch):
+    # given another worker busy in the 'stopping' loop (a teardown waiting out a kill grace, say)
+    ran = []
+    monkeypatch.setattr(reconcile, "_release_ended", lambda jobs: ran.append("release") or [])
+    monkeypatch.setattr(reconcile, "_lost_teardowns", lambda jobs, now: ran.append("teardowns") or [])
+    with Holder(locks.RECONCILE, reconcile.LOOPS.index("stopping")):
+        # when the periodic tasks run every loop: all but that one run now, and that one is left to its pass
+        reconcile.reconcile(wait=False)
+    assert ran == ["release"]
