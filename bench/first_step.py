@@ -12,7 +12,11 @@ step) with a rendezvous port of its own:
              (Popen), as one would by hand in two terminals
   ugro_warm  create_job() + schedule() in this process over links opened beforehand (the path a
              launch through the running worker takes: hello, pre-flight, start)
-  ugro_cold  a fresh `manage.py launch --detach --name X --nodes 2 -- ...` subprocess
+  ugro_cmd   a fresh `manage.py launch --detach --name X --nodes 2 -- ...` subprocess while a real
+             worker (bench/_worker.py: `bin/worker`, Redis db 11) is up: the command queues the job and
+             the worker starts and follows it. The worker is paused (SIGSTOP, heartbeat deleted) during
+             the other methods' trials. (The command with no worker, once method `ugro_cold`, is gone:
+             since 1c16252 it refuses without a worker, the only executor of job work.)
 
 The clock runs from the command to the first line starting with {"step" in the rank logs (each
 node's log file, polled every 10 ms; all nodes are this machine). Results:
@@ -34,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    BENCH_REDIS,
     CONTROLLER_PY,
     NODE_ENV,
     NODE_TORCHRUN,
@@ -53,8 +58,9 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _db import throwaway_database  # noqa: E402
+from _worker import Worker, bench_redis  # noqa: E402
 
-METHODS = ("bare", "ugro_warm", "ugro_cold")
+METHODS = ("bare", "ugro_warm", "ugro_cmd")
 EXTRA = ["--max-steps", "5", "--log-every", "1", "--seq-len", "32", "--batch-size", "8"]
 STEP_TIMEOUT = 120.0
 FINISH_TIMEOUT = 120.0
@@ -131,6 +137,7 @@ class StepWatch:
 class Bench:
     def __init__(self, cluster, tmp: Path, ugro_env: dict[str, str]) -> None:
         self.cluster, self.tmp, self.ugro_env = cluster, tmp, ugro_env
+        self.worker: Worker | None = None  # ugro_cmd's, started by run()
         self.port = 29611
         self.ssh_base = ["ssh", "-i", str(cluster.client_key), "-p", str(cluster.port), *SSH_OPTS]
 
@@ -205,8 +212,9 @@ class Bench:
         )  # fmt: skip
 
     # -- UGRO ---------------------------------------------------------------------------------------
-    def _finish_job(self, name: str) -> dict:
-        """Follow the job to its end in this process (as the worker would), bounded."""
+    def _finish_job(self, name: str, here: bool = True) -> dict:
+        """Follow the job to its end in this process (as the worker would), or (here=False) wait for the
+        worker to, bounded."""
         from jobs.follow import follow
         from jobs.models import Job
 
@@ -214,7 +222,10 @@ class Bench:
         t_follow = time.monotonic()
         deadline = time.monotonic() + FINISH_TIMEOUT
         while not job.is_ended and time.monotonic() < deadline:
-            follow(2.0, job_ids=[job.pk], idle_sleep=0.1)
+            if here:
+                follow(2.0, job_ids=[job.pk], idle_sleep=0.1)
+            else:
+                time.sleep(0.1)
             job.refresh_from_db()
         survivors = kill_tagged(job.tag) if job.tag else 0
         ended = [r.ended_at for r in job.ranks.all() if r.ended_at]
@@ -279,40 +290,44 @@ class Bench:
             follow_started_s=round(t_step - t0, 4), **info,
         )  # fmt: skip
 
-    def ugro_cold(self) -> dict:
+    def ugro_cmd(self) -> dict:
         port = self.next_port()
         self._set_port(port)
         name = f"fsc-{uuid.uuid4().hex[:8]}"
         out = self.tmp / f"{name}.out"
         watch = StepWatch(self._patterns(name))
         argv = [str(CONTROLLER_PY), "manage.py", "launch", "--detach", "--name", name, "--nodes", "2", "--", *EXTRA]
-        with open(out, "wb") as fh:
-            t0 = time.monotonic()
-            proc = subprocess.Popen(
-                argv, cwd=REPO, env={**os.environ, **self.ugro_env}, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh
-            )
-            t_exit = None
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while not watch.done and time.monotonic() < deadline:
-                watch.poll()
-                if t_exit is None and proc.poll() is not None:
+        self.worker.resume()
+        try:
+            with open(out, "wb") as fh:
+                t0 = time.monotonic()
+                proc = subprocess.Popen(
+                    argv, cwd=REPO, env=self.worker.env, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh
+                )
+                t_exit = None
+                deadline = time.monotonic() + STEP_TIMEOUT
+                while not watch.done and time.monotonic() < deadline:
+                    watch.poll()
+                    if t_exit is None and proc.poll() is not None:
+                        t_exit = time.monotonic()
+                    if watch.done:
+                        break
+                    time.sleep(POLL)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                if t_exit is None:
                     t_exit = time.monotonic()
-                if watch.done:
-                    break
-                time.sleep(POLL)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if t_exit is None:
-                t_exit = time.monotonic()
-        text = out.read_text(errors="replace")
-        from jobs.models import Job
+            text = out.read_text(errors="replace")
+            from jobs.models import Job
 
-        info = self._finish_job(name) if Job.objects.filter(name=name).exists() else {}
+            info = self._finish_job(name, here=False) if Job.objects.filter(name=name).exists() else {}
+        finally:
+            self.worker.pause()
         return self._row(
-            "ugro_cold", t0, watch, name=name, port=port, launch_rc=proc.returncode,
+            "ugro_cmd", t0, watch, name=name, port=port, launch_rc=proc.returncode,
             launch_exited_s=round(t_exit - t0, 4), launch_output=text[-600:],
             finished_s=round(time.monotonic() - t0, 4), **info,
         )  # fmt: skip
@@ -328,7 +343,7 @@ def summarize(rows: list[dict]) -> dict:
             "median_first_step_all_s": median([r["first_step_all_s"] for r in mine]),
             "min_first_step_any_s": min((r["first_step_any_s"] for r in mine if r["first_step_any_s"]), default=None),
         }
-        key = {"ugro_warm": "launched_s", "ugro_cold": "launch_exited_s", "bare": "issued_s"}[m]
+        key = {"ugro_warm": "launched_s", "ugro_cmd": "launch_exited_s", "bare": "issued_s"}[m]
         out[m]["median_command_returned_s"] = median([r.get(key) for r in mine])
         out[m]["states"] = sorted({r.get("state", "-") for r in mine})
         if m == "ugro_warm":
@@ -336,7 +351,7 @@ def summarize(rows: list[dict]) -> dict:
     pairs = (("overhead_vs_bare_s", "median_first_step_any_s"), ("overhead_vs_bare_min_s", "min_first_step_any_s"))
     for key, stat in pairs:
         bare = out["bare"][stat]
-        for m in ("ugro_warm", "ugro_cold"):
+        for m in ("ugro_warm", "ugro_cmd"):
             v = out[m][stat]
             out[m][key] = round(v - bare, 4) if v is not None and bare is not None else None
     return out
@@ -380,12 +395,18 @@ def run(args: argparse.Namespace, database_url: str) -> int:
     rows: list[dict] = []
     t_start = time.monotonic()
     cluster = LoopbackCluster(tmp / "nodes", 2, subnet=SUBNET, first_octet=2)
+    bench = None
     try:
         cluster.start()
         for node in cluster.nodes:
             shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
         import_cluster(cluster_yaml(cluster, 29611))
         bench = Bench(cluster, tmp, {k: env[k] for k in ("DATABASE_URL", "UGRO_DATA_DIR", "REDIS_URL")})
+        bench_redis().flushdb()  # the benchmark's own Redis database: no stale heartbeat or task
+        bench.worker = Worker(tmp, {**os.environ, **env, "REDIS_URL": BENCH_REDIS, "PYTHONUNBUFFERED": "1"})
+        meta["worker_start_s"] = round(bench.worker.start(), 2)
+        meta["redis"] = BENCH_REDIS
+        bench.worker.pause()
         # One untimed round: page cache for torch, sshd, Django's first queries.
         for m in METHODS:
             getattr(bench, m)()
@@ -405,6 +426,9 @@ def run(args: argparse.Namespace, database_url: str) -> int:
                     flush=True,
                 )
     finally:
+        if bench is not None and bench.worker is not None:
+            bench.worker.stop()
+            bench_redis().flushdb()
         pool.close_all()
         cluster.stop()
         for r in rows:

@@ -15,23 +15,23 @@ UGRO_JOB=<tag> UGRO_NODE=<node> on each node:
              nodes at once (SSH + agent bootstrap + hello), then one agent `start` per node at once
   ugro_warm  the same `start` requests from this process over links opened before the clock
              starts (as the Celery worker holds them)
-  ugro_cli   the admins' command, `manage.py launch --detach --name X --nodes N` (a fresh process),
-             with no worker running: it connects to the nodes, runs pre-flight and starts the
-             ranks itself. The nodes are imported into the throwaway DB as a UGRO cluster whose
-             `torchrun` is a fake that execs the same sleeping rank.
   ugro_cli_worker
-             the same command while a real Celery worker (`celery -A ugro_site worker -B -P threads
-             -c 4`, Redis db 11) is up and warm: the command hands the start to it. Between its
-             own trials the worker is paused (SIGSTOP, heartbeat key deleted) so the other methods
-             run with no worker, and resumed (SIGCONT, heartbeat back) before each of its trials.
+             the admins' command, `manage.py launch --detach --name X --nodes N` (a fresh process),
+             while a real worker (bench/_worker.py: `bin/worker`, Redis db 11) is up and warm: the
+             command queues the job and the worker starts the ranks. The nodes are imported into the
+             throwaway DB as a UGRO cluster whose `torchrun` is a fake that execs the same sleeping
+             rank. Between its own trials the worker is paused (SIGSTOP, heartbeat key deleted) so the
+             other methods run with no worker, and resumed (SIGCONT, heartbeat back) before each of its
+             trials. (The same command with no worker running, once method `ugro_cli`, is gone: since
+             1c16252 the command refuses without a worker, which is the only executor of job work.)
   ugro_client
              the thin client a user runs, `ugro launch --detach --name X --nodes N` (ugro_client, a
              fresh python process, no Django) against the REST API served by daphne, with a real
              token; the API queues the job and the same warm worker starts the ranks.
 
 The clock runs from just before the command is issued until a separate watcher process
-(bench/_procwatch.py, polling /proc every 5 ms; by tag prefix for the ugro_cli
-methods, whose tag UGRO picks) sees N exec'd rank processes with the tag.
+(bench/_procwatch.py, polling /proc every 5 ms; by tag prefix for the
+methods whose tag UGRO picks) sees N exec'd rank processes with the tag.
 Results: bench/results/launch_fanout.json (overwritten) and a table on stdout.
 """
 
@@ -72,9 +72,10 @@ from _common import (  # noqa: E402
     write_json,
 )
 from _db import throwaway_database  # noqa: E402
+from _worker import Worker, bench_redis  # noqa: E402
 
-METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli", "ugro_cli_worker", "ugro_client")
-CLI_METHODS = ("ugro_cli", "ugro_cli_worker", "ugro_client")
+METHODS = ("seq_ssh", "pdsh", "ugro_cold", "ugro_warm", "ugro_cli_worker", "ugro_client")
+CLI_METHODS = ("ugro_cli_worker", "ugro_client")
 WORKER_METHODS = ("ugro_cli_worker", "ugro_client")  # the worker starts the ranks
 SLEEP_CODE = "import time; time.sleep(30)"
 RANK_ARGV = [str(NODE_PY), "-c", SLEEP_CODE]
@@ -83,10 +84,6 @@ CLI_DETECT_TIMEOUT = 40.0  # a failed `ugro launch` starts nothing: do not wait 
 UGRO_ADMIN = [str(CONTROLLER_PY), str(REPO / "manage.py")]
 UGRO_CLIENT = [str(CONTROLLER_PY), "-m", "ugro_client.cli"]  # what the `ugro` console script runs
 RANK_SCRIPT = "bench_rank.py"  # training.script: an empty file in each node's workdir (pre-flight stats it)
-HEARTBEAT_KEY = "ugro:worker-alive"  # ugro_site.celery.HEARTBEAT_KEY
-# The worker's PGAPPNAME (libpq's default application_name): its database sessions, beat's included, are
-# told apart from the benchmark's own, daphne's and the commands' in pg_stat_activity.
-WORKER_APP = "ugro-bench-worker"
 
 
 class Watcher:
@@ -136,135 +133,6 @@ def remote_oneliner(tag: str, node_expr: str) -> str:
     """The shell line each node runs for seq_ssh/pdsh; node_expr is a literal name or a `$n`."""
     cmd = " ".join(shlex.quote(a) for a in RANK_ARGV)
     return f"UGRO_JOB={tag} UGRO_NODE={node_expr} nohup setsid {cmd} >/dev/null 2>&1 &"
-
-
-def _redis():
-    import redis
-
-    return redis.Redis.from_url(BENCH_REDIS, socket_timeout=2, socket_connect_timeout=2)
-
-
-def heartbeat_present() -> bool:
-    """What ugro_site.celery.worker_alive() answers for a command pointed at BENCH_REDIS."""
-    return bool(_redis().exists(HEARTBEAT_KEY))
-
-
-def worker_out_of_transactions() -> bool:
-    """Whether no database session of the worker is inside a transaction or holds a lock right now. A worker
-    paused inside one would keep its row locks (a job's, a node's, a GPU's) and its snapshot until resumed:
-    the launches of the other methods would wait on them. Read through this process's Django connection, in
-    autocommit: each query sees pg_stat_activity afresh."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity AS a WHERE a.datname = current_database()"
-            " AND a.application_name = %s"
-            " AND (a.xact_start IS NOT NULL OR EXISTS (SELECT 1 FROM pg_locks AS l WHERE l.pid = a.pid))",
-            [WORKER_APP],
-        )
-        return cursor.fetchone()[0] == 0
-
-
-class Worker:
-    """A real UGRO Celery worker (beat embedded, thread pool), started as tests/test_worker_restart_e2e.py
-    does, in its own session; paused with SIGSTOP between its trials so it takes no CPU (and no launch)
-    while the other methods run."""
-
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.tmp, self.env = tmp, {**env, "PGAPPNAME": WORKER_APP}
-        self.proc: subprocess.Popen | None = None
-        self.paused = False
-        self.log = tmp / "worker.log"
-        self.pause_retries = 0
-
-    def start(self, timeout: float = 90.0) -> float:
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [str(CONTROLLER_PY), "-m", "celery", "-A", "ugro_site", "worker", "-P", "threads", "-c", "4",
-                 "-n", "bench@%h", "--loglevel=warning"],
-                cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        t0 = time.monotonic()
-        self.wait_alive(timeout)
-        return time.monotonic() - t0
-
-    def wait_alive(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not heartbeat_present():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited ({self.proc.returncode}): {self.log.read_text()[-1500:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no worker heartbeat after {timeout:.0f}s: {self.log.read_text()[-1500:]}")
-            time.sleep(0.05)
-
-    def group_pids(self) -> list[int]:
-        """The worker and its children (the embedded beat process): its process group."""
-        out = []
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                if os.getpgid(int(name)) == self.proc.pid:
-                    out.append(int(name))
-            except (ProcessLookupError, PermissionError):
-                pass
-        return out
-
-    def cpu(self) -> float:
-        """CPU seconds (user+sys, threads and reaped children included) of the worker's process group."""
-        tick, total = os.sysconf("SC_CLK_TCK"), 0
-        for pid in self.group_pids():
-            try:
-                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-        return total / tick
-
-    def pause(self) -> None:
-        """SIGSTOP the worker, never while it is inside a transaction; drop its heartbeat."""
-        for _ in range(50):
-            os.killpg(self.proc.pid, signal.SIGSTOP)
-            if worker_out_of_transactions():
-                break
-            os.killpg(self.proc.pid, signal.SIGCONT)
-            self.pause_retries += 1
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("the worker stayed inside a database transaction for 5 s")
-        self.paused = True
-        _redis().delete(HEARTBEAT_KEY)  # a command now sees no worker, as with none running
-
-    def resume(self, settle: float = 1.0) -> None:
-        """SIGCONT; wait for its heartbeat, then let beat's catch-up ticks (missed while paused) pass."""
-        os.killpg(self.proc.pid, signal.SIGCONT)
-        self.paused = False
-        self.wait_alive(15.0)
-        time.sleep(settle)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in self.group_pids():  # children of the group (beat) that outlived the leader
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            _redis().delete(HEARTBEAT_KEY)
-        except Exception:  # noqa: BLE001 - the key expires by itself in 10 s
-            pass
 
 
 def fake_torchrun_cluster_yaml(cluster, bin_dir: Path, port: int) -> str:
@@ -323,7 +191,7 @@ class Bench:
             for n in cluster.nodes
         ]
         self.ssh_base = ["ssh", "-i", str(cluster.client_key), "-p", str(cluster.port), *SSH_OPTS]
-        # the ugro_cli methods: set up by main() when they run
+        # the command methods: set up by main() when they run
         self.cli_env: dict[str, str] = {}
         self.worker: Worker | None = None
         self.prefix_watcher: Watcher | None = None
@@ -422,9 +290,6 @@ class Bench:
             raise RuntimeError(f"ugro launch exited {proc.returncode}: {(proc.stdout + proc.stderr)[-800:]}")
         return {"stdout_tail": proc.stdout.strip().splitlines()[-1:]}
 
-    def issue_ugro_cli(self, name: str, n: int) -> dict:
-        return self._issue_cli(name, n)
-
     def issue_ugro_cli_worker(self, name: str, n: int) -> dict:
         return self._issue_cli(name, n)
 
@@ -438,7 +303,7 @@ class Bench:
         return {"stdout_tail": proc.stdout.strip().splitlines()[-1:]}
 
     def finish_cli(self, name: str, t0_wall: float) -> dict:
-        """After a ugro_cli trial: the job's timeline from the DB, then cancel it (as `ugro cancel`)."""
+        """After a trial of a command: the job's timeline from the DB, then cancel it (as `ugro cancel`)."""
         from jobs import lifecycle
         from jobs.models import Job
 
@@ -476,14 +341,11 @@ class Bench:
         cli = method in CLI_METHODS
         if cli:
             # UGRO picks the job's tag (<name>-<8 hex>): watch for the name's prefix.
-            letter = {"ugro_cli_worker": "w", "ugro_client": "k"}.get(method, "c")
+            letter = {"ugro_cli_worker": "w", "ugro_client": "k"}[method]
             tag = f"bf{letter}{n}-{uuid.uuid4().hex[:8]}"
             watcher = self.prefix_watcher
             self.next_rdzv_port()
-            if method in WORKER_METHODS:
-                self.worker.resume()
-            elif heartbeat_present():
-                raise RuntimeError("a worker heartbeat is present for a no-worker trial")
+            self.worker.resume()
         if method == "ugro_warm":
             self.warm_up(n)  # links are warm before the clock starts, as in the worker
         issue = getattr(self, f"issue_{method}")
@@ -565,7 +427,7 @@ class Bench:
         return row
 
 
-UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli", "ugro_cli_worker", "ugro_client")
+UGRO_METHODS = ("ugro_warm", "ugro_cold", "ugro_cli_worker", "ugro_client")
 
 
 def pid_cpu(pid: int | None) -> float:
@@ -752,7 +614,7 @@ def run(args: argparse.Namespace, sizes: list[int], methods: list[str], database
             from cluster.config_yaml import import_cluster
 
             import_cluster(fake_torchrun_cluster_yaml(cluster, tmp / "fake-bin", bench.rdzv_port))
-            _redis().flushdb()  # the benchmark's own Redis database: no stale heartbeat or task
+            bench_redis().flushdb()  # the benchmark's own Redis database: no stale heartbeat or task
             bench.cli_env = {**os.environ, **env, "REDIS_URL": BENCH_REDIS, "PYTHONUNBUFFERED": "1"}
             bench.prefix_watcher = Watcher("_procwatch.py")
             meta["redis"] = BENCH_REDIS
@@ -814,12 +676,12 @@ def run(args: argparse.Namespace, sizes: list[int], methods: list[str], database
             tag = r["tag"] + "-" if prefix else r["tag"]
             if tagged_pids(tag, prefix):
                 kill_tagged(tag, prefix=prefix)
-        # anything of this run's cli jobs (warm-up and untimed trials included): names start bfc/bfw
-        for tag in ("bfc", "bfw"):
+        # anything of this run's cli jobs (warm-up and untimed trials included): names start bfw/bfk
+        for tag in ("bfw", "bfk"):
             kill_tagged(tag, prefix=True)
         if cli:
             try:
-                _redis().flushdb()
+                bench_redis().flushdb()
             except Exception:  # noqa: BLE001 - Redis gone: nothing to clean
                 pass
         if not args.keep:
@@ -829,7 +691,6 @@ def run(args: argparse.Namespace, sizes: list[int], methods: list[str], database
     summary = summarize(rows, sizes)
     breakdown = {
         "ugro_cold": cold_breakdown(rows, sizes),
-        "ugro_cli": cold_breakdown(rows, sizes, "ugro_cli", "cli_breakdown_s"),
         "ugro_cli_worker": cold_breakdown(rows, sizes, "ugro_cli_worker", "cli_breakdown_s"),
         "ugro_client": cold_breakdown(rows, sizes, "ugro_client", "cli_breakdown_s"),
     }

@@ -20,9 +20,11 @@ run has printed step 60 (so the last checkpoint is step 50):
   oom        --oom-at-step 60:2 (CUDA out of memory while batch > 2)  UGRO: --retry oom with a batch template
   hang       --sleep-at-step 60:3600 (silent after step 60)          UGRO: --retry hang --hang-after 10
 
-UGRO runs in this process the way the worker runs it: the follower continuously (follow passes of
-0.5 s), the reconciler every 5 s (beat's period: hangs and the retry policy are decided there), and
-a queued attempt is scheduled at once (the requeue queues `schedule_jobs` after commit). Settings are
+UGRO runs in this process the way the worker runs it: the job is recorded as `launch` records it
+(create_job; the command itself refuses with no worker running), the follower runs continuously (follow
+passes of 0.5 s), a stopping job's teardown on a thread beside it (the worker's teardown_job), the
+reconciler every 5 s (beat's period: hangs and the retry policy are decided there), and a queued
+attempt is scheduled at once (the requeue queues `schedule_jobs` after commit). Settings are
 UGRO's defaults (NODE_LOST_AFTER_S 20 s, RETRY_BACKOFF_S 10 s, CHECKPOINT_SCAN_S 30 s), except the
 job's `--hang-after 10` (default floor 60 s).
 
@@ -47,7 +49,6 @@ the others are kept) and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
@@ -55,6 +56,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -85,14 +87,6 @@ TIMEOUT = 240.0
 STEP_RE = re.compile(rb'^\{"step": (\d+),')
 
 
-def call(*args: str) -> str:
-    from django.core.management import call_command
-
-    out = io.StringIO()
-    call_command(*args, stdout=out)
-    return out.getvalue()
-
-
 def worker_pids(tag: str, node: str) -> list[int]:
     """The training processes (not torchrun's agent) carrying a tag on a node."""
     out = []
@@ -118,19 +112,24 @@ class UgroRun:
         self.cluster, self.scenario = cluster, scenario
         self.name = f"rec-{scenario.replace('_', '')}-{uuid.uuid4().hex[:6]}"
         self.last_reconcile = 0.0
+        self.teardown: threading.Thread | None = None
         self.row: dict = {"tool": "ugro", "scenario": scenario, "job": self.name}
 
     def launch(self) -> None:
+        """The job as `launch` records it (create_job): the command refuses with no worker running, and here
+        this process is the worker."""
+        from jobs.launch import LaunchRequest, create_job
+
         policy = {
-            "killed": ["--nodes", "2", "--retry", "killed,script-error"],
-            "node_lost": ["--nodes", "3", "--retry", "node-lost", "--min-nodes", "2"],
-            "oom": ["--nodes", "2", "--retry", "oom", "--batch-template=--batch-size {batch} --grad-accum {accum}",
-                    "--batch", "4"],
-            "hang": ["--nodes", "2", "--retry", "hang", "--hang-after", "10"],
-            "node_wait": ["--nodes", "2", "--retry", "node-lost"],
+            "killed": {"count": 2, "retry": "killed,script-error"},
+            "node_lost": {"count": 3, "retry": "node-lost", "min_nodes": 2},
+            "oom": {"count": 2, "retry": "oom", "batch_template": "--batch-size {batch} --grad-accum {accum}",
+                    "batch": 4},
+            "hang": {"count": 2, "retry": "hang", "hang_after_s": 10.0},
+            "node_wait": {"count": 2, "retry": "node-lost"},
         }[self.scenario]  # fmt: skip
         extra = {"oom": ["--oom-at-step", f"{INJECT_AT}:2"], "hang": ["--sleep-at-step", f"{INJECT_AT}:3600"]}
-        call("launch", "--name", self.name, *policy, "--detach", "--", *TRAIN, *extra.get(self.scenario, []))
+        create_job(LaunchRequest(name=self.name, extra_args=[*TRAIN, *extra.get(self.scenario, [])], **policy))
 
     def job(self):
         from jobs.models import Job
@@ -138,7 +137,8 @@ class UgroRun:
         return Job.objects.get(name=self.name)
 
     def pump(self, until, timeout: float = TIMEOUT):
-        """Follow, reconcile every RECONCILE_EVERY s, schedule a queued attempt, until until() is truthy."""
+        """Follow, tear a stopping job down, reconcile every RECONCILE_EVERY s, schedule a queued attempt,
+        until until() is truthy."""
         from jobs.follow import follow
         from jobs.models import Job
         from jobs.reconcile import reconcile
@@ -152,11 +152,27 @@ class UgroRun:
             job = self.job()
             if job.state == Job.State.QUEUED:
                 schedule(only=[job.pk])
+            if job.is_stopping and not (self.teardown and self.teardown.is_alive()):
+                # the worker's teardown_job, queued as the job starts stopping, runs beside its follower
+                self.teardown = threading.Thread(target=self._teardown, args=(job.pk,), daemon=True)
+                self.teardown.start()
             follow(0.5, job_ids=[job.pk])
             if time.monotonic() - self.last_reconcile >= RECONCILE_EVERY:
                 self.last_reconcile = time.monotonic()
                 reconcile([job.pk], orphans=False)
         raise TimeoutError(f"{self.name}: timed out")
+
+    @staticmethod
+    def _teardown(job_id: int) -> None:
+        from django.db import connections
+
+        from jobs import lifecycle
+        from jobs.models import Job
+
+        try:
+            lifecycle.teardown(Job.objects.get(pk=job_id))
+        finally:
+            connections.close_all()
 
     def last_point(self, attempt: int):
         from metrics.models import MetricPoint
@@ -236,9 +252,13 @@ class UgroRun:
                 nodes_attempt2=sorted(job.ranks.values_list("node__name", flat=True)),
             )
         finally:
+            from jobs import lifecycle
+
             job = self.job()
+            if self.teardown is not None:
+                self.teardown.join(timeout=60)
             if not job.is_ended:
-                call("cancel", self.name)
+                lifecycle.teardown(lifecycle.cancel(job))
             if stopped is not None:
                 stopped.start()
         return self.row
