@@ -842,6 +842,7 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
     viewers: list = []
     tags: list[str] = []
     sampler = None
+    cut = None  # rcut's dropped node; the cleanup below reads it even when the launch failed
     try:
         go_name = f"rel-GO-{label}"
         extra = ["--rel-rate", f"{rate:g}", "--rel-seconds", f"{seconds:g}", "--rel-go", go_name]
@@ -881,7 +882,6 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         for r in ranks:
             node_file(r, go_name).write_text("go")
         outage_info = None
-        cut = None
         if kind == "rcut":
             # one node of the last job goes silent: every packet dropped, that job's processes there frozen
             from tests.loopback import on_node
