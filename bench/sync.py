@@ -216,10 +216,13 @@ class Ugro:
     def warm_links(self, rows) -> None:
         from cluster.fanout import node_request, on_each
 
-        results = on_each(rows, lambda n: node_request(n, "hello"))
-        bad = [(n.name, str(err)) for n, _, err in results if err is not None]
-        if bad:
-            raise RuntimeError(f"hello failed: {bad}")
+        for _ in range(3):  # a connection that just failed repeats its failure for a connect timeout
+            results = on_each(rows, lambda n: node_request(n, "hello"))
+            bad = [(n.name, str(err)) for n, _, err in results if err is not None]
+            if not bad:
+                return
+            time.sleep(6.0)
+        raise RuntimeError(f"hello failed: {bad}")
 
     def push(self, job, rows) -> dict:
         from jobs import sync

@@ -17,8 +17,10 @@ import logging
 import os
 import select
 import shlex
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,10 @@ AGENT_FILES = ("probe.py", "codesync.py", "agent.py")
 CONNECT_TIMEOUT_S = 5.0
 EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
 LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether its node went silent
+# The OpenSSH client, when installed: bulk streams to an SSH node go through it, one process per stream, instead
+# of through this process's paramiko (Python packetizing every byte under one GIL). None: paramiko only.
+SSH_CLIENT = shutil.which("ssh")
+HOST_ALIAS = "ugro-node"  # the one name in a bulk stream's own known_hosts file
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -380,6 +386,71 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending, run_with_input)
 
 
+def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, timeout: float,
+                      connect_timeout: float) -> tuple[int, str]:  # fmt: skip
+    """argv on the node through the OpenSSH client, the chunks its stdin; (exit code, stderr tail), 255 when
+    ssh itself failed. The node must offer host_key and no other (a known_hosts file of that key alone, no
+    shared connection); ~/.ssh/config applies as it does for the link. HostKeyError when it offers another.
+    Killed when `timeout` s pass without a chunk written, or after the last one without an end."""
+    with tempfile.TemporaryDirectory(prefix="ugro-ssh-") as tmp:
+        known = os.path.join(tmp, "known_hosts")
+        with open(known, "w") as fh:
+            fh.write(f"{HOST_ALIAS} {host_key}\n")
+        who = ["-l", ep.user] if ep.user else []
+        key = ["-i", os.path.expanduser(ep.key_path)] if ep.key_path else []
+        options = {
+            "UserKnownHostsFile": f'"{known}"', "GlobalKnownHostsFile": "/dev/null", "HostKeyAlias": HOST_ALIAS,
+            "StrictHostKeyChecking": "yes", "CheckHostIP": "no", "UpdateHostKeys": "no", "VerifyHostKeyDNS": "no",
+            "BatchMode": "yes", "ControlMaster": "no", "ControlPath": "none", "ClearAllForwardings": "yes",
+            "PermitLocalCommand": "no", "ConnectTimeout": str(max(1, round(connect_timeout))),
+            "ServerAliveInterval": "15", "LogLevel": "ERROR",
+        }  # fmt: skip
+        cmd = [SSH_CLIENT, "-T", "-x", "-a", "-p", str(ep.port), *who, *key,
+               *(arg for name, value in options.items() for arg in ("-o", f"{name}={value}")),
+               "--", ep.address, shlex.join(argv)]  # fmt: skip
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            last, done = [time.monotonic()], threading.Event()
+
+            def watch() -> None:
+                while not done.wait(1.0):
+                    if time.monotonic() - last[0] > timeout:
+                        proc.kill()
+                        return
+
+            threading.Thread(target=watch, daemon=True).start()
+            try:
+                try:
+                    for chunk in chunks:
+                        proc.stdin.write(chunk)
+                        last[0] = time.monotonic()
+                    proc.stdin.close()
+                except BrokenPipeError:  # ssh or the command ended early: its exit code and stderr say why
+                    pass
+                rc = proc.wait()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            finally:
+                done.set()
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+            err.seek(0)
+            tail = err.read()[-4000:].decode("utf-8", "replace")
+    if rc < 0:
+        return -1, f"no progress within {timeout:g} s"
+    if rc == 255 and "Host key verification failed" in tail:
+        raise HostKeyError(
+            f"{ep.describe()}: host key changed: the OpenSSH client was offered a key other than the pinned "
+            f"{fingerprint(host_key)}; refused (someone may be answering for it). If {ep.name} was reinstalled, "
+            f"check the key on it and run `ugro trust {ep.name}`"
+        )
+    return rc, tail[-2000:]
+
+
 def fetch_host_key(ep: Endpoint, timeout: float = 10.0) -> str:
     """The host key a node offers now ('type base64'), read from the key exchange alone: nothing
     is authenticated or run. For `trust`."""
@@ -430,16 +501,28 @@ class NodeLink:
         self.hello: dict[str, Any] | None = None
         self.connect_seconds: float | None = None
         self.host_key = ep.host_key  # the key this link insists on; learned on first use when none is pinned
+        self._openssh_failed: str | None = None  # why the OpenSSH client could not log in where this link did
 
     def run_with_input(self, argv: list[str], chunks, timeout: float = 60.0) -> tuple[int, str]:
-        """Run argv on the node with the chunks (bytes) as its stdin, over this link's connection but beside
-        the agent (requests go on meanwhile); (exit code, stderr tail). LinkError when the node cannot be
-        reached."""
+        """Run argv on the node with the chunks (bytes) as its stdin, beside the agent (requests go on
+        meanwhile); (exit code, stderr tail). LinkError when the node cannot be reached; HostKeyError when
+        the OpenSSH client met another host key than this link's.
+
+        On an SSH node, through the OpenSSH client when it is installed, held to the key this link checked;
+        else, or when that client cannot log in where paramiko did, on a second channel of this link's
+        connection (chunks then iterated again from the start: an iterator, not an iterable, is not)."""
         if self._pipe is None or self._pipe.run_with_input is None:
-            self.request("hello", timeout=self.connect_timeout)  # connects
+            self.request("hello", timeout=self.connect_timeout)  # connects, and learns the node's host key
         pipe = self._pipe
         if pipe is None or pipe.run_with_input is None:
             raise LinkError(f"{self.ep.describe()}: no connection to run {argv[0]} on", delivered=False)
+        if self.ep.transport == "ssh" and SSH_CLIENT and self.host_key and self._openssh_failed is None:
+            rc, err = _run_over_openssh(self.ep, self.host_key, argv, chunks, timeout, self.connect_timeout)
+            if rc != 255 or iter(chunks) is chunks:
+                return rc, err
+            self._openssh_failed = (err.strip().splitlines() or ["exit 255"])[-1]
+            log.warning("%s: the OpenSSH client failed (%s); bulk copies use the link's own connection",
+                        self.ep.describe(), self._openssh_failed)  # fmt: skip
         return pipe.run_with_input(argv, chunks, timeout)
 
     # -- connection -------------------------------------------------------------------------

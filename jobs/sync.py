@@ -7,8 +7,9 @@ out, a size limit) is built and each file is kept once in the controller's conte
 long it queues. A `ugro` client uploads its directory's files into the same store through the API.
 
 Before an attempt starts, each node's own store is brought up to date over the links UGRO already holds
-(only objects the node lacks travel, as one tar stream on a second channel of the node's SSH connection,
-each checked against its sha256 by the agent before it is kept), then the job's copy is built at
+(only objects the node lacks travel, as one tar stream through the OpenSSH client held to the node's pinned
+host key, else on a second channel of the node's SSH connection, each checked against its sha256 by the
+agent before it is kept), then the job's copy is built at
 <workdir>/outputs/<job>/code from it and moved into place whole. A node that fails any step fails the
 attempt before a rank starts.
 """
@@ -16,6 +17,7 @@ attempt before a rank starts.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +29,7 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
-from cluster.links import AgentRequestError
+from cluster.links import AgentRequestError, LinkError
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
@@ -243,7 +245,7 @@ def _lacks(node: Node, digest: str, manifest: dict) -> list[str]:
 
 def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> int:
     """Send the objects a node lacks: a few small ones inside one request; more as one tar stream (raw bytes
-    on a second channel of the node's link, unpacked by `tar` into a staging directory of its store), each
+    beside the node's link, NodeLink.run_with_input, unpacked by `tar` into a staging directory of its store), each
     then checked by the agent against its sha256 and kept. Returns the bytes sent; SyncError in one line."""
     total = sum(sizes[sha] for sha in missing)
     if not missing:
@@ -253,38 +255,62 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> 
         node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
         return total
     staging = node_request(node, "sync_stage", timeout=REQUEST_TIMEOUT_S, store=store)["dir"]
-    rc, err = node.link().run_with_input(["tar", "-xf", "-", "-C", staging], _tar_chunks(missing, sizes),
-                                         timeout=STREAM_TIMEOUT_S)  # fmt: skip
+    try:
+        rc, err = node.link().run_with_input(["tar", "-xf", "-", "-C", staging], TarStream(missing, sizes),
+                                             timeout=STREAM_TIMEOUT_S)  # fmt: skip
+    except (LinkError, SyncError):
+        with contextlib.suppress(LinkError, AgentRequestError):  # the staging directory goes; the first error says why
+            node_request(node, "sync_adopt", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging, objects={})
+        raise
     objects = {sha: sizes[sha] for sha in missing} if rc == 0 else {}
     node_request(node, "sync_adopt", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging, objects=objects)
     if rc != 0:
         detail = (err.strip().splitlines() or ["no output"])[-1]
-        raise SyncError(f"unpacking the code there failed (tar exit {rc}): {detail}")
+        raise SyncError(f"unpacking the code there failed (exit {rc}): {detail}")
     return total
 
 
-def _tar_chunks(shas: list[str], sizes: dict[str, int]):
+class TarStream:
     """A tar stream (ustar) of the controller's objects, one member per sha256, in pieces of about
-    STREAM_PIECE bytes."""
-    buffer = bytearray()
-    for sha in shas:
-        info = tarfile.TarInfo(sha)
-        info.size, info.mode = sizes[sha], 0o444
-        buffer += info.tobuf(format=tarfile.USTAR_FORMAT)
-        with open(_object(sha), "rb") as fh:
-            left = info.size
-            while left > 0:
-                block = fh.read(min(STREAM_PIECE, left))
-                if not block:
-                    raise SyncError(f"object {sha[:12]} in the controller's store is shorter than recorded")
-                buffer += block
-                left -= len(block)
-                if len(buffer) >= STREAM_PIECE:
-                    yield bytes(buffer)
-                    buffer.clear()
-        buffer += b"\0" * (-info.size % tarfile.BLOCKSIZE)
-    buffer += b"\0" * (2 * tarfile.BLOCKSIZE)
-    yield bytes(buffer)
+    STREAM_PIECE bytes; iterable again from its start (a stream that must go another way)."""
+
+    def __init__(self, shas: list[str], sizes: dict[str, int]) -> None:
+        self.shas, self.sizes = shas, sizes
+
+    def __iter__(self):
+        objects = str(store_dir() / "objects")
+        parts: list[bytes] = []
+        held = 0
+        for sha in self.shas:
+            size = self.sizes[sha]
+            parts.append(tar_header(sha, size))
+            fd = os.open(os.path.join(objects, sha[:2], sha), os.O_RDONLY)
+            try:
+                left = size
+                while left > 0:
+                    block = os.read(fd, min(STREAM_PIECE, left))
+                    if not block:
+                        raise SyncError(f"object {sha[:12]} in the controller's store is shorter than recorded")
+                    parts.append(block)
+                    left -= len(block)
+                    held += len(block)
+                    if held >= STREAM_PIECE:
+                        yield b"".join(parts)
+                        parts, held = [], 0
+            finally:
+                os.close(fd)
+            parts.append(b"\0" * (-size % tarfile.BLOCKSIZE))
+        parts.append(b"\0" * (2 * tarfile.BLOCKSIZE))
+        yield b"".join(parts)
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The ustar header tarfile writes for a read-only file of that name (ASCII, under 100 bytes) and size,
+    owned by uid 0, mtime 0; built directly: tarfile's own takes longer than reading a small file."""
+    head = name.encode().ljust(100, b"\0") + b"0000444\x000000000\x000000000\x00%011o\x0000000000000\x00" % size
+    tail = b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 247
+    checksum = sum(head) + sum(tail) + 8 * 32
+    return head + b"%06o\x00 " % checksum + tail
 
 
 # -- uploads from a client ---------------------------------------------------------------------------

@@ -86,6 +86,15 @@ def test_git_info_names_the_commit_branch_and_the_uncommitted_diff(tmp_path):
     assert manifest.git_info(str(tmp_path.parent / "nowhere")) == {}
 
 
+def test_the_controllers_tar_headers_are_the_ones_tarfile_writes():
+    from jobs.sync import tar_header
+
+    for name, size in [("a" * 64, 0), ("b" * 64, 1), ("c" * 64, 200_000_000), ("x", 511)]:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = size, 0o444
+        assert tar_header(name, size) == info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
 # -- the node agent's store and copy ----------------------------------------------------------------
 
 

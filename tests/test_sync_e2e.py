@@ -184,3 +184,29 @@ def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whol
         copy = Path(rank.node.workdir) / "outputs" / "big" / "code"
         assert (copy / "assets" / "vocab.bin").read_bytes() == weights and (copy / "configs" / "c39.yaml").exists()
         assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".stage-*"))
+
+
+def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_keeps_nothing(project, lab, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    # given an OpenSSH client that meets another host key than the one pinned for node2 (and a tree over 1 MB)
+    from cluster import links
+
+    fake = tmp_path / "ssh"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *{lab.nodes[1].address}*) echo "Host key verification failed." >&2; '
+                    f'exit 255;; esac\nexec {links.SSH_CLIENT} "$@"\n')  # fmt: skip
+    fake.chmod(0o755)
+    monkeypatch.setattr(links, "SSH_CLIENT", str(fake))
+    (project / "assets").mkdir()
+    (project / "assets" / "vocab.bin").write_bytes(os.urandom(1_500_000))
+    # when it is launched on node1 and node2, the launch fails naming node2's key, before any rank starts
+    with pytest.raises(CommandError) as err:
+        run("launch", "--name", "wrongkey", "--node", "node1", "--node", "node2", "--sync", str(project),
+            "--script", "train.py", "--detach")  # fmt: skip
+    message = str(err.value).strip()
+    assert "code sync failed on node2: node2 (" in message and "host key changed" in message and "\n" not in message
+    job = Job.objects.get(name="wrongkey")
+    assert job.state == Job.State.FAILED and not job.ranks.exclude(pid=None).exists()
+    # and node2 kept no staging directory, nor the job's copy
+    node2 = Path(lab.nodes[1].workdir)
+    assert not list((node2 / ".ugro" / "objects").glob(".stage-*"))
+    assert not (node2 / "outputs" / "wrongkey" / "code").exists()

@@ -15,10 +15,20 @@ import tempfile
 import time
 
 
+_SYNC_HEX = frozenset("0123456789abcdef")
+
+
 def _sync_sha(sha):
-    if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+    if not isinstance(sha, str) or len(sha) != 64 or not _SYNC_HEX.issuperset(sha):
         raise AgentError("not a sha256: %r" % (sha,))
     return sha
+
+
+def _sync_makedirs(path, made):
+    """os.makedirs once per directory of one request (a tree of thousands of files has few directories)."""
+    if path not in made:
+        os.makedirs(path, exist_ok=True)
+        made.add(path)
 
 
 def _sync_object(store, sha):
@@ -29,10 +39,10 @@ def _sync_manifest_path(store, digest):
     return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
 
 
-def _sync_keep(store, sha, path):
+def _sync_keep(store, sha, path, made=None):
     """Move a checked file into the store as object sha, read-only."""
     target = _sync_object(store, sha)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    _sync_makedirs(os.path.dirname(target), set() if made is None else made)
     os.chmod(path, 0o444)
     os.replace(path, target)
 
@@ -107,23 +117,23 @@ def op_sync_adopt(req):
     staging = os.path.realpath(os.path.expanduser(req["staging"]))
     if not staging.startswith(os.path.realpath(store) + "/.stage-"):
         raise AgentError("not a staging directory of this store: %s" % req["staging"])
-    bad, kept = [], 0
+    bad, kept, made = [], 0, set()
     try:
         for sha, size in sorted(req["objects"].items()):
             path = os.path.join(staging, _sync_sha(sha))
             h = hashlib.sha256()
             try:
-                with open(path, "rb") as fh:
+                with open(path, "rb", buffering=0) as fh:
+                    got = os.fstat(fh.fileno()).st_size
                     for block in iter(lambda: fh.read(1 << 20), b""):
                         h.update(block)
-                got = os.path.getsize(path)
             except OSError:
                 bad.append("%s missing" % sha[:12])
                 continue
             if h.hexdigest() != sha or got != int(size):
                 bad.append("%s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
                 continue
-            _sync_keep(store, sha, path)
+            _sync_keep(store, sha, path, made)
             kept += 1
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -151,14 +161,18 @@ def op_sync_apply(req):
     if os.path.lexists(part):
         shutil.rmtree(part, ignore_errors=True)
     os.makedirs(part)
-    count, total = 0, 0
+    count, total, made = 0, 0, {part}
     try:
         for f in manifest["files"]:
             rel = _sync_rel(f["path"])
             target = os.path.join(part, rel)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            _sync_makedirs(os.path.dirname(target), made)
             obj = _sync_object(store, f["sha256"])
-            if not _sync_have_object(store, f["sha256"], int(f["size"])):
+            try:
+                present = os.stat(obj).st_size == int(f["size"])
+            except OSError:
+                present = False
+            if not present:
                 raise AgentError("%s: object %s is not in the store" % (rel, f["sha256"][:12]))
             if int(f.get("mode", 0o644)) & 0o111:
                 os.chmod(obj, 0o555)
@@ -175,7 +189,7 @@ def op_sync_apply(req):
             if os.path.isabs(str(link["target"])) or pointed == ".." or pointed.startswith("../"):
                 raise AgentError("%s: a symlink out of the tree (to %s)" % (rel, link["target"]))
             target = os.path.join(part, rel)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            _sync_makedirs(os.path.dirname(target), made)
             os.symlink(link["target"], target)
         old = None
         if os.path.lexists(dest):
