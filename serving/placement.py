@@ -78,6 +78,7 @@ def claim(replica: Replica, node: Node, indices: list[int]) -> bool:
         return False
     replica.node = node
     replica.gpu_indices = [i for i in indices if i >= 0]
+    Replica.objects.filter(pk=replica.pk).update(node=node, gpu_indices=replica.gpu_indices)
     return True
 
 

@@ -57,8 +57,8 @@ def checkpoint_of(source: str) -> tuple[Job, Checkpoint]:
     raise ServeError(f"job {job.name} has no complete checkpoint directory at step {step} (steps: {steps})")
 
 
-def create_service(req: ServeRequest) -> Service:
-    """Record the service RUNNING with its replicas PENDING and ask a worker to start them."""
+def check_request(req: ServeRequest) -> tuple[Job, Checkpoint]:
+    """The job and checkpoint to serve; ServeError (one line) for anything wrong with the request."""
     try:
         check_name(req.name, "service name")
         check_template(req.engine, req.command)
@@ -72,10 +72,23 @@ def create_service(req: ServeRequest) -> Service:
     problem = capacity_problem(req.replicas, req.gpus_per_replica)
     if problem:
         raise ServeError(problem)
+    old = Service.objects.filter(name=req.name).exclude(state=Service.State.STOPPED).first()
+    if old is not None:
+        raise ServeError(taken(old))
+    return job, checkpoint
+
+
+def taken(service: Service) -> str:
+    return f"service {service.name} exists ({service.state}): stop it first (manage.py serve {service.name} --stop)"
+
+
+def create_service(req: ServeRequest) -> Service:
+    """Record the service RUNNING with its replicas PENDING and ask a worker to start them."""
+    job, checkpoint = check_request(req)
     with transaction.atomic():
         old = Service.objects.select_for_update().filter(name=req.name).first()
         if old is not None and old.state != Service.State.STOPPED:
-            raise ServeError(f"service {req.name} exists ({old.state}): stop it first (ugro serve {req.name} --stop)")
+            raise ServeError(taken(old))  # started by someone else meanwhile
         if old is not None:
             old.delete()  # a stopped service leaves its name free
         service = Service.objects.create(

@@ -9,7 +9,7 @@ from accounts import audit, policy
 from accounts.commands import UserCommand
 from serving.models import Service
 from serving.placement import held
-from serving.requests import ServeError, ServeRequest, create_service, request_stop
+from serving.requests import ServeError, ServeRequest, check_request, create_service, request_stop
 from ugro_site.celery import NoWorker, require_worker
 
 STOP_WAIT_S = 120.0  # the worker stops each replica (TERM, grace, KILL) and frees its GPUs
@@ -50,6 +50,7 @@ class Command(UserCommand):
                            gpus_per_replica=options["gpus_per_replica"], engine=options["engine"],
                            command=options["command"], owner=self.user)  # fmt: skip
         try:
+            check_request(req)  # bad input is named first, with or without a worker
             require_worker()
             with transaction.atomic():
                 service = create_service(req)
