@@ -124,6 +124,45 @@ def test_replicas_start_restart_when_they_die_and_stop_with_nothing_left(lab, te
     assert "chat  stopped" in serve("--list")
 
 
+def test_an_engine_that_keeps_dying_is_given_up_after_its_restarts_and_frees_its_slot(lab, tender):
+    # given an engine that exits at once with code 3
+    trained_job()
+    serve("dies", "--from", "trained", "--engine", "custom", "--command",
+          "{python} -c 'import sys; print(\"no model here\"); sys.exit(3)' {port}")  # fmt: skip
+
+    # when the worker has tried it
+    failed = wait_for(lambda: Replica.objects.filter(service__name="dies", state=Replica.State.FAILED).first(),
+                      timeout=60, what="the replica given up")  # fmt: skip
+
+    # then it was started 1 + max_restarts times, says why it gave up, and holds nothing
+    assert failed.restarts == 4
+    assert failed.note.startswith("given up after 3 restarts: its engine exited (3): no model here")
+    assert not Allocation.objects.filter(active=True, job=None).exists()
+    assert "replica 0  failed" in serve("--list", "dies")
+    assert "stopped" in serve("dies", "--stop")
+
+
+def test_a_replica_that_stops_answering_leaves_the_rotation_and_is_restarted(lab, tender, monkeypatch):
+    monkeypatch.setattr("serving.replicas.UNHEALTHY_RESTART_S", 2.0)
+    monkeypatch.setattr("serving.replicas.CHECK_TIMEOUT_S", 1.0)
+    # given a ready replica
+    trained_job()
+    serve("hangs", "--from", "trained", "--engine", "custom", "--command", FAKE)
+    (replica,) = wait_for(lambda: ready("hangs", 1), timeout=60, what="a ready replica")
+
+    # when its engine freezes (alive, silent)
+    for pid in engine_pids(replica):
+        os.kill(pid, signal.SIGSTOP)
+
+    # then it is taken out of the rotation, then restarted, and ready again
+    wait_for(lambda: Replica.objects.filter(pk=replica.pk, state=Replica.State.UNHEALTHY).exists(), timeout=30,
+             what="the replica unhealthy")  # fmt: skip
+    again = wait_for(lambda: ready("hangs", 1), timeout=60, what="the replica ready again")[0]
+    assert again.restarts == 1 and again.tag != replica.tag
+    assert job_pids(replica.tag) == []  # the frozen engine was killed
+    assert "stopped" in serve("hangs", "--stop")
+
+
 def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
     trained_job()
     serve("taken", "--from", "trained", "--engine", "custom", "--command", FAKE)
