@@ -7,13 +7,14 @@ from dataclasses import dataclass
 
 from django.db import transaction
 
+from accounts import audit, policy
 from cluster.names import check_name
 from jobs.models import Checkpoint, Job
-from ugro_site.celery import send_task
+from ugro_site.celery import require_worker, send_task
 
 from .engines import EngineError, check_template
 from .models import Replica, Service
-from .placement import capacity_problem
+from .placement import capacity_problem, held
 
 MAX_REPLICAS = 64
 
@@ -112,3 +113,59 @@ def request_stop(service: Service) -> bool:
 
 def request_tend() -> None:
     send_task("serving.tasks.tend_services")
+
+
+def start_service(user, req: ServeRequest, source: str) -> Service:
+    """Start a service as `user`, audited: policy.Refused, ServeError or NoWorker (one line), nothing written.
+    Bad input is named before a missing worker."""
+    policy.check(user, "serve")
+    try:
+        check_request(req)
+    except ServeError as exc:
+        audit.record(user, "serve", req.name, source=source, outcome=f"refused: {exc}")
+        raise
+    require_worker()
+    with transaction.atomic():
+        service = create_service(ServeRequest(**{**req.__dict__, "owner": user}))
+        c = service.checkpoint
+        audit.record(user, "serve", service.name, source=source, service_id=service.pk, replicas=service.replicas,
+                     checkpoint=f"{c.node.name}:{c.path}", engine=service.engine)  # fmt: skip
+    return service
+
+
+def stop_service(user, service: Service, source: str) -> Service:
+    """Ask the worker to stop a service as `user`, audited; ServeError if it is already stopped."""
+    policy.check(user, "serve")
+    if service.state == Service.State.STOPPED:
+        raise ServeError(f"service {service.name} is already stopped")
+    require_worker()
+    request_stop(service)
+    audit.record(user, "serve stop", service.name, source=source, service_id=service.pk)
+    return service
+
+
+def describe(service: Service) -> dict:
+    """A service and each replica's state, as --list and the API show them."""
+    c = service.checkpoint
+    return {
+        "name": service.name, "state": service.state, "engine": service.engine, "job": service.job.name,
+        "step": c.step, "checkpoint": f"{c.node.name}:{c.path}", "endpoint": f"/serve/{service.name}/v1/",
+        "holds": held(service),
+        "replicas": [
+            {"index": r.index, "state": r.state, "node": r.node.name if r.node else None, "port": r.port,
+             "restarts": r.restarts, "note": r.note}
+            for r in service.replica_set.select_related("node").order_by("index")
+        ],
+    }  # fmt: skip
+
+
+def listing(services: list[dict]) -> list[str]:
+    """--list's lines."""
+    out = []
+    for s in services:
+        out.append(f"{s['name']}  {s['state']}  {s['engine']}  from {s['job']} step {s['step']}  {s['endpoint']}  "
+                   f"holds {', '.join(s['holds']) or 'nothing'}")  # fmt: skip
+        for r in s["replicas"]:
+            where = f"{r['node']}:{r['port']}" if r["node"] and r["port"] else (r["node"] or "-")
+            out.append(f"  replica {r['index']}  {r['state']:<9}  {where:<22}  restarts {r['restarts']}  {r['note']}")
+    return out

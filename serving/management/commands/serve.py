@@ -3,20 +3,18 @@ from __future__ import annotations
 import time
 
 from django.core.management.base import CommandError
-from django.db import transaction
 
-from accounts import audit, policy
+from accounts import policy
 from accounts.commands import UserCommand
 from serving.models import Service
-from serving.placement import held
-from serving.requests import ServeError, ServeRequest, check_request, create_service, request_stop
-from ugro_site.celery import NoWorker, require_worker
+from serving.requests import ServeError, ServeRequest, describe, listing, start_service, stop_service
+from ugro_site.celery import NoWorker
 
 STOP_WAIT_S = 120.0  # the worker stops each replica (TERM, grace, KILL) and frees its GPUs
 
 
 class Command(UserCommand):
-    action = "view"  # --list; starting and stopping need `serve`, checked below
+    action = "view"  # --list; starting and stopping need `serve` (serving/requests.py)
     help = (
         "Serve a job's checkpoint through an inference engine's OpenAI-compatible server: N replicas on the "
         "cluster's GPUs behind one endpoint, /serve/NAME/v1/. --stop stops it; --list shows every service."
@@ -38,26 +36,16 @@ class Command(UserCommand):
             return self.show(name)
         if not name:
             raise CommandError("name the service: manage.py serve NAME --from JOB (or --list)")
-        try:
-            policy.check(self.user, "serve")
-        except policy.Refused as exc:
-            raise CommandError(str(exc)) from None
         if stop:
             return self.stop(name)
         if not source:
             raise CommandError("--from JOB[:STEP|latest] names the checkpoint to serve")
         req = ServeRequest(name=name, source=source, replicas=options["replicas"],
                            gpus_per_replica=options["gpus_per_replica"], engine=options["engine"],
-                           command=options["command"], owner=self.user)  # fmt: skip
+                           command=options["command"])  # fmt: skip
         try:
-            check_request(req)  # bad input is named first, with or without a worker
-            require_worker()
-            with transaction.atomic():
-                service = create_service(req)
-                audit.record(self.user, "serve", name, source=self.source, service_id=service.pk,
-                             checkpoint=f"{service.checkpoint.node.name}:{service.checkpoint.path}",
-                             replicas=service.replicas, engine=service.engine)  # fmt: skip
-        except (ServeError, NoWorker) as exc:
+            service = start_service(self.user, req, self.source)
+        except (ServeError, NoWorker, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
         c = service.checkpoint
         self.stdout.write(
@@ -70,14 +58,10 @@ class Command(UserCommand):
         service = Service.objects.filter(name=name).first()
         if service is None:
             raise CommandError(f"no service named {name!r}")
-        if service.state == Service.State.STOPPED:
-            raise CommandError(f"service {name} is already stopped")
         try:
-            require_worker()
-        except NoWorker as exc:
+            stop_service(self.user, service, self.source)
+        except (ServeError, NoWorker, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
-        request_stop(service)
-        audit.record(self.user, "serve stop", name, source=self.source, service_id=service.pk)
         deadline = time.monotonic() + STOP_WAIT_S
         while service.state != Service.State.STOPPED and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -88,18 +72,10 @@ class Command(UserCommand):
         self.stdout.write(f"service {name} stopped; no process of it remains and its GPUs are free")
 
     def show(self, name: str | None) -> None:
-        services = Service.objects.select_related("checkpoint__node").order_by("name")
+        services = Service.objects.select_related("checkpoint__node", "job").order_by("name")
         if name:
             services = services.filter(name=name)
             if not services:
                 raise CommandError(f"no service named {name!r}")
-        if not services:
-            self.stdout.write("no services")
-            return
-        for s in services:
-            gpus = held(s)
-            self.stdout.write(f"{s.name}  {s.state}  {s.engine}  from {s.job.name} step {s.checkpoint.step}  "
-                              f"/serve/{s.name}/v1/  holds {', '.join(gpus) or 'nothing'}")  # fmt: skip
-            for r in s.replica_set.select_related("node").order_by("index"):
-                where = f"{r.node.name}:{r.port}" if r.node and r.port else (r.node.name if r.node else "-")
-                self.stdout.write(f"  replica {r.index}  {r.state:<9}  {where:<22}  restarts {r.restarts}  {r.note}")
+        lines = listing([describe(s) for s in services]) or ["no services"]
+        self.stdout.write("\n".join(lines))
