@@ -44,6 +44,9 @@ def tender(lab):
     yield
     stop.set()
     ticker.join()
+    for tag in Replica.objects.exclude(tag="").values_list("tag", flat=True):  # a failed test leaves no engine
+        for pid in job_pids(tag):
+            os.kill(pid, signal.SIGKILL)
 
 
 def trained_job(files: dict[str, str] | None = None) -> Checkpoint:
