@@ -28,6 +28,7 @@ class ApiToken(models.Model):
 
     class Scope(models.TextChoices):
         READ = "read", "read: see jobs, logs, nodes"
+        INFER = "infer", "infer: only call services' endpoints"
         LAUNCH = "launch", "launch: also launch, cancel, resume"
         OPERATE = "operate", "operate: also drain and undrain nodes"
 

@@ -4,12 +4,13 @@ Roles are Django groups made of the permissions on `accounts.Access` (migration 
 
     viewer    sees everything, changes nothing
     launcher  also launches jobs, cancels and resumes its own, priority 0-LAUNCHER_MAX_PRIORITY,
+              starts and stops services (serving/), calls their endpoints (infer: viewers too),
               at most LAUNCHER_MAX_QUEUED of its jobs queued at once
     operator  also cancels and resumes anyone's job, any priority (0-100), changes/drains nodes,
               reads the audit log
     superuser everything
 
-An API token narrows what its user may do to its scope (read / launch / operate), never widens it.
+An API token narrows what its user may do to its scope (read / infer / launch / operate), never widens it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ ACTIONS = {
     "resume": "accounts.launch_job",
     "nodes": "accounts.manage_nodes",
     "audit": "accounts.view_audit",
+    "serve": "accounts.launch_job",  # start and stop a service (serving/)
+    "infer": "accounts.view_cluster",  # call a service's endpoint, /serve/<name>/v1/...
 }
 JOB_ACTIONS = ("cancel", "resume")
 LAUNCHER_MAX_PRIORITY = 50  # a launcher's highest priority: the upper half is left for operators to jump the queue
@@ -36,8 +39,9 @@ LAUNCHER_MAX_QUEUED = 10  # a launcher's most queued jobs: one person's sweep ca
 # what each token scope lets through
 SCOPES = {
     "read": {"view"},
-    "launch": {"view", "launch", "cancel", "resume"},
-    "operate": {"view", "launch", "cancel", "resume", "nodes", "audit"},
+    "infer": {"infer"},  # for a program that only calls a service's model
+    "launch": {"view", "launch", "cancel", "resume", "serve", "infer"},
+    "operate": {"view", "launch", "cancel", "resume", "nodes", "audit", "serve", "infer"},
 }
 
 

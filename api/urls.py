@@ -9,6 +9,8 @@ from django.utils.csp import CSP
 from django.views.decorators.csp import csp_override
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from serving import api_views as serving_views
+
 from . import views
 
 app_name = "api"
@@ -53,6 +55,9 @@ urlpatterns = [
     path("v1/spec/<str:kind>.schema.json", api(views.SpecSchemaView), name="spec-schema"),
     path("v1/cluster", api(views.ClusterConfigView), name="cluster"),
     path("v1/nodes/<str:name>/trust", api(views.NodeTrustView), name="node-trust"),
+    path("v1/services/", api(serving_views.ServicesView), name="services"),
+    path("v1/services/<str:name>/", api(serving_views.ServiceView), name="service"),
+    path("v1/services/<str:name>/stop", api(serving_views.ServiceStopView), name="service-stop"),
     path("v1/sweeps/", api(views.SweepsView), name="sweeps"),
     path("v1/sweeps/<str:name>/", api(views.SweepView), name="sweep"),
     path("v1/sweeps/<str:name>/cancel", api(views.SweepCancelView), name="sweep-cancel"),

@@ -235,12 +235,14 @@ class Allocation(models.Model):
     """A job's hold on one GPU of a node (gpu_index -1: the whole of a node without GPUs).
 
     One GPU, one job: the database refuses a second active allocation of the same GPU (and of the
-    same GPU-less node), whoever writes it. Only jobs/lifecycle.py creates and releases them.
+    same GPU-less node), whoever writes it. Only jobs/lifecycle.py creates and releases a job's; a
+    service replica's (no job, its `holder` named) only serving/placement.py.
     """
 
     WHOLE_NODE = -1
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="allocations")
+    job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.CASCADE, related_name="allocations")
+    holder = models.CharField(max_length=120, blank=True, help_text="What holds it when no job does (serve:NAME/i).")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="allocations")
     gpu_index = models.IntegerField(help_text="The GPU's device index on the node; -1: the whole GPU-less node.")
     active = models.BooleanField(default=True)
@@ -253,11 +255,14 @@ class Allocation(models.Model):
                 fields=["node", "gpu_index"], condition=models.Q(active=True), name="one_active_allocation_per_gpu"
             ),
             models.CheckConstraint(condition=models.Q(gpu_index__gte=-1), name="allocation_gpu_index_valid"),
+            models.CheckConstraint(
+                condition=models.Q(job__isnull=False) | ~models.Q(holder=""), name="allocation_has_holder"
+            ),
         ]
 
     def __str__(self) -> str:
         where = "whole node" if self.gpu_index == self.WHOLE_NODE else f"GPU {self.gpu_index}"
-        return f"{self.job.name} on {self.node.name} {where}"
+        return f"{self.job.name if self.job_id else self.holder} on {self.node.name} {where}"
 
 
 class Sweep(models.Model):

@@ -6,6 +6,7 @@ Shared by the scheduler (jobs/scheduler.py), the queue command and page, and the
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -82,9 +83,16 @@ class Snapshot:
         self.scripts: dict[int, tuple[str, float]] = {}
         allocations = Allocation.objects.filter(active=True).values_list(
             "job_id", "job__name", "node_id", "gpu_index", "job__started_at", "job__time_limit_s", "job__owner_id",
-            "job__sweep_id", "job__script",
+            "job__sweep_id", "job__script", "holder",
         )  # fmt: skip
-        for job_id, name, node_id, index, started, limit, owner, sweep, script in allocations:
+        services: dict[str, int] = {}
+        for job_id, name, node_id, index, started, limit, owner, sweep, script, holder in allocations:
+            if job_id is None:  # a service replica's hold (serving/): until the service stops, no end known
+                job_id = services.setdefault(holder, -1 - len(services))
+                name, started, limit, script = holder, None, None, ""
+                if job_id not in held:
+                    held[job_id] = Running(job_id, [], math.inf, limit_set=False)
+                    self.scripts[job_id] = (script, self.now)
             r = held.get(job_id)
             if r is None:
                 start = (started or self.now_dt).timestamp()

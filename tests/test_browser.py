@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -77,18 +78,24 @@ def controller(controller_env, monkeypatch) -> dict:
     return {**controller_env, "SECRET_KEY": "browser-test-secret-key-browser-test-secret-key"}
 
 
-@pytest.fixture
-def web(lab, controller, tmp_path):
+@contextmanager
+def daphne_serving(env: dict, log: Path):
     """daphne serving the app (HTTP, static files, websockets) on a free port; yields its base URL."""
     port = free_port()
     daphne = start([str(REPO / ".venv/bin/daphne"), "-b", "127.0.0.1", "-p", str(port), "ugro_site.asgi:application"],
-                   controller, tmp_path / "daphne.log")  # fmt: skip
+                   env, log)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: http_ok(base + "/accounts/login/"), timeout=30, what="daphne to serve")
         yield base
     finally:
         stop(daphne)
+
+
+@pytest.fixture
+def web(lab, controller, tmp_path):
+    with daphne_serving(controller, tmp_path / "daphne.log") as base:
+        yield base
 
 
 @pytest.fixture

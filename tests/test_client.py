@@ -32,7 +32,7 @@ def ugro_script(tmp_path_factory) -> tuple[Path, Path]:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for pkg in ("ugro_site", "cluster", "jobs", "metrics", "accounts", "api", "ugro_client"):
+    for pkg in ("ugro_site", "cluster", "jobs", "metrics", "accounts", "api", "serving", "ugro_client"):
         shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path_factory.mktemp("site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",

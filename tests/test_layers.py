@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("ugro_site", "accounts", "cluster", "jobs", "metrics", "api")
+PACKAGES = ("ugro_site", "accounts", "cluster", "jobs", "metrics", "api", "serving")
 OUTSIDE = ("tests", "bench")  # the test rig (tests/loopback.py) and benchmarks: the product never imports them
 
 # Lowest first: a module imports from its own layer and the layers below it. The longest prefix decides.
@@ -18,6 +18,7 @@ LAYERS = (
     ("metrics", ("metrics",)),
     ("jobs", ("jobs",)),  # launch, follow, lifecycle, scheduler: they feed and read metrics
     ("accounts", ("accounts",)),  # who may do what: its rules name jobs (owner, queue quota)
+    ("serving", ("serving",)),  # services: replicas on held GPUs from jobs' checkpoints; nothing below imports it
 )
 # Surfaces sit on top of every layer: pages, JSON, websockets, admin, commands, the REST API, the site's routes.
 SURFACE_PARTS = {"views", "admin", "urls", "consumers", "routing", "asgi", "management"}

@@ -15,7 +15,7 @@ MOST = 20
 ENV_HELPERS = {"env_str", "env_int", "env_float", "env_bool", "env_list", "env_choice", "env_email_url"}
 # the server's code: the controller's packages, its entry points and its start scripts (not the node agent, which
 # runs on the nodes, nor the training script, which reads what UGRO gives each rank)
-SERVER_PACKAGES = ("ugro_site", "cluster", "jobs", "metrics", "accounts", "api")
+SERVER_PACKAGES = ("ugro_site", "cluster", "jobs", "metrics", "accounts", "api", "serving")
 SERVER_SCRIPTS = ("bin/start", "bin/worker")
 # Test-only: set by bin/test and by tests for the controllers they start, read by tests/settings.py and
 # tests/controller.py alone; never a user's setting, so never in the table.

@@ -23,6 +23,7 @@ GROUPS = [
         ("resume", "a new attempt of a failed or cancelled job, from its checkpoint"),
         ("queue", "queued jobs in the order they will start"),
         ("sweep", "a grid or random search, one job per trial; --show, --cancel"),
+        ("serve", "serve a job's checkpoint: N engine replicas behind /serve/NAME/v1/; --list, --stop"),
     ]),
     ("Cluster", [
         ("health", "every node's health; exit 1 if one is not healthy"),
@@ -155,6 +156,17 @@ def build_parser() -> Parser:
     p.add_argument("--cancel", action="store_true", help="cancel every trial not yet ended")
     p.add_argument("--json", action="store_true")
     p.add_argument("extra", nargs="*", help="after --: arguments every trial's script gets")
+    p = sub.add_parser("serve", help="serve a job's checkpoint behind one OpenAI-compatible endpoint")
+    p.add_argument("name", nargs="?", help="the service's name: its endpoint is /serve/NAME/v1/")
+    p.add_argument("--from", dest="source", metavar="JOB[:STEP|latest]", help="the checkpoint to serve")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--gpus-per-replica", type=int, default=1, dest="gpus_per_replica")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "sglang", "custom"])
+    p.add_argument("--command", default="", dest="engine_command", help="with --engine custom: {model} {host} "
+                   "{port} {gpus} {name} {python}")  # fmt: skip
+    p.add_argument("--stop", action="store_true", help="stop it: no process left, its GPUs free")
+    p.add_argument("--list", action="store_true", help="every service and each replica's state")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("queue", help="queued jobs")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("health", help="node health")
@@ -552,6 +564,38 @@ def cmd_sweep(client: Client, a) -> int:
     return EXIT_OK
 
 
+def cmd_serve(client: Client, a) -> int:
+    if a.list:
+        listed = client.get("services/")
+        emit_json(listed["services"]) if a.json else print("\n".join(listed["lines"]) or "no services")
+        return EXIT_OK
+    if not a.name:
+        raise ApiError("name the service: ugro serve NAME --from JOB (or --list)", EXIT_USAGE)
+    if a.stop:
+        service = client.post(f"services/{a.name}/stop")
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while service["state"] != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.3)
+            service = client.get(f"services/{a.name}/")
+        if service["state"] != "stopped":
+            notes = "; ".join(r["note"] for r in service["replicas"] if r["state"] != "stopped" and r["note"])
+            raise ApiError(f"service {a.name} is still stopping: {notes or 'is a UGRO worker running?'}", EXIT_FAILED)
+        emit_json(service) if a.json else print(f"service {a.name} stopped; no process of it remains, GPUs free")
+        return EXIT_OK
+    if not a.source:
+        raise ApiError("--from JOB[:STEP|latest] names the checkpoint to serve", EXIT_USAGE)
+    service = client.post("services/", {"name": a.name, "from": a.source, "replicas": a.replicas,
+                                        "gpus_per_replica": a.gpus_per_replica, "engine": a.engine,
+                                        "command": a.engine_command})  # fmt: skip
+    if a.json:
+        emit_json(service)
+    else:
+        print(f"service {a.name}: {len(service['replicas'])} replica(s) of {service['engine']} serving "
+              f"{service['checkpoint']} (step {service['step']}); endpoint {client.url}{service['endpoint']} "
+              "(ugro serve --list shows when they are ready)")  # fmt: skip
+    return EXIT_OK
+
+
 def cmd_alerts(client: Client, a) -> int:
     if a.limit < 1:
         raise ApiError("--limit must be at least 1", EXIT_USAGE)
@@ -726,7 +770,7 @@ COMMANDS = {
     "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
     "whoami": cmd_whoami, "audit": cmd_audit, "sweep": cmd_sweep, "alerts": cmd_alerts,
     "import_cluster": cmd_import_cluster, "export_cluster": cmd_export_cluster, "trust": cmd_trust,
-    "preflight": cmd_preflight, "token": cmd_token,
+    "preflight": cmd_preflight, "token": cmd_token, "serve": cmd_serve,
 }  # fmt: skip
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "jobs",
     "metrics",
     "accounts",
+    "serving",
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -154,6 +155,7 @@ CELERY_BEAT_SCHEDULE = {
     "schedule-jobs": {"task": "jobs.tasks.schedule_jobs", "schedule": 10.0},
     "follow-jobs": {"task": "jobs.tasks.follow_jobs", "schedule": 5.0},
     "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": 5.0},
+    "tend-services": {"task": "serving.tasks.tend_services", "schedule": 5.0},
 }
 CELERY_BEAT_SCHEDULER = "ugro_site.celery:LockedScheduler"  # runs in every worker; one fires (bin/worker)
 

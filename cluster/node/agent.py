@@ -472,6 +472,14 @@ def op_exec(req):
     }
 
 
+def op_free_port(req):
+    """A TCP port free now on this node's address req['host'] (the kernel's pick), for a server about to
+    start there (a service replica's engine); a port taken in between shows as a replica that never answers."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((req.get("host") or "", 0))
+        return {"port": sock.getsockname()[1]}
+
+
 def op_stat(req):
     """Which of the given paths exist (files or directories) on this node."""
     return {"exists": {p: os.path.exists(_expand(p)) for p in req["paths"]}}
@@ -733,6 +741,7 @@ OPS = {
     "tagged": op_tagged,
     "rank_status": op_rank_status,
     "exec": op_exec,
+    "free_port": op_free_port,
     "stat": op_stat,
     "listdir": op_listdir,
 }

@@ -18,7 +18,7 @@ DEFAULT_TOKEN_FILE = "~/.config/ugro/token"
 
 class Command(UserCommand):
     help = (
-        "API tokens: `token create NAME --scope read|launch|operate [--for USER] [--save]` (the token is shown "
+        "API tokens: `token create NAME --scope read|infer|launch|operate [--for USER] [--save]` (the token is shown "
         "once), `token list [--all]`, `token revoke PREFIX`. Your own tokens; a superuser's for anyone."
     )
 

@@ -1,0 +1,108 @@
+"""Services: a trained checkpoint served by N replicas of an inference engine, behind one endpoint.
+
+A replica holds its GPUs through jobs.Allocation (its `holder`), under the same one-allocation-per-GPU
+constraint the scheduler uses: no training job lands on a replica's GPUs, and no replica on a job's.
+Only serving/replicas.py changes a replica's state; the command writes the request (serving/requests.py).
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from cluster.models import Node
+from cluster.names import validate_safe_name
+from jobs.models import Checkpoint, Job
+
+
+class Service(models.Model):
+    """What the user asked for: this checkpoint, this engine, this many replicas of this many GPUs.
+
+    RUNNING: the worker keeps its replicas up (places, starts, checks, restarts them);
+    STOPPING: the worker stops every replica and frees its GPUs; STOPPED: nothing is left of it.
+    """
+
+    class State(models.TextChoices):
+        RUNNING = "running", "running"
+        STOPPING = "stopping", "stopping"
+        STOPPED = "stopped", "stopped"
+
+    class Engine(models.TextChoices):
+        TRANSFORMERS = "transformers", "transformers serve"
+        VLLM = "vllm", "vLLM"
+        SGLANG = "sglang", "SGLang"
+        CUSTOM = "custom", "custom command"
+
+    name = models.CharField(max_length=48, unique=True, validators=[validate_safe_name])
+    state = models.CharField(max_length=10, choices=State.choices, default=State.RUNNING, db_index=True)
+    job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="+")
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.PROTECT, related_name="+")
+    engine = models.CharField(max_length=12, choices=Engine.choices, default=Engine.TRANSFORMERS)
+    command_template = models.CharField(
+        max_length=1000, blank=True, help_text="The engine's command; {model} {host} {port} {gpus} {name} {python}."
+    )
+    replicas = models.PositiveIntegerField(default=1)
+    gpus_per_replica = models.PositiveIntegerField(default=1, help_text="GPUs of one node (0: a whole GPU-less node).")
+    max_restarts = models.PositiveIntegerField(default=3, help_text="Restarts of one replica before it is given up.")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")  # fmt: skip
+    tender = models.CharField(max_length=100, blank=True, help_text="The worker tending it now.")
+    tend_until = models.DateTimeField(null=True, blank=True, help_text="Its lease: another worker waits until then.")
+    created_at = models.DateTimeField(default=timezone.now)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Replica(models.Model):
+    """One engine process of a service on one node, with the GPUs it holds and how it answers."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "pending"  # waiting for GPUs
+        STARTING = "starting", "starting"  # started, not answering yet
+        READY = "ready", "ready"  # answers its health check: takes requests
+        UNHEALTHY = "unhealthy", "unhealthy"  # was ready, stopped answering: no requests, restarted if it lasts
+        FAILED = "failed", "failed"  # restarted max_restarts times: given up, GPUs freed
+        STOPPED = "stopped", "stopped"
+
+    HOLDING = (State.STARTING, State.READY, State.UNHEALTHY)
+
+    service = models.ForeignKey(Service, on_delete=models.CASCADE, related_name="replica_set")
+    index = models.PositiveIntegerField()
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    gpu_indices = models.JSONField(default=list, blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    tag = models.CharField(max_length=100, blank=True, help_text="UGRO_JOB of its processes; new for every start.")
+    model_path = models.CharField(max_length=1000, blank=True, help_text="The checkpoint's path on its node.")
+    restarts = models.PositiveIntegerField(default=0)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    unhealthy_since = models.DateTimeField(null=True, blank=True)
+    checked_at = models.DateTimeField(null=True, blank=True)
+    note = models.CharField(max_length=500, blank=True, help_text="What happened last, one line.")
+
+    class Meta:
+        ordering = ["service", "index"]
+        constraints = [models.UniqueConstraint(fields=["service", "index"], name="replica_index_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.service.name} replica {self.index}"
+
+    @property
+    def holder(self) -> str:
+        """Its name on jobs.Allocation rows."""
+        return f"serve:{self.service.name}/{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.node.address}:{self.port}"
+
+    def remote(self, suffix: str) -> str:
+        """A file of its current start on its node: <workdir>/.ugro/serve/<tag>.<suffix>."""
+        return f"{self.node.workdir.rstrip('/') or '/'}/.ugro/serve/{self.tag}.{suffix}"

@@ -1,0 +1,94 @@
+"""Where a service's replicas run: GPUs held through jobs.Allocation, the scheduler's own constraint.
+
+A replica takes `gpus_per_replica` GPUs of one node, or a whole node without GPUs (as a job does there).
+Replicas of one service go to different nodes first (a node that fails takes fewer of them along).
+"""
+
+from __future__ import annotations
+
+from django.db import IntegrityError, transaction
+
+from cluster.models import GPU, Node
+from jobs.models import Allocation
+
+from .models import Replica, Service
+
+
+def _slots() -> dict[int, list[int]]:
+    """node id -> its slots: GPU indices, or [-1] for a node without GPUs (every node, free or not)."""
+    out: dict[int, list[int]] = {n: [] for n in Node.objects.values_list("pk", flat=True)}
+    for node_id, index in GPU.objects.order_by("node_id", "index").values_list("node_id", "index"):
+        out[node_id].append(index)
+    return {n: slots or [Allocation.WHOLE_NODE] for n, slots in out.items()}
+
+
+def _fits(slots: list[int], gpus: int) -> int:
+    """How many replicas of `gpus` GPUs these slots of one node hold."""
+    if slots == [Allocation.WHOLE_NODE]:
+        return 1
+    return len(slots) // gpus if gpus else 0
+
+
+def capacity_problem(replicas: int, gpus: int) -> str | None:
+    """Why the cluster could never hold this many replicas (one line), or None. Busy GPUs count: a replica
+    waits for them, as a job does; GPUs that do not exist are refused."""
+    nodes = Node.objects.filter(enabled=True)
+    slots = _slots()
+    room = sum(_fits(slots[n.pk], gpus) for n in nodes)
+    if room >= replicas:
+        return None
+    gpu_nodes = sum(1 for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
+    have = sum(len(slots[n.pk]) for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
+    return (
+        f"{replicas} replicas of {gpus} GPUs each do not fit: the enabled nodes hold at most {room} "
+        f"({have} GPUs on {gpu_nodes} nodes, {nodes.count() - gpu_nodes} nodes without GPUs)"
+    )
+
+
+def place(replica: Replica) -> bool:
+    """Hold free GPUs for a pending replica (STARTING is the caller's to set); False if none fit now."""
+    service = replica.service
+    slots = _slots()
+    busy = set(Allocation.objects.filter(active=True).values_list("node_id", "gpu_index"))
+    mine = list(Replica.objects.filter(service=service, state__in=Replica.HOLDING).values_list("node_id", flat=True))
+    nodes = [n for n in Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN)]
+    nodes.sort(key=lambda n: (mine.count(n.pk), n.placement_key()))
+    for node in nodes:
+        free = [i for i in slots[node.pk] if (node.pk, i) not in busy]
+        if free == [Allocation.WHOLE_NODE]:
+            take = free
+        elif service.gpus_per_replica and len(free) >= service.gpus_per_replica and free[0] >= 0:
+            take = free[: service.gpus_per_replica]
+        else:
+            continue
+        if claim(replica, node, take):
+            return True
+    return False
+
+
+def claim(replica: Replica, node: Node, indices: list[int]) -> bool:
+    """Hold these slots of the node for the replica; False if another holder took one first (the database's
+    one-active-allocation-per-GPU constraint)."""
+    try:
+        with transaction.atomic():
+            Allocation.objects.bulk_create(
+                [Allocation(job=None, holder=replica.holder, node=node, gpu_index=i) for i in indices]
+            )
+    except IntegrityError:
+        return False
+    replica.node = node
+    replica.gpu_indices = [i for i in indices if i >= 0]
+    Replica.objects.filter(pk=replica.pk).update(node=node, gpu_indices=replica.gpu_indices)
+    return True
+
+
+def release(replica: Replica) -> int:
+    """Free every slot the replica holds; how many were held."""
+    return Allocation.objects.filter(holder=replica.holder, active=True).update(active=False)
+
+
+def held(service: Service) -> list[str]:
+    """node:gpu of every slot the service's replicas hold now."""
+    prefix = f"serve:{service.name}/"
+    rows = Allocation.objects.filter(holder__startswith=prefix, active=True).select_related("node")
+    return [a.node.name if a.gpu_index < 0 else f"{a.node.name}:{a.gpu_index}" for a in rows]

@@ -1,0 +1,150 @@
+"""/serve/<name>/v1/...: one OpenAI-compatible endpoint per service, in front of its ready replicas.
+
+An async view on the ASGI server: the request goes to one replica over httpx's AsyncClient and the answer is
+passed on as it arrives (a streamed completion chunk by chunk). A replica that fails before it answers
+(refused, reset, 502-504) is left for another, once. An API token is required (scope infer, launch or
+operate); the request's size and the whole exchange's time are bounded. Requests name the service as their
+model (/v1/models lists it); each replica gets the name its engine answers to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import weakref
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.contrib.auth.decorators import login_not_required
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from accounts import policy
+from accounts.audit import client_address
+from accounts.tokens import find_token, mark_used
+
+from .balancer import Target, balancer
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 1024 * 1024
+REQUEST_TIMEOUT_S = 600.0  # the whole exchange, a long streamed completion included
+CONNECT_TIMEOUT_S = 3.0
+READ_TIMEOUT_S = 120.0  # silence from a replica, before its first byte or between chunks
+ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET"}
+RETRY_STATUSES = (502, 503, 504)
+FORWARDED_HEADERS = ("content-type", "accept")
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _client() -> httpx.AsyncClient:
+    """This event loop's client (daphne runs one loop; its connections to the replicas are kept)."""
+    loop = asyncio.get_running_loop()
+    client = _clients.get(loop)
+    if client is None:
+        timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256))
+    return client
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"message": message, "type": "ugro_error", "code": status}}, status=status)
+
+
+def _refusal(request: HttpRequest) -> tuple[int, str] | None:
+    """(status, why) unless the request carries a token whose user may call services."""
+    kind, _, token = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if kind.lower() not in ("bearer", "token") or not token.strip():
+        return 401, "an API token is required: Authorization: Bearer ugro_... (manage.py token create)"
+    row = find_token(token.strip())
+    if row is None:
+        return 401, "the API token is unknown or revoked"
+    why = policy.reason(row.user, "infer", scope=row.scope)
+    if why:
+        return 403, why
+    mark_used(row, client_address(request))
+    return None
+
+
+@csrf_exempt
+@login_not_required
+async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
+    method = ROUTES.get(route)
+    if method is None:
+        return _error(404, f"/serve/{name}/v1/{route} is not served: {', '.join(sorted(ROUTES))}")
+    if request.method != method:
+        return _error(405, f"/v1/{route} takes {method}")
+    refused = await sync_to_async(_refusal)(request)
+    if refused:
+        return _error(*refused)
+    size = int(request.META.get("CONTENT_LENGTH") or 0)
+    if size > MAX_REQUEST_BYTES:
+        return _error(413, f"the request is {size} bytes: at most {MAX_REQUEST_BYTES}")
+    body = request.body if method == "POST" else b""
+    if len(body) > MAX_REQUEST_BYTES:
+        return _error(413, f"the request is {len(body)} bytes: at most {MAX_REQUEST_BYTES}")
+    keys = await sync_to_async(balancer.refresh)(name)
+    if keys is None:
+        return _error(404, f"no service named {name} is running")
+    if route == "models":  # one model per service, named as the service, whatever each engine calls it
+        return JsonResponse({"object": "list", "data": [{"id": name, "object": "model", "owned_by": "ugro"}]})
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        return _error(400, "the request body must be a JSON object")
+    if not keys:
+        return _error(503, f"no replica of service {name} is ready yet (ugro serve --list)")
+    headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    client = _client()
+    tried: set[int] = set()
+    why = ""
+    for _attempt in range(2):  # the first replica, then once another
+        target = balancer.pick(keys, tried)
+        if target is None:
+            break
+        tried.add(target.key)
+        target.outstanding += 1
+        content = json.dumps({**payload, "model": target.model}).encode()
+        try:
+            upstream = await client.send(
+                client.build_request(method, f"{target.url}/v1/{route}", content=content, headers=headers), stream=True
+            )
+        except httpx.HTTPError as exc:
+            target.outstanding -= 1
+            balancer.failed(target)
+            why = f"{target.url}: {type(exc).__name__}: {exc}"
+            continue
+        if upstream.status_code in RETRY_STATUSES and len(tried) < 2:
+            await upstream.aclose()
+            target.outstanding -= 1
+            balancer.failed(target)
+            why = f"{target.url}: HTTP {upstream.status_code}"
+            continue
+        response = StreamingHttpResponse(
+            _relay(upstream, target, deadline), status=upstream.status_code,
+            content_type=upstream.headers.get("content-type", "application/json"),
+        )  # fmt: skip
+        response["Cache-Control"] = "no-cache"
+        return response
+    return _error(502, f"no replica of service {name} answered: {why}")
+
+
+async def _relay(upstream: httpx.Response, target: Target, deadline: float):
+    """The replica's answer, chunk by chunk as it comes; cut at the deadline or when the replica fails midway."""
+    try:
+        async for chunk in upstream.aiter_bytes():
+            yield chunk
+            if time.monotonic() > deadline:
+                log.warning("%s: cut after %g s", target.url, REQUEST_TIMEOUT_S)
+                return
+    except httpx.HTTPError as exc:  # the answer has begun: nothing can be retried, the client sees it end
+        balancer.failed(target)
+        log.warning("%s failed while answering: %s", target.url, exc)
+    finally:
+        target.outstanding -= 1
+        await upstream.aclose()

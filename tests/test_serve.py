@@ -1,0 +1,226 @@
+"""`manage.py serve` and the worker's care of services on the loopback nodes: replicas placed on held slots,
+started through the node agent, health-checked, restarted when they die, stopped with nothing left; bad input
+refused in one line. The engine is the fake one (tests/data/serve/fake_engine.py) as a custom command, except
+in the end-to-end test, where it is `transformers serve` with a tiny GPT-2 built here."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import threading
+
+import httpx
+import pytest
+from django.core.management import CommandError, call_command
+
+from accounts.tokens import create_token
+from cluster.models import Node
+from jobs.models import Allocation, Checkpoint, Job
+from jobs.snapshot import Snapshot
+from serving.models import Replica, Service
+from ugro_site.celery import send_task
+
+from .conftest import NODE_ENV, REPO, job_pids, wait_for
+from .test_browser import daphne_serving
+
+FAKE = f"{{python}} {REPO}/tests/data/serve/fake_engine.py --host {{host}} --port {{port}} --name {{name}}"
+TINY_GPT2 = REPO / "tests" / "data" / "serve" / "tiny_gpt2.py"
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def tender(lab):
+    """The beat's tend_services, twice a second (the test worker's beat sends only the job tasks)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.5):
+            send_task("serving.tasks.tend_services")
+
+    ticker = threading.Thread(target=beat, daemon=True)
+    ticker.start()
+    yield
+    stop.set()
+    ticker.join()
+    for tag in Replica.objects.exclude(tag="").values_list("tag", flat=True):  # a failed test leaves no engine
+        for pid in job_pids(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
+def trained_job(files: dict[str, str] | None = None) -> Checkpoint:
+    """A job that recorded a complete checkpoint directory (step 10) on the first node."""
+    node = Node.objects.order_by("order").first()
+    path = f"{node.workdir}/outputs/trained/checkpoint-10"
+    os.makedirs(path, exist_ok=True)
+    for name, text in (files or {"config.json": "{}", "trainer_state.json": "{}"}).items():
+        with open(f"{path}/{name}", "w") as fh:
+            fh.write(text)
+    job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
+    return Checkpoint.objects.create(job=job, node=node, path=path, size=4, mtime=0, step=10,
+                                     kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+
+
+def serve(*args: str) -> str:
+    out = io.StringIO()
+    call_command("serve", *args, stdout=out)
+    return out.getvalue()
+
+
+def engine_pids(replica: Replica) -> list[int]:
+    return job_pids(replica.tag)
+
+
+def ready(name: str, count: int) -> list[Replica] | None:
+    rows = list(Replica.objects.filter(service__name=name, state=Replica.State.READY).select_related("node"))
+    return rows if len(rows) == count else None
+
+
+def test_replicas_start_restart_when_they_die_and_stop_with_nothing_left(lab, tender):
+    # given a job's checkpoint
+    trained_job()
+
+    # when a service of two replicas is asked for
+    said = serve("chat", "--from", "trained:10", "--replicas", "2", "--engine", "custom", "--command", FAKE)
+    assert "service chat: 2 replica(s) of custom" in said and "/serve/chat/v1/" in said
+
+    # then both come up, on two nodes, each holding its node (these nodes have no GPUs) as a job would
+    replicas = wait_for(lambda: ready("chat", 2), timeout=90, what="two ready replicas")
+    assert len({r.node_id for r in replicas}) == 2
+    holds = Allocation.objects.filter(active=True, job=None)
+    assert sorted(holds.values_list("holder", flat=True)) == ["serve:chat/0", "serve:chat/1"]
+    held = Snapshot().holders  # the scheduler counts them busy
+    assert {name for _, name in held.values()} == {"serve:chat/0", "serve:chat/1"}
+    for r in replicas:
+        assert httpx.get(r.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "chat"
+    # the copy on the second node was made from the first's checkpoint
+    assert {r.model_path for r in replicas} == {f"{n.workdir}/outputs/trained/checkpoint-10" for n in
+                                                 Node.objects.filter(pk__in=[r.node_id for r in replicas])}
+
+    # when one replica's engine dies
+    first = Replica.objects.select_related("node").get(service__name="chat", index=0)
+    old_tag = first.tag
+    for pid in engine_pids(first):
+        os.kill(pid, signal.SIGKILL)
+
+    # then the worker starts it again, where it was, and it is ready again
+    def restarted():
+        r = Replica.objects.get(pk=first.pk)
+        return r if r.restarts == 1 and r.state == Replica.State.READY and r.tag != old_tag else None
+
+    again = wait_for(restarted, timeout=60, what="replica 0 restarted")
+    assert again.node_id == first.node_id
+    listing = serve("--list")
+    assert "chat  running  custom  from trained step 10" in listing
+    assert "replica 0  ready" in listing and "restarts 1" in listing
+
+    # when the service is stopped
+    said = serve("chat", "--stop")
+
+    # then no process of it is left, its slots are free, and the list says so
+    assert "service chat stopped" in said
+    tags = list(Replica.objects.filter(service__name="chat").values_list("tag", flat=True))
+    assert [t for t in [*tags, old_tag] if job_pids(t)] == []
+    assert not Allocation.objects.filter(active=True, job=None).exists()
+    assert set(Replica.objects.filter(service__name="chat").values_list("state", flat=True)) == {"stopped"}
+    assert "chat  stopped" in serve("--list")
+
+
+def test_an_engine_that_keeps_dying_is_given_up_after_its_restarts_and_frees_its_slot(lab, tender):
+    # given an engine that exits at once with code 3
+    trained_job()
+    serve("dies", "--from", "trained", "--engine", "custom", "--command",
+          "{python} -c 'import sys; print(\"no model here\"); sys.exit(3)' {port}")  # fmt: skip
+
+    # when the worker has tried it
+    failed = wait_for(lambda: Replica.objects.filter(service__name="dies", state=Replica.State.FAILED).first(),
+                      timeout=60, what="the replica given up")  # fmt: skip
+
+    # then it was started 1 + max_restarts times, says why it gave up, and holds nothing
+    assert failed.restarts == 4
+    assert failed.note.startswith("given up after 3 restarts: its engine exited (3): no model here")
+    assert not Allocation.objects.filter(active=True, job=None).exists()
+    assert "replica 0  failed" in serve("--list", "dies")
+    assert "stopped" in serve("dies", "--stop")
+
+
+def test_a_replica_that_stops_answering_leaves_the_rotation_and_is_restarted(lab, tender, monkeypatch):
+    monkeypatch.setattr("serving.replicas.UNHEALTHY_RESTART_S", 2.0)
+    monkeypatch.setattr("serving.replicas.CHECK_TIMEOUT_S", 1.0)
+    # given a ready replica
+    trained_job()
+    serve("hangs", "--from", "trained", "--engine", "custom", "--command", FAKE)
+    (replica,) = wait_for(lambda: ready("hangs", 1), timeout=60, what="a ready replica")
+
+    # when its engine freezes (alive, silent)
+    for pid in engine_pids(replica):
+        os.kill(pid, signal.SIGSTOP)
+
+    # then it is taken out of the rotation, then restarted, and ready again
+    wait_for(lambda: Replica.objects.filter(pk=replica.pk, state=Replica.State.UNHEALTHY).exists(), timeout=30,
+             what="the replica unhealthy")  # fmt: skip
+    again = wait_for(lambda: ready("hangs", 1), timeout=60, what="the replica ready again")[0]
+    assert again.restarts == 1 and again.tag != replica.tag
+    assert job_pids(replica.tag) == []  # the frozen engine was killed
+    assert "stopped" in serve("hangs", "--stop")
+
+
+def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
+    trained_job()
+    serve("taken", "--from", "trained", "--engine", "custom", "--command", FAKE)
+    before = (Service.objects.count(), Replica.objects.count())
+
+    cases = {
+        ("chat", "--from", "nosuchjob"): "no job named 'nosuchjob'",
+        ("chat", "--from", "trained:7"): "no complete checkpoint directory at step 7 (steps: 10)",
+        ("chat", "--from", "trained", "--replicas", "4"): "4 replicas of 1 GPUs each do not fit",
+        ("chat", "--from", "trained", "--gpus-per-replica", "2", "--replicas", "4"): "do not fit",
+        ("taken", "--from", "trained"): "service taken exists (running)",
+        ("chat", "--from", "trained", "--engine", "custom"): "--engine custom needs --command",
+        ("bad name!", "--from", "trained"): "service name 'bad name!' is not allowed",
+    }
+    for args, message in cases.items():
+        with pytest.raises(CommandError) as err:
+            serve(*args)
+        assert message in str(err.value) and "\n" not in str(err.value), args
+    assert (Service.objects.count(), Replica.objects.count()) == before
+    serve("taken", "--stop")
+
+
+@pytest.mark.no_test_worker
+def test_with_no_worker_serve_refuses_in_one_line(lab):
+    trained_job()
+    with pytest.raises(CommandError, match="no UGRO worker is running"):
+        serve("chat", "--from", "trained", "--engine", "custom", "--command", FAKE)
+    assert not Service.objects.exists()
+
+
+def test_transformers_serve_replicas_answer_through_the_endpoint(lab, tender, controller_env, os_account, tmp_path):
+    # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
+    checkpoint = trained_job({})
+    subprocess.run([str(NODE_ENV / "bin" / "python"), str(TINY_GPT2), checkpoint.path], check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+
+    # when it is served by two `transformers serve` replicas (CPU) and asked through the controller's endpoint
+    serve("gpt", "--from", "trained:latest", "--replicas", "2")
+    wait_for(lambda: ready("gpt", 2), timeout=300, interval=1, what="two transformers serve replicas ready")
+    token = create_token(os_account, "app", "infer")[1]
+    headers = {"Authorization": f"Bearer {token}"}
+    with daphne_serving(controller_env, tmp_path / "daphne.log") as web:
+        url = f"{web}/serve/gpt/v1/completions"
+        answers = [httpx.post(url, json={"model": "gpt", "prompt": "the cluster", "max_tokens": 4}, headers=headers,
+                              timeout=120) for _ in range(2)]  # fmt: skip
+        with httpx.stream("POST", url, json={"model": "gpt", "prompt": "the node", "max_tokens": 3, "stream": True},
+                          headers=headers, timeout=120) as r:  # fmt: skip
+            streamed = r.read().decode()
+
+    # then both answer completions from the model, a streamed one as server-sent events
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers)
+    assert r.status_code == 200 and streamed.count("data: ") >= 3
+
+    # and stopping leaves nothing
+    assert "stopped" in serve("gpt", "--stop")
+    assert [t for t in Replica.objects.values_list("tag", flat=True) if job_pids(t)] == []
+    assert not Allocation.objects.filter(active=True, job=None).exists()

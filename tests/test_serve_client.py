@@ -1,0 +1,63 @@
+"""`ugro serve` (the thin client) through the REST API, /api/v1/services/: start, list, refuse, stop."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from accounts.tokens import create_token
+from cluster.models import Node
+from jobs.models import Checkpoint, Job
+from serving.models import Service
+from serving.replicas import tend
+
+from .conftest import wait_for
+from .test_client import NO_DJANGO_PYTHON, server, ugro, ugro_script  # noqa: F401
+
+pytestmark = pytest.mark.django_db(transaction=True)
+COMMAND = "{python} engine.py --port {port}"
+
+
+@pytest.fixture
+def trained(server):  # noqa: F811
+    job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
+    Checkpoint.objects.create(job=job, node=Node.objects.get(name="n1"), path="/w/outputs/trained/checkpoint-10",
+                              size=1, mtime=0, step=10, kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+    return job
+
+
+def test_serve_starts_lists_refuses_and_stops(ugro_script, server, trained, worker_heartbeat):  # noqa: F811
+    # when a service is asked for
+    done = ugro(ugro_script, server, "serve", "chat", "--from", "trained:10", "--engine", "custom",
+                "--command", COMMAND)  # fmt: skip
+
+    # then it is recorded for the worker, and the list shows it
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("service chat: 1 replica(s) of custom serving n1:/w/outputs/trained/checkpoint-10")
+    assert Service.objects.get(name="chat").owner == server["user"]
+    listed = ugro(ugro_script, server, "serve", "--list").stdout
+    assert "chat  running  custom  from trained step 10  /serve/chat/v1/" in listed and "replica 0  pending" in listed
+
+    # bad input and a token that may only call services are refused in one line, nothing written
+    for args, why in [(("chat2", "--from", "nosuch"), "no job named 'nosuch'"),
+                      (("chat", "--from", "trained"), "service chat exists (running)")]:  # fmt: skip
+        refused = ugro(ugro_script, server, "serve", *args)
+        assert refused.returncode != 0 and why in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+    infer = create_token(server["user"], "app", "infer")[1]
+    refused = ugro(ugro_script, server, "serve", "chat3", "--from", "trained", token=infer)
+    assert refused.returncode != 0 and "scope is infer" in refused.stderr
+    assert Service.objects.count() == 1
+
+    # when it is stopped (the worker's pass run here)
+    path, site = ugro_script
+    env = {"PYTHONPATH": str(site), "UGRO_URL": server["url"], "UGRO_TOKEN": server["token"], "HOME": "/nonexistent"}
+    stop = subprocess.Popen([NO_DJANGO_PYTHON, str(path), "serve", "chat", "--stop"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    wait_for(lambda: Service.objects.filter(name="chat", state="stopping").exists(), timeout=30, what="stopping")
+    tend()
+    out, err = stop.communicate(timeout=30)
+
+    # then it says so
+    assert stop.returncode == 0, err
+    assert out.startswith("service chat stopped")
