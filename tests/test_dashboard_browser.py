@@ -24,7 +24,7 @@ from metrics.models import MetricPoint
 from .conftest import wait_for
 from .test_browser import ARTIFACTS, chromium, controller, log_in, new_page, web  # noqa: F401
 
-pytestmark = [pytest.mark.browser, pytest.mark.e2e]
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.no_test_worker]  # each test moves its jobs by hand
 BLUE = (0x25, 0x63, 0xEB)  # the first line colour (rank 0)
 # Where screenshots for docs/img are copied by hand from (see docs/benchmarks-dashboard.md).
 SHOTS = ARTIFACTS / "dashboard"
