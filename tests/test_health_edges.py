@@ -15,7 +15,7 @@ from cluster.models import Alert, Node
 from .conftest import REPO, free_port
 from .controller import with_constants
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]  # each test drives the monitor itself
 UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]  # the admin commands (ugro-admin)
 
 

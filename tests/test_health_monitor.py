@@ -23,7 +23,7 @@ from cluster.models import Alert, HealthSample, Node
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]  # each test drives the monitor itself
 
 GPU = {
     "index": 0,

@@ -18,24 +18,44 @@ BEAT_EVERY_S = 1.0
 SHUTDOWN_TIMEOUT_S = 60.0  # a task in flight finishes (a teardown waits out the kill grace)
 
 
-def _close_connections(**_kwargs) -> None:
-    """Each task's thread lets go of its database connection: the test's flush, and the test database's
-    drop at the end of the run, find no connection left open by a worker thread."""
+_tasks = {"running": 0}
+_tasks_changed = threading.Condition()
+
+
+def _task_started(**_kwargs) -> None:
+    with _tasks_changed:
+        _tasks["running"] += 1
+
+
+def _task_ended(**_kwargs) -> None:
+    """Each task's thread lets go of its database connection (the test's flush, and the test database's
+    drop at the end of the run, find none left open by a worker thread), and says it is done."""
     from django.db import connections
 
     connections.close_all()
+    with _tasks_changed:
+        _tasks["running"] -= 1
+        _tasks_changed.notify_all()
+
+
+def _wait_for_tasks(timeout: float) -> None:
+    """Until no task of this process runs (the pool may let one finish after the worker stopped): none
+    may act on the next test's jobs."""
+    with _tasks_changed:
+        _tasks_changed.wait_for(lambda: _tasks["running"] <= 0, timeout=timeout)
 
 
 @contextmanager
 def worker_here():
     from celery.contrib.testing.worker import start_worker
-    from celery.signals import task_postrun
+    from celery.signals import task_postrun, task_prerun
 
     import jobs.tasks
     from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, send_task
 
     app.control.purge()  # tasks an earlier test queued and nobody took
-    task_postrun.connect(_close_connections, weak=False)
+    task_prerun.connect(_task_started, weak=False)
+    task_postrun.connect(_task_ended, weak=False)
     stop = threading.Event()
 
     def beat() -> None:
@@ -56,7 +76,9 @@ def worker_here():
                 ticker.join()
                 _stop_heartbeat()
                 jobs.tasks._shutting_down.set()  # follow tasks hand their jobs back within a pass
+        _wait_for_tasks(SHUTDOWN_TIMEOUT_S)
         app.control.purge()
     finally:
         jobs.tasks._shutting_down.clear()
-        task_postrun.disconnect(_close_connections)
+        task_prerun.disconnect(_task_started)
+        task_postrun.disconnect(_task_ended)
