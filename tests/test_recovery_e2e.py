@@ -448,7 +448,9 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
     follow_until(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the crash")
     job.refresh_from_db()
     assert job.state == Job.State.FAILED, job.state
-    # then both of its checkpoints were found where it wrote them, and the latest is offered
+    # then both of its checkpoints were found where it wrote them (the worker's follower records them as it
+    # scans, its last scan at the end), and the latest is offered
+    follow_until(job, lambda: len(checkpoints.offered(job)) >= 2, timeout=30, what="its checkpoints")
     assert [c.step for c in checkpoints.offered(job)] == [20, 10]
     ckpt = checkpoints.choose(job, "latest")
     assert (ckpt.step, ckpt.kind) == (20, "dir") and ckpt.path.endswith("my_runs/hf/checkpoint-20")
