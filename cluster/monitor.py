@@ -297,7 +297,9 @@ def knocked(waiting: list[Node]) -> list[Node]:
     KNOCK_TIMEOUT_S at most, all at once). One that answers a knock for the first time since it went DOWN
     (or since it last did not) is back, or may be (a cable plugged in again, a machine rebooted): its probe
     goes ahead of the backoff, so its leftovers are killed and a job waiting for it starts within a tick.
-    One that keeps answering knocks but not probes (sshd hung) keeps the backoff."""
+    One that keeps answering knocks but not probes (sshd hung) keeps the backoff. A back node that another
+    poll still holds (a probe sent while it was silent) is not probed on that tick: poll_once forgets its
+    answered knock, so the next tick counts it as back again."""
 
     def knock(node: Node) -> bool:
         try:
@@ -330,6 +332,9 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     if not due:
         return []
     due = _claim(due, force)
+    for node in back:
+        if node not in due:  # another poll still probes it (from before it came back): knock it again next tick
+            _knock_answered.pop(node.pk, None)
     if not due:
         return []
     breakers = {n.pk: Breaker.from_dict(n.breaker) for n in due}

@@ -328,6 +328,38 @@ def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(
         listener.close()
 
 
+def test_a_node_back_while_an_older_probe_still_holds_it_is_probed_on_the_next_tick(db, monkeypatch):
+    import socket
+    import time
+    from datetime import timedelta
+
+    from cluster.health import Breaker
+
+    # given a DOWN node waiting out a long backoff that answers again, while another poll's probe (sent while it
+    # was silent) still holds its lease
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    now = time.time()
+    breaker = Breaker(failures=9, open_until=now + 300, state="open").to_dict()
+    node = Node.objects.create(name="away", address="127.0.0.1", ssh_port=port, status=Node.Status.DOWN,
+                               breaker=breaker, last_seen=timezone.now(),
+                               poll_lease_until=timezone.now() + timedelta(seconds=30))  # fmt: skip
+    probed = []
+    monkeypatch.setattr(monitor, "probe_node", lambda n, b, t, force=False: probed.append(n.name) or _fail(b, t))
+    monitor._knock_answered[node.pk] = False
+    try:
+        # when a tick finds it answering but leased: no probe now
+        monitor.poll_once(now=now)
+        assert probed == []
+        # when the older probe has let go by the next tick
+        Node.objects.filter(pk=node.pk).update(poll_lease_until=None)
+        monitor.poll_once(now=now + 5)
+        # then it is probed on that tick, not after its backoff
+        assert probed == ["away"]
+    finally:
+        listener.close()
+
+
 def _fail(breaker, now):
     breaker.record_failure(now)
     return None, None, "connect timed out", False

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from cluster.models import Alert, Node
+from cluster.models import Alert, HealthSample, Node
 from jobs.models import Attempt, Job, Rank
 from metrics.models import MetricPoint
 
@@ -177,7 +177,9 @@ def test_a_silent_node_fails_the_job_and_is_down_within_30_s_and_comes_back_clea
     healthy = time.monotonic() - back
     wait_for(lambda: not job_pids(job.tag), timeout=90, what="no process of the job left")
     print(f"node back: healthy after {healthy:.1f} s, clean after {time.monotonic() - back:.1f} s")
-    assert healthy <= BACK_BOUND_S, healthy
+    probes = [(f"{s.time:%H:%M:%S.%f}"[:12], s.ok, s.error[:120])
+              for s in HealthSample.objects.filter(node__name="node3").order_by("-time")[:8]]  # fmt: skip
+    assert healthy <= BACK_BOUND_S, (healthy, probes)  # node3's last probes, newest first, say why if not
     # and the central logs hold every byte each rank wrote, node3's fetched after its return
     wait_for(lambda: all(r.local_log.read_bytes() == Path(r.remote_log).read_bytes() for r in job.ranks.all()),
              timeout=90, what="every central log equal to its node's")  # fmt: skip
