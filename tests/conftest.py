@@ -21,20 +21,6 @@ SLOW_TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--
               "--step-sleep", "0.2"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def fast_password_hashing(request):
-    """MD5 for passwords made and checked in the test process, as Django's testing docs suggest: the
-    real hasher (PBKDF2 at Django's iteration count) costs half a second of CPU per user made or login
-    here. Not in browser tests: their users log in to a daphne of their own, which keeps the real one."""
-    if request.node.get_closest_marker("browser"):
-        yield
-        return
-    from django.test import override_settings
-
-    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
-        yield
-
-
 @pytest.fixture(scope="session")
 def loopback(tmp_path_factory):
     """Four real OpenSSH nodes, 127.0.0.2-5, each with the training script in its working dir."""
