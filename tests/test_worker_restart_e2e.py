@@ -123,7 +123,7 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
                 pass
         # then the job does not sit RUNNING: its ranks are judged lost and it fails within a few of the
         # worker's reconcile intervals (5 s) plus the follower's lease (4 s here), with room for a busy machine
-        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=45, what="the job to end")
+        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=90, what="the job to end")
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         try:
