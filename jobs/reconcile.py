@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import locks
-from .loops import Report, ended, orphans, retries, running, starts, stopping
+from .loops import Report, ended, retries, running, starts, stopping
+from .loops import orphans as orphan_scan  # `orphans` is reconcile()'s switch
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ LOOPS = {
     "stopping": stopping,  # teardowns lost with their worker
     "ended": ended,  # nodes still held, lost output, rollup leftovers
     "retries": retries,  # the retry policy, jobs waiting for a node
-    "orphans": orphans,  # processes of ended jobs on any node (asks every node: less often)
+    "orphans": orphan_scan,  # processes of ended jobs on any node (asks every node: less often)
 }
 TICK_LOOPS = ("starts", "running", "stopping", "ended", "retries")  # beat's every tick; "orphans" has its own
 # Periodic passes of one loop running at once, across workers: a second goes around a job the first is stuck
