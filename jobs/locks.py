@@ -1,17 +1,27 @@
 """Locks that keep two workers from acting on the same thing at once: PostgreSQL advisory locks, held by
 the session of the connection that acts, so a worker that dies lets go with its connection (no lease to
-lapse). Used where acting twice at once is wasteful or confusing (one SIGKILL round per job, one reconcile
-pass at a time); every action is still safe to repeat afterwards."""
+lapse, and no transaction left open while the holder waits on a node). Used where acting twice at once is
+wasteful or confusing (one SIGKILL round per job, one loop acting on a job at a time); every action is
+still safe to repeat afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 
 from django.db import connection
 
-RECONCILE = 1  # one reconciler pass over all jobs at a time, across every worker
 TEARDOWN = 2  # one teardown of a given job at a time (its TERM, grace, KILL and final state)
+PASS = 3  # a periodic pass of a loop holds one of its few slots (jobs/reconcile.py PASSES_AT_ONCE)
+# One loop acting on a given job at a time (jobs/loops/): the kind names the loop, the key the job, so two
+# workers run the same loop side by side on different jobs, and different loops never wait for each other.
+STARTS = 11
+RUNNING = 12
+STOPPING = 13
+ENDED = 14
+RETRIES = 15
+ORPHANS = 16  # keyed by the node: one orphan scan of a node at a time
+SWEEP = 17  # keyed by the sweep: one median-stop judgment of a sweep at a time
 
 
 @contextmanager
@@ -32,3 +42,23 @@ def held(kind: int, key: int = 0, wait: bool = False) -> Iterator[bool]:
         if got:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_unlock(%s, %s)", args)
+
+
+@contextmanager
+def held_each(kind: int, keys: Iterable[int], wait: bool = False) -> Iterator[list[int]]:
+    """Take the (kind, key) lock of each key for the block; yields the keys held (every one with wait=True).
+    Taken in ascending order, so two waiting holders of overlapping sets cannot deadlock."""
+    with ExitStack() as stack:
+        yield [key for key in sorted(set(keys)) if stack.enter_context(held(kind, key, wait))]
+
+
+@contextmanager
+def held_any(kind: int, keys: Iterable[int]) -> Iterator[int | None]:
+    """Take the first free one of the (kind, key) locks, without waiting; yields its key, or None when
+    every one is held."""
+    for key in keys:
+        with held(kind, key) as got:
+            if got:
+                yield key
+                return
+    yield None

@@ -3,14 +3,14 @@
 - `resume()`: what `ugro resume` and the job page's Resume button call. Picks a complete checkpoint
   (jobs/checkpoints.py), and asks jobs/lifecycle.py to requeue the job as attempt N+1; the launch copies
   the checkpoint to rank 0's node when it lives elsewhere.
-- `retry_pass()`: run by the reconciler. A FAILED job whose failure kind is in its retry list is
-  resumed from its latest complete checkpoint after an exponential backoff, unless it used up its
-  attempts or failed twice in a row at the same step (a crash loop). An OOM is retried only with a batch
-  template (half the batch, twice the accumulation); otherwise the resume is proposed to a person. After a
-  lost node, the retry runs on the remaining nodes when --min-nodes allows; otherwise it is queued at once,
-  waiting for the node (`wait_nodes`, queue reason "node"), and `release_waits()` lets it start once the
-  node answers again and the job's leftovers there are stopped.
-- `check_hang()`: run by the reconciler on RUNNING jobs. No metric line for longer than
+- `decide()`: the retry policy, applied by the retries loop (jobs/loops/retries.py). A FAILED job whose
+  failure kind is in its retry list is resumed from its latest complete checkpoint after an exponential
+  backoff, unless it used up its attempts or failed twice in a row at the same step (a crash loop). An OOM
+  is retried only with a batch template (half the batch, twice the accumulation); otherwise the resume is
+  proposed to a person. After a lost node, the retry runs on the remaining nodes when --min-nodes allows;
+  otherwise it is queued at once, waiting for the node (`wait_nodes`, queue reason "node"), and the retries
+  loop lets it start once the node answers again and the job's leftovers there are stopped.
+- `check_hang()`: run by the running loop (jobs/loops/running.py) on RUNNING jobs. No metric line for longer than
   max(HANG_FACTOR x the median interval between lines, the job's hang limit) -> an alert, a stack dump of
   every rank, then the job fails as HANG (and the retry policy applies).
 
@@ -31,7 +31,6 @@ from django.utils import timezone
 from cluster.alerts import open_alert
 from cluster.fanout import node_request, on_each
 from cluster.models import Alert, HealthSample, Node
-from cluster.monitor import poll_once
 from cluster.names import check_name
 from metrics.models import MetricPoint
 from metrics.rollup import INT8_MAX
@@ -40,7 +39,6 @@ from . import checkpoints, follow, lifecycle
 from .failure import Failure, FailureKind
 from .logs import tail_lines
 from .models import Job, Rank
-from .stop import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,6 @@ RETRY_KINDS = {
     "timeout": FailureKind.TIMEOUT,
     "unknown": FailureKind.UNKNOWN,
 }
-HELLO_TIMEOUT_S = 3.0  # asking a lost node whether it is back
 # The retry policy when a job names none: retry nothing, so a person sees a failure before anything reruns.
 RETRY_ON: tuple[str, ...] = ()
 MAX_ATTEMPTS = 3  # a job's attempts when it names none: a flaky node gets two more chances, a broken script few
@@ -236,79 +233,6 @@ def _oom_proposal(job: Job) -> str:
     if not job.batch_template:
         why += " (set --batch-template to retry with a smaller batch)"
     return _proposal(job, why)
-
-
-def retry_pass(job_ids: list[int] | None = None) -> list[str]:
-    """Decide about newly FAILED jobs, and start the retries whose backoff is over; the names requeued."""
-    now = timezone.now()
-    # jobs with a policy that failed lately (turning a cluster default on does not wake old failures)
-    jobs = Job.objects.filter(state=Job.State.FAILED, finished_at__gte=now - timedelta(days=1))
-    if not RETRY_ON:
-        jobs = jobs.exclude(retry_on=[])
-    if job_ids is not None:
-        jobs = jobs.filter(pk__in=job_ids)
-    requeued = []
-    for job in jobs.filter(recovery_note=""):
-        nxt, note = decide(job)
-        if not Job.objects.filter(pk=job.pk, state=Job.State.FAILED, recovery_note="").update(
-            recovery_note=note[:2000], retry_at=nxt.retry_at if nxt else None
-        ):
-            continue  # another reconciler decided first
-        severity = Alert.Severity.WARNING if nxt else Alert.Severity.CRITICAL
-        node = Node.objects.filter(name=job.failure_node).first() if job.failure_node else None
-        open_alert(node, f"recovery:{job.name}", severity, f"job {job.name}: {note}", job_name=job.name)
-    for job in jobs.filter(retry_at__lte=now).exclude(recovery_note=""):
-        nxt, _ = decide(job)
-        if nxt is None:
-            continue
-        nxt.retry_at = None
-        if lifecycle.requeue(job, nxt):  # one waiting for a lost node stays QUEUED until it answers
-            requeued.append(job.name)
-    return requeued
-
-
-def release_waits(job_ids: list[int] | None = None) -> list[str]:
-    """Queued attempts waiting for lost nodes: each such node that answers again first has what is left of
-    the job's earlier attempts on it stopped (it may have trained on, cut off), is probed by the health
-    monitor at once if it is DOWN (so the scheduler may use it now, not after the monitor's backoff), and
-    the attempt stops waiting for it. Returns "job:node" for each node released."""
-    jobs = Job.objects.filter(state=Job.State.QUEUED).exclude(wait_nodes=[])
-    if job_ids is not None:
-        jobs = jobs.filter(pk__in=job_ids)
-    waiting = {job: list(job.wait_nodes) for job in jobs}
-    if not waiting:
-        return []
-    names = sorted({n for names in waiting.values() for n in names})
-    nodes = list(Node.objects.filter(name__in=names, enabled=True))
-    answers = on_each(nodes, lambda n: node_request(n, "hello", timeout=HELLO_TIMEOUT_S))
-    back = [node for node, _, err in answers if err is None]
-    down = [n for n in back if n.status == Node.Status.DOWN]
-    if down:
-        poll_once(down, force=True)
-    released = []
-    for job, names in waiting.items():
-        for node in back:
-            if node.name not in names:
-                continue
-            unclean = _stop_earlier_attempts(job, node)
-            if unclean:
-                log.warning("job %s still waits for %s: %s", job.name, node.name, "; ".join(unclean))
-                continue
-            if lifecycle.node_back(job, node.name):
-                released.append(f"{job.name}:{node.name}")
-    return released
-
-
-def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
-    """Stop every process of the job's earlier attempts on a node that was cut off (they carry their
-    attempt's tag); what could not be confirmed stopped."""
-    unclean = []
-    for attempt in job.attempts.exclude(tag=""):
-        if node.name not in (attempt.nodes or []):
-            continue
-        ghost = Job(pk=job.pk, name=job.name, tag=attempt.tag)
-        unclean += stop_processes(ghost, [Rank(job=ghost, node=node, index=0)], grace=0)
-    return unclean
 
 
 # -- hangs ------------------------------------------------------------------------------------------

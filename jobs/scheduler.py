@@ -12,17 +12,14 @@ import logging
 import time
 
 from django.db import transaction
-from django.utils import timezone
 
-from cluster.models import ClusterSettings
 from ugro_site.celery import send_task
 
 from . import lifecycle
 from .failure import Failure, FailureKind
 from .launch import launch
 from .models import Job
-from .report import human_duration
-from .snapshot import Snapshot, queue, time_limit_s
+from .snapshot import Snapshot, queue
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)
@@ -64,29 +61,9 @@ def place(job: Job) -> bool:
     return placed
 
 
-def stop_overdue(job_ids: list[int] | None = None) -> list[str]:
-    """Stop live jobs past their time limit: FAILING with kind TIMEOUT; the teardown sends SIGTERM and,
-    after the kill grace (time for a last checkpoint), SIGKILL."""
-    cs = ClusterSettings.load()
-    now = timezone.now()
-    jobs = Job.objects.filter(state__in=Job.LIVE_STATES, started_at__isnull=False)
-    if job_ids is not None:
-        jobs = jobs.filter(pk__in=job_ids)
-    stopped = []
-    for job in jobs:
-        limit = time_limit_s(job, cs)
-        if (now - job.started_at).total_seconds() <= limit:
-            continue
-        line = f"past its time limit of {human_duration(limit)}: stopped (SIGTERM, then SIGKILL after the grace)"
-        failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
-        if lifecycle.fail(job, failure):
-            stopped.append(job.name)
-    return stopped
-
-
 def schedule(only: list[int] | None = None) -> list[Job]:
-    """Place and launch whatever can start now; returns the jobs launched here (the reconciler stops
-    jobs past their time limit: stop_overdue)."""
+    """Place and launch whatever can start now; returns the jobs launched here (the starts loop stops
+    jobs past their time limit: jobs/loops/starts.py)."""
     launched = []
     for job in place_queued(only):
         try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Max, Min
+from django.db.models import Max, Min, QuerySet
 from django.utils import timezone
 
 from cluster.names import check_name
@@ -263,13 +263,17 @@ def trial_rows(sweep: Sweep) -> list[TrialRow]:
 MEDIAN_MIN_OTHERS = 2  # the median of fewer trials says too little
 
 
+def median_stopping() -> QuerySet[Sweep]:
+    """The sweeps the median stopping rule applies to now: they asked for it, and a trial runs."""
+    return Sweep.objects.filter(median_stop=True, cancelled_at__isnull=True, trials__state=Job.State.RUNNING).distinct()
+
+
 def median_stop(sweeps: list[Sweep] | None = None) -> list[str]:
     """The median stopping rule, for sweeps that asked for it: a running trial past median_min_steps
     whose best metric so far is worse than the median of the other trials' best up to the same step
     (those that reached it) is cancelled, the reason saying so. Returns the trials stopped."""
-    qs = Sweep.objects.filter(median_stop=True, cancelled_at__isnull=True, trials__state=Job.State.RUNNING)
     stopped = []
-    for sweep in sweeps if sweeps is not None else qs.distinct():
+    for sweep in sweeps if sweeps is not None else median_stopping():
         points = MetricPoint.objects.filter(job__sweep=sweep, name=sweep.metric)
         best_fn = Min if sweep.mode == "min" else Max
         reached = dict(points.values("job").annotate(last=Max("step")).values_list("job", "last"))

@@ -16,7 +16,7 @@ from ugro_site.celery import send_task
 from . import lifecycle
 from .follow import follow
 from .models import Job
-from .reconcile import LOOPS, reconcile
+from .reconcile import TICK_LOOPS, reconcile
 from .scheduler import schedule
 
 log = logging.getLogger(__name__)
@@ -53,14 +53,21 @@ def teardown_job(job_id: int) -> None:
 def reconcile_jobs() -> None:
     """Beat's tick of the reconciler: one task per loop, so that they run side by side on the worker's
     threads and a slow loop never holds up the others."""
-    for loop in LOOPS:
+    for loop in TICK_LOOPS:
         if not send_task("jobs.tasks.reconcile_loop", loop):
             reconcile(loops=[loop], wait=False)  # the broker away: this tick runs them here, one by one
 
 
 @shared_task(ignore_result=True, acks_late=True)
 def reconcile_loop(loop: str) -> None:
-    reconcile(loops=[loop], wait=False)  # a pass of this loop still running on another worker covers this tick
+    reconcile(loops=[loop], wait=False)  # a job another worker holds in this loop is left to it this tick
+
+
+@shared_task(ignore_result=True, acks_late=True)
+def scan_orphans() -> None:
+    """Beat's orphan scan (every ORPHAN_SCAN_EVERY_S): it asks every node, so it runs less often than the
+    per-job loops."""
+    reconcile(loops=["orphans"], wait=False)
 
 
 @shared_task(ignore_result=True, acks_late=True)

@@ -26,10 +26,10 @@ from cluster.links import LinkError
 from cluster.models import Alert, Node
 from jobs import follow as follow_module
 from jobs import lifecycle
-from jobs import reconcile as reconcile_module
 from jobs.failure import Failure, FailureKind
 from jobs.follow import JobFollower, LeaseLost, claim, follow
 from jobs.logs import LINE_CUT, job_lines, rank_lines, tail_lines
+from jobs.loops import running as running_loop
 from jobs.models import Job, Rank
 from metrics import rollup
 from metrics.models import MetricPoint, MetricRollup, RollupMark
@@ -432,11 +432,11 @@ def test_a_late_answer_is_not_silence_but_a_node_that_cannot_be_reached_is(
             raise errors[kind]
 
         monkeypatch.setattr(follow_module, "node_request", request)
-        monkeypatch.setattr(reconcile_module, "node_request", request)
+        monkeypatch.setattr(running_loop, "node_request", request)
         if where == "follower":
             JobFollower(job, "f").step()
         else:
-            reconcile_module.check_ranks(job)
+            running_loop.check_ranks(job)
 
     fail_with("late")
     assert job.ranks.get().state == Rank.State.RUNNING

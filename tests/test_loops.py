@@ -109,15 +109,15 @@ def test_processes_of_an_ended_job_are_killed_and_people_told_on_each_node(nodes
 
 
 def test_a_rule_that_raises_stops_neither_the_pass_nor_the_other_rules(nodes, monkeypatch):
-    import jobs.reconcile as reconciler
+    from jobs.loops import starts
 
     job = running("ok", nodes)
     Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
 
-    def broken(jobs, now):
+    def broken(job_ids, *, wait):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(reconciler, "_starting_overdue", broken)
+    monkeypatch.setattr(starts, "fail_overdue_starts", broken)
     report = reconcile([job.pk])
     # the starting rule failed, and the release rule after it still ran; the failure is an open alert
     assert report.released == ["ok"]

@@ -12,10 +12,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from cluster.models import Alert, Node
-from jobs import reconcile as reconcile_module
-from jobs import recovery
+from jobs import lifecycle, recovery
 from jobs.follow import _Listed, follow
+from jobs.loops import running, starts
 from jobs.models import Job, Rank
+from jobs.reconcile import reconcile
 from metrics import rollup
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricRollup
@@ -57,11 +58,11 @@ def test_a_rule_that_raises_is_logged_once_alerted_and_the_other_rules_still_run
     def broken(job):
         raise TypeError("can't subtract offset-naive and offset-aware datetimes")
 
-    monkeypatch.setattr(reconcile_module, "check_ranks", broken)
+    monkeypatch.setattr(running, "check_ranks", broken)
     # when the reconciler runs twice
-    with caplog.at_level(logging.WARNING, logger="jobs.reconcile"):
-        first = reconcile_module.reconcile(orphans=False)
-        second = reconcile_module.reconcile(orphans=False)
+    with caplog.at_level(logging.WARNING, logger="jobs.loops"):
+        first = reconcile(orphans=False)
+        second = reconcile(orphans=False)
     # then the rule after it ran: the ended job's node is free
     assert first.released == ["ended"] and second.released == []
     assert not Rank.objects.filter(job__name="ended", active=True).exists()
@@ -72,9 +73,9 @@ def test_a_rule_that_raises_is_logged_once_alerted_and_the_other_rules_still_run
     alert = Alert.objects.get(key="rule:running", resolved_at__isnull=True)
     assert alert.node is None and "TypeError: can't subtract offset-naive" in alert.message
     # when the rule runs cleanly again, the alert is resolved
-    monkeypatch.setattr(reconcile_module, "check_ranks", lambda job: [])
-    monkeypatch.setattr(reconcile_module.lifecycle, "judge", lambda job: False)
-    reconcile_module.reconcile(orphans=False)
+    monkeypatch.setattr(running, "check_ranks", lambda job: [])
+    monkeypatch.setattr(lifecycle, "judge", lambda job: False)
+    reconcile(orphans=False)
     assert not Alert.objects.filter(key="rule:running", resolved_at__isnull=True).exists()
 
 
@@ -82,15 +83,15 @@ def test_a_failing_rule_with_the_database_refusing_does_not_stop_the_pass(box, m
     # given a rule that breaks the statement it runs (an SQL error, not a Python one)
     job_with_rank(box, "ended", Job.State.FAILED, state=Rank.State.EXITED, active=True)
 
-    def bad_sql(jobs, now):
+    def bad_sql(job_ids, *, wait):
         from django.db import connection
 
         with connection.cursor() as cursor:
             cursor.execute("SELECT no_such_column FROM jobs_job")
 
-    monkeypatch.setattr(reconcile_module, "_starting_overdue", bad_sql)
+    monkeypatch.setattr(starts, "fail_overdue_starts", bad_sql)
     # when the reconciler runs, then the rules after it still work on the database
-    assert reconcile_module.reconcile(orphans=False).released == ["ended"]
+    assert reconcile(orphans=False).released == ["ended"]
     assert Alert.objects.filter(key="rule:starting", resolved_at__isnull=True).exists()
 
 

@@ -19,6 +19,7 @@ from django.utils import timezone
 from cluster import links
 from cluster.models import Node
 from jobs import checkpoints, lifecycle, recovery
+from jobs.loops import retries
 from jobs.models import Attempt, Checkpoint, Job, Rank
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
@@ -254,7 +255,7 @@ def test_the_policy_leaves_jobs_without_one_alone(node):
 
     plain = failed_job(node, name="plain")
     ruled = failed_job(node, name="ruled", kind="NCCL", retry_on=["OOM"])
-    recovery.retry_pass()
+    retries.retry_pass()
     plain.refresh_from_db()
     ruled.refresh_from_db()
     assert plain.recovery_note == "" and not Alert.objects.filter(job_name="plain").exists()
@@ -305,8 +306,8 @@ def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_start
     points(job, 1, [10, 20, 30])
     ckpt(job, gone, 20)  # the latest checkpoint is on the lost node
     # when the policy acts (decides, then requeues once the backoff is over)
-    recovery.retry_pass([job.pk])
-    recovery.retry_pass([job.pk])
+    retries.retry_pass([job.pk])
+    retries.retry_pass([job.pk])
     job.refresh_from_db()
     # then it is QUEUED as attempt 2 from the checkpoint on the lost node, waiting for that node
     assert (job.state, job.attempt, job.wait_nodes, job.resume_step) == ("queued", 2, ["gone"], 20)
@@ -325,13 +326,13 @@ def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_start
     page = client.get(f"/jobs/{job.pk}/").content.decode()
     assert 'id="queue-reason"' in page and "Waiting for node gone to come back" in page
     # a node that still does not answer keeps it waiting, pass after pass
-    assert recovery.release_waits() == [] and recovery.retry_pass() == []
+    assert retries.release_waits() == [] and retries.retry_pass() == []
     job.refresh_from_db()
     assert job.wait_nodes == ["gone"] and job.attempt == 2
 
     # when the node answers again (here: it becomes reachable as a local node)
     Node.objects.filter(pk=gone.pk).update(transport="local", agent_python=sys.executable, workdir=node.workdir)
-    assert recovery.release_waits() == ["w1:gone"]
+    assert retries.release_waits() == ["w1:gone"]
     job.refresh_from_db()
     # then it waits for nothing, the monitor probed the node (no longer DOWN) and the scheduler starts it
     assert job.wait_nodes == [] and Node.objects.get(pk=gone.pk).status != "down"

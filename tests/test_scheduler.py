@@ -18,8 +18,9 @@ from django.utils import timezone
 from cluster.models import GPU, ClusterSettings, HealthSample, Node
 from jobs import lifecycle
 from jobs.launch import LaunchError, LaunchRequest, create_job, rank_command, rank_env
+from jobs.loops.starts import stop_overdue
 from jobs.models import Allocation, Job, Rank
-from jobs.scheduler import place_queued, queue, stop_overdue
+from jobs.scheduler import place_queued, queue
 
 pytestmark = pytest.mark.django_db
 

@@ -13,7 +13,12 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-BEAT_TASKS = ("jobs.tasks.schedule_jobs", "jobs.tasks.follow_jobs", "jobs.tasks.reconcile_jobs")
+BEAT_TASKS = (
+    "jobs.tasks.schedule_jobs",
+    "jobs.tasks.follow_jobs",
+    "jobs.tasks.reconcile_jobs",
+    "jobs.tasks.scan_orphans",
+)
 BEAT_EVERY_S = 1.0
 SHUTDOWN_TIMEOUT_S = 60.0  # a task in flight finishes (a teardown waits out the kill grace)
 
