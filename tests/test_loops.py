@@ -122,3 +122,26 @@ def test_a_rule_that_raises_stops_neither_the_pass_nor_the_other_rules(nodes, mo
     # the starting rule failed, and the release rule after it still ran; the failure is an open alert
     assert report.released == ["ok"]
     assert Alert.objects.get(key="rule:starting", resolved_at__isnull=True).message.endswith("RuntimeError: boom")
+
+
+def test_a_rule_that_raises_on_one_job_still_acts_on_the_others(nodes, monkeypatch):
+    from jobs.loops import running as running_loop
+
+    first, second = running("first", nodes), running("second", nodes)
+    for job in (first, second):  # both jobs' ranks vanished without an exit record
+        nodes["n2"].tags.pop(job.tag)
+    real, seen = running_loop.check_job, []
+
+    def broken_on_the_first_it_meets(job, report):
+        seen.append(job.name)
+        if len(seen) == 1:
+            raise RuntimeError(f"boom on {job.name}")
+        return real(job, report)
+
+    monkeypatch.setattr(running_loop, "check_job", broken_on_the_first_it_meets)
+    # when the running loop's rule raises on the first job of its batch
+    report = reconcile([first.pk, second.pk])
+    # then the other job is still judged, and the failure is an open alert
+    broken, other = seen
+    assert report.judged == [other] and Job.objects.get(name=other).state == Job.State.FAILING
+    assert Alert.objects.get(key="rule:running", resolved_at__isnull=True).message.endswith(f"boom on {broken}")

@@ -66,15 +66,25 @@ def each_claimed[M: Model, T](lock: int, rows: QuerySet[M], act: Callable[[M], T
     """A loop's batch, one row at a time: for each row of `rows` whose (lock, pk) advisory lock this
     connection takes, the row read again under the lock (skipped when it no longer matches `rows`: another
     worker moved it on meanwhile), then act(row), then the lock let go. wait=False skips a row another worker
-    holds; wait=True waits for it. Returns act's truthy results."""
-    done = []
+    holds; wait=True waits for it. Returns act's truthy results.
+
+    One row whose act raises holds up none of the rows after it: they are still acted on, and the first
+    error is raised once the batch is done (run_rule logs it and keeps its alert open)."""
+    done, failed = [], None
     for pk in list(rows.values_list("pk", flat=True)):
         with locks.held(lock, pk, wait=wait) as mine:
             if not mine:
                 continue
             row = rows.filter(pk=pk).first()
-            if row is not None and (out := act(row)):
-                done.append(out)
+            try:
+                if row is not None and (out := act(row)):
+                    done.append(out)
+            except Exception as exc:
+                if failed is not None:  # the first is raised; the others are logged here, or no one sees them
+                    log.exception("the same rule failed on another row (%s %s) too", type(row).__name__, pk)
+                failed = failed or exc
+    if failed is not None:
+        raise failed
     return done
 
 
