@@ -1,8 +1,9 @@
 """/serve/<name>/v1/...: one OpenAI-compatible endpoint per service, in front of its ready replicas.
 
 An async view on the ASGI server: the request goes to one replica over httpx's AsyncClient and the answer is
-passed on as it arrives (a streamed completion chunk by chunk). A replica that fails before it answers
-(refused, reset, 502-504) is left for another, once. An API token is required (scope infer, launch or
+passed on as it arrives (a streamed completion chunk by chunk), counted per replica in memory and written
+every few seconds (serving/stats.py). A replica that fails before it answers (refused, reset, 502-504) is
+left for another, once. An API token is required (scope infer, launch or
 operate); the request's size and the whole exchange's time are bounded. Requests name the service as their
 model (/v1/models lists it); each replica gets the name its engine answers to.
 """
@@ -10,6 +11,7 @@ model (/v1/models lists it); each replica gets the name its engine answers to.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -26,6 +28,7 @@ from accounts.audit import client_address
 from accounts.tokens import find_token, mark_used
 
 from .balancer import Target, balancer
+from .stats import TokenCount, flush_every, recorder
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET"}
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("content-type", "accept")
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_flushers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _client() -> httpx.AsyncClient:
@@ -103,6 +107,7 @@ async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
     client = _client()
     tried: set[int] = set()
     why = ""
+    _start_flusher()
     for _attempt in range(2):  # the first replica, then once another
         target = balancer.pick(keys, tried)
         if target is None:
@@ -110,6 +115,7 @@ async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
         tried.add(target.key)
         target.outstanding += 1
         content = json.dumps({**payload, "model": target.model}).encode()
+        began = time.monotonic()
         try:
             upstream = await client.send(
                 client.build_request(method, f"{target.url}/v1/{route}", content=content, headers=headers), stream=True
@@ -117,16 +123,18 @@ async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
         except httpx.HTTPError as exc:
             target.outstanding -= 1
             balancer.failed(target)
+            recorder.record(target.key, None, error=True)
             why = f"{target.url}: {type(exc).__name__}: {exc}"
             continue
         if upstream.status_code in RETRY_STATUSES and len(tried) < 2:
             await upstream.aclose()
             target.outstanding -= 1
             balancer.failed(target)
+            recorder.record(target.key, None, error=True)
             why = f"{target.url}: HTTP {upstream.status_code}"
             continue
         response = StreamingHttpResponse(
-            _relay(upstream, target, deadline), status=upstream.status_code,
+            _relay(upstream, target, deadline, began), status=upstream.status_code,
             content_type=upstream.headers.get("content-type", "application/json"),
         )  # fmt: skip
         response["Cache-Control"] = "no-cache"
@@ -134,17 +142,32 @@ async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
     return _error(502, f"no replica of service {name} answered: {why}")
 
 
-async def _relay(upstream: httpx.Response, target: Target, deadline: float):
-    """The replica's answer, chunk by chunk as it comes; cut at the deadline or when the replica fails midway."""
+async def _relay(upstream: httpx.Response, target: Target, deadline: float, began: float):
+    """The replica's answer, chunk by chunk as it comes; cut at the deadline or when the replica fails midway.
+    Counted in the replica's stats when it ends: its latency (to the last byte), tokens, and whether it failed."""
+    tokens = TokenCount()
+    failed = upstream.status_code >= 500
     try:
         async for chunk in upstream.aiter_bytes():
+            tokens.feed(chunk)
             yield chunk
             if time.monotonic() > deadline:
                 log.warning("%s: cut after %g s", target.url, REQUEST_TIMEOUT_S)
+                failed = True
                 return
     except httpx.HTTPError as exc:  # the answer has begun: nothing can be retried, the client sees it end
+        failed = True
         balancer.failed(target)
         log.warning("%s failed while answering: %s", target.url, exc)
     finally:
         target.outstanding -= 1
+        recorder.record(target.key, None if failed else time.monotonic() - began, tokens.tokens, error=failed)
         await upstream.aclose()
+
+
+def _start_flusher() -> None:
+    """This event loop's task that writes the request stats every few seconds (serving/stats.py)."""
+    loop = asyncio.get_running_loop()
+    task = _flushers.get(loop)
+    if task is None or task.done():  # a context of its own: not the request's, which ends before it
+        _flushers[loop] = loop.create_task(flush_every(), context=contextvars.Context())

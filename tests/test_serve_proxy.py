@@ -111,16 +111,32 @@ def test_the_idle_replica_takes_the_next_request(web, engines, token):
     assert others == ({"a", "b"} - {busy})
 
 
-def test_a_dead_replica_is_skipped_and_its_request_retried_once(web, engines, token):
+def test_a_dead_replica_is_skipped_and_its_request_retried_once_and_the_stats_say_so(web, engines, token, os_account):
     # given two ready replicas, one of which died (nothing listens on its port)
-    service_on([engines("alive"), free_port()])
+    service = service_on([engines("alive"), free_port()])
+    (engines.gate / "go").touch()  # streams are not held back here
 
-    # when several requests come
+    # when several requests come, one of them streamed
     answers = [completion(web, token) for _ in range(4)]
+    streamed = completion(web, token, stream=True)
 
     # then every one is answered, by the live replica
-    assert [r.status_code for r in answers] == [200] * 4
+    assert [r.status_code for r in answers] == [200] * 4 and streamed.status_code == 200
     assert {r.json()["served_by"] for r in answers} == {"alive"}
+
+    # and the endpoint's stats, written within a few seconds, count them: five answered with 3 tokens each
+    # (usage) but the stream (its 2 chunks), the dead replica's failed tries as errors
+    alive, dead = service.replica_set.order_by("index")
+    wait_for(lambda: Replica.objects.filter(pk=alive.pk, requests_total=5).exists(), timeout=30,
+             what="the stats written")  # fmt: skip
+    alive.refresh_from_db()
+    dead.refresh_from_db()
+    assert (alive.errors_total, alive.tokens_total) == (0, 4 * 3 + 2)
+    assert dead.requests_total == dead.errors_total >= 1 and dead.tokens_total == 0
+    read = create_token(os_account, "reader", "read")[1]
+    listed = httpx.get(f"{web}/api/v1/services/chat/", headers={"Authorization": f"Bearer {read}"}, timeout=10)
+    stats = listed.json()["replicas"][0]["stats"]
+    assert stats["requests"] == 5 and stats["p50_ms"] > 0 and stats["p99_ms"] >= stats["p50_ms"]
 
 
 def test_no_replica_answering_is_one_clear_error(web, token):
