@@ -25,7 +25,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from accounts import policy
 from accounts.audit import client_address
-from accounts.tokens import find_token, mark_used
+from accounts.tokens import digest, find_token, mark_used
 
 from .balancer import Target, balancer
 from .stats import TokenCount, flush_every, recorder
@@ -39,8 +39,12 @@ READ_TIMEOUT_S = 120.0  # silence from a replica, before its first byte or betwe
 ROUTES = {"chat/completions": "POST", "completions": "POST", "models": "GET"}
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("content-type", "accept")
+# a token let in is not read again for this long: revoking it, or its user's role, bites within these seconds
+ADMITTED_S = 5.0
+KEEPALIVE_S = 4.0  # below uvicorn's 5 s (transformers serve, vLLM): never reuse a connection it is closing
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _flushers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_admissions: dict[str, float] = {}  # token digest -> until when (time.monotonic)
 
 
 def _client() -> httpx.AsyncClient:
@@ -49,7 +53,8 @@ def _client() -> httpx.AsyncClient:
     client = _clients.get(loop)
     if client is None:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=256))
+        limits = httpx.Limits(max_connections=256, keepalive_expiry=KEEPALIVE_S)
+        client = _clients[loop] = httpx.AsyncClient(timeout=timeout, limits=limits)
     return client
 
 
@@ -57,32 +62,53 @@ def _error(status: int, message: str) -> JsonResponse:
     return JsonResponse({"error": {"message": message, "type": "ugro_error", "code": status}}, status=status)
 
 
-def _refusal(request: HttpRequest) -> tuple[int, str] | None:
-    """(status, why) unless the request carries a token whose user may call services."""
+def _bearer(request: HttpRequest) -> str:
     kind, _, token = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
-    if kind.lower() not in ("bearer", "token") or not token.strip():
+    return token.strip() if kind.lower() in ("bearer", "token") else ""
+
+
+def _admitted(token: str) -> bool:
+    """Whether this token was let in within the last ADMITTED_S seconds (no database read, no thread hop)."""
+    until = _admissions.get(digest(token))
+    return until is not None and until > time.monotonic()
+
+
+def _refusal(request: HttpRequest, token: str) -> tuple[int, str] | None:
+    """(status, why) unless the token's user may call services; a token let in is remembered ADMITTED_S."""
+    if not token:
         return 401, "an API token is required: Authorization: Bearer ugro_... (manage.py token create)"
-    row = find_token(token.strip())
+    row = find_token(token)
     if row is None:
         return 401, "the API token is unknown or revoked"
     why = policy.reason(row.user, "infer", scope=row.scope)
     if why:
         return 403, why
     mark_used(row, client_address(request))
+    if len(_admissions) > 10_000:  # tokens are few; this bounds memory against a flood of distinct ones
+        _admissions.clear()
+    _admissions[digest(token)] = time.monotonic() + ADMITTED_S
     return None
 
 
 @csrf_exempt
 @login_not_required
 async def proxy(request: HttpRequest, name: str, route: str) -> HttpResponse:
+    response = await _answer(request, name, route)
+    response["X-Content-Type-Options"] = "nosniff"  # as SecurityMiddleware sets on pages (none runs here)
+    return response
+
+
+async def _answer(request: HttpRequest, name: str, route: str) -> HttpResponse:
     method = ROUTES.get(route)
     if method is None:
         return _error(404, f"/serve/{name}/v1/{route} is not served: {', '.join(sorted(ROUTES))}")
     if request.method != method:
         return _error(405, f"/v1/{route} takes {method}")
-    refused = await sync_to_async(_refusal)(request)
-    if refused:
-        return _error(*refused)
+    token = _bearer(request)
+    if not (token and _admitted(token)):
+        refused = await sync_to_async(_refusal)(request, token)
+        if refused:
+            return _error(*refused)
     size = int(request.META.get("CONTENT_LENGTH") or 0)
     if size > MAX_REQUEST_BYTES:
         return _error(413, f"the request is {size} bytes: at most {MAX_REQUEST_BYTES}")
