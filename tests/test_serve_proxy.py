@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from accounts.tokens import create_token
+from accounts.tokens import create_token, find_token, revoke
 from cluster.models import Node
 from jobs.models import Checkpoint, Job
 from serving.models import Replica, Service
@@ -162,6 +162,10 @@ def test_a_token_is_required_and_its_scope_counts(web, engines, os_account, toke
     refused = completion(web, read)
     assert refused.status_code == 403 and "scope is read" in refused.json()["error"]["message"]
     assert completion(web, token).status_code == 200
+
+    # and a token revoked after it was let in is refused once its admission (ADMITTED_S) has run out
+    revoke(find_token(token))
+    wait_for(lambda: completion(web, token).status_code == 401, timeout=30, interval=0.5, what="the revoked token")
 
 
 def test_the_request_size_is_bounded(web, engines, token, tmp_path):
