@@ -3,9 +3,10 @@
 An async view on the ASGI server: the request goes to one replica over httpx's AsyncClient and the answer is
 passed on as it arrives (a streamed completion chunk by chunk), counted per replica in memory and written
 every few seconds (serving/stats.py). A replica that fails before it answers (refused, reset, 502-504) is
-left for another, once. An API token is required (scope infer, launch or
-operate); the request's size and the whole exchange's time are bounded. Requests name the service as their
-model (/v1/models lists it); each replica gets the name its engine answers to.
+left for another, once. An API token is required (scope infer, launch or operate; one let in is trusted for
+ADMITTED_S); the request's size and the whole exchange's time are bounded. Requests name the service as their
+model (/v1/models lists it); each replica gets the name its engine answers to. No page middleware runs here
+(serving/endpoint_handler.py).
 """
 
 from __future__ import annotations
