@@ -29,6 +29,7 @@ RULES = {
     "job-cancel": "cancel",
     "job-resume": "resume",
     "job-queue": "view",
+    "services": "view",
     "sweep-list": "view",
     "sweep-detail": "view",
     "sweep-cancel": "launch",  # and each trial's own cancel rule, in accounts.actions.cancel_sweep_as

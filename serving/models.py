@@ -86,6 +86,10 @@ class Replica(models.Model):
     unhealthy_since = models.DateTimeField(null=True, blank=True)
     checked_at = models.DateTimeField(null=True, blank=True)
     note = models.CharField(max_length=500, blank=True, help_text="What happened last, one line.")
+    # every web process adds its counts here (serving/stats.py): Prometheus' counters
+    requests_total = models.PositiveBigIntegerField(default=0)
+    errors_total = models.PositiveBigIntegerField(default=0)
+    tokens_total = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         ordering = ["service", "index"]
@@ -106,3 +110,20 @@ class Replica(models.Model):
     def remote(self, suffix: str) -> str:
         """A file of its current start on its node: <workdir>/.ugro/serve/<tag>.<suffix>."""
         return f"{self.node.workdir.rstrip('/') or '/'}/.ugro/serve/{self.tag}.{suffix}"
+
+
+class ReplicaTraffic(models.Model):
+    """One web process's requests to one replica over a few seconds (serving/stats.py): what the services page,
+    the API and /metrics add up over the last minute. Every web process writes its own rows, so several add up;
+    the worker drops them after an hour."""
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="traffic")
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(db_index=True)
+    requests = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0, help_text="Refused, reset, a 5xx, or cut off while answering.")
+    tokens = models.PositiveIntegerField(default=0, help_text="Completion tokens: the usage field, else chunks.")
+    latency = models.JSONField(default=dict, help_text="Answered requests by latency bucket (stats.bucket).")
+
+    class Meta:
+        ordering = ["ended_at"]

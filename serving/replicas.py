@@ -25,6 +25,7 @@ from jobs.stop import stop_processes
 from .engines import EngineError, engine_argv
 from .models import Replica, Service
 from .placement import place, release
+from .stats import drop_old
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ NODE_ERRORS = (LinkError, AgentRequestError, OSError)
 
 def tend() -> int:
     """One pass over every service not stopped; how many this worker tended."""
+    drop_old()
     done = 0
     for pk in Service.objects.exclude(state=Service.State.STOPPED).values_list("pk", flat=True):
         service = _lease(pk)

@@ -15,6 +15,7 @@ from ugro_site.celery import require_worker, send_task
 from .engines import EngineError, check_template
 from .models import Replica, Service
 from .placement import capacity_problem, held
+from .stats import recent
 
 MAX_REPLICAS = 64
 
@@ -145,16 +146,18 @@ def stop_service(user, service: Service, source: str) -> Service:
 
 
 def describe(service: Service) -> dict:
-    """A service and each replica's state, as --list and the API show them."""
+    """A service and each replica's state and request stats (the last minute's), as --list and the API show them."""
     c = service.checkpoint
+    replicas = list(service.replica_set.select_related("node").order_by("index"))
+    traffic = recent(replicas)
     return {
         "name": service.name, "state": service.state, "engine": service.engine, "job": service.job.name,
         "step": c.step, "checkpoint": f"{c.node.name}:{c.path}", "endpoint": f"/serve/{service.name}/v1/",
         "holds": held(service),
         "replicas": [
             {"index": r.index, "state": r.state, "node": r.node.name if r.node else None, "port": r.port,
-             "restarts": r.restarts, "note": r.note}
-            for r in service.replica_set.select_related("node").order_by("index")
+             "gpus": r.gpu_indices, "restarts": r.restarts, "note": r.note, "stats": traffic[r.pk].as_dict()}
+            for r in replicas
         ],
     }  # fmt: skip
 

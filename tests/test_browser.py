@@ -412,6 +412,49 @@ def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromi
     assert not errors, errors
 
 
+def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_text(web, chromium):
+    from cluster.models import Node
+    from jobs.models import Checkpoint
+    from serving.models import Replica, Service
+    from serving.stats import Recorder
+
+    # given a service of two replicas, one of which answered requests and whose last note is hostile
+    hostile = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+    node = Node.objects.get(name="node2")
+    job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
+    ckpt = Checkpoint.objects.create(job=job, node=node, path="/w/checkpoint-10", size=1, mtime=0, step=10,
+                                     kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+    service = Service.objects.create(name="chat", job=job, checkpoint=ckpt, replicas=2)
+    busy = Replica.objects.create(service=service, index=0, state=Replica.State.READY, node=node, port=8001,
+                                  restarts=2, note=hostile)  # fmt: skip
+    Replica.objects.create(service=service, index=1, state=Replica.State.PENDING, note="waiting for 1 free GPUs")
+    web_process = Recorder()
+    for _ in range(30):
+        web_process.record(busy.pk, 0.020, tokens=8)
+    web_process.flush()
+    errors: list[str] = []
+    page = new_page(chromium, errors)
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: dialogs.append(d.message))
+    log_in(page, web)
+
+    # when the services page is opened from the navigation
+    page.click("nav >> text=Services")
+    page.wait_for_selector('section[data-service="chat"]')
+
+    # then each replica shows its state, node, restarts and last minute's requests; the note is text
+    row = page.locator('section[data-service="chat"] tr[data-replica="0"]')
+    assert row.get_attribute("data-state") == "ready"
+    cells = [c.strip() for c in row.locator("td").all_text_contents()]
+    assert cells[:6] == ["0", "ready", "node2:8001", "whole node", "2", "0.50"]
+    assert cells[6].endswith("ms") and cells[8:10] == ["4.0", "0"] and cells[10] == hostile
+    assert page.locator('section[data-service="chat"] img').count() == 0 and dialogs == []
+    waiting = page.locator('section[data-service="chat"] tr[data-replica="1"]').text_content()
+    assert "pending" in waiting and "waiting for 1 free GPUs" in waiting
+    page.screenshot(path=ARTIFACTS / "services.png", full_page=True)
+    assert not errors, errors
+
+
 def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium, worker_heartbeat):
     from django.core.management import call_command
     from django.utils import timezone

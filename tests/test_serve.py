@@ -1,7 +1,8 @@
 """`manage.py serve` and the worker's care of services on the loopback nodes: replicas placed on held slots,
 started through the node agent, health-checked, restarted when they die, stopped with nothing left; bad input
 refused in one line. The engine is the fake one (tests/data/serve/fake_engine.py) as a custom command, except
-in the end-to-end test, where it is `transformers serve` with a tiny GPT-2 built here."""
+in the end-to-end test, where it is `transformers serve` with a tiny GPT-2 built here, one of whose replicas is
+killed while a client keeps asking."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import signal
 import subprocess
 import threading
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -19,7 +22,8 @@ from accounts.tokens import create_token
 from cluster.models import Node
 from jobs.models import Allocation, Checkpoint, Job
 from jobs.snapshot import Snapshot
-from serving.models import Replica, Service
+from serving.models import Replica, ReplicaTraffic, Service
+from serving.requests import describe
 from ugro_site.celery import send_task
 
 from .conftest import NODE_ENV, REPO, job_pids, wait_for
@@ -196,7 +200,9 @@ def test_with_no_worker_serve_refuses_in_one_line(lab):
     assert not Service.objects.exists()
 
 
-def test_transformers_serve_replicas_answer_through_the_endpoint(lab, tender, controller_env, os_account, tmp_path):
+def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_replica_killed_under_load(
+    lab, tender, controller_env, os_account, tmp_path
+):
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
     subprocess.run([str(NODE_ENV / "bin" / "python"), str(TINY_GPT2), checkpoint.path], check=True,
@@ -215,12 +221,66 @@ def test_transformers_serve_replicas_answer_through_the_endpoint(lab, tender, co
                           headers=headers, timeout=120) as r:  # fmt: skip
             streamed = r.read().decode()
 
-    # then both answer completions from the model, a streamed one as server-sent events
-    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-    assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers)
-    assert r.status_code == 200 and streamed.count("data: ") >= 3
+        # then both answer completions from the model, a streamed one as server-sent events
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers)
+        assert r.status_code == 200 and streamed.count("data: ") >= 3
+
+        # when a client keeps asking while one replica's engine is killed
+        with client_asking(url, headers) as load:
+            wait_for(lambda: len(load.statuses) >= 4, timeout=120, what="requests before the kill")
+            victim = Replica.objects.select_related("node").get(service__name="gpt", index=0)
+            for pid in engine_pids(victim):
+                os.kill(pid, signal.SIGKILL)
+            killed_at = len(load.statuses)
+
+            # then UGRO restarts it (the worker sees it gone), it is ready again and takes requests again
+            def back():
+                r = Replica.objects.get(pk=victim.pk)
+                return r if r.restarts == 1 and r.state == Replica.State.READY and r.tag != victim.tag else None
+
+            again = wait_for(back, timeout=300, interval=0.5, what="the killed replica restarted and ready")
+            wait_for(lambda: ReplicaTraffic.objects.filter(replica=again, started_at__gte=again.ready_at,
+                                                           requests__gt=0).exists(),
+                     timeout=60, what="the restarted replica serving again")  # fmt: skip
+
+        # and every request was answered whole, those sent while the replica was dead too: its row says ready until
+        # the worker has restarted it, so the endpoint sent it requests that failed, and retried them once
+        assert len(load.statuses) > killed_at + 2
+        assert [s for s in load.statuses if s != 200] == []
+        assert job_pids(victim.tag) == []
+        assert Replica.objects.get(pk=victim.pk).errors_total >= 1
+
+    # and its stats count what it answered (tokens from the engine's usage field)
+    stats = describe(Service.objects.get(name="gpt"))["replicas"]
+    assert all(r["stats"]["requests_total"] > 0 and r["stats"]["tokens_total"] > 0 for r in stats), stats
 
     # and stopping leaves nothing
     assert "stopped" in serve("gpt", "--stop")
     assert [t for t in Replica.objects.values_list("tag", flat=True) if job_pids(t)] == []
     assert not Allocation.objects.filter(active=True, job=None).exists()
+
+
+@contextmanager
+def client_asking(url: str, headers: dict):
+    """A client sending completions one after another until the block ends: .statuses (200, or what went wrong)."""
+    load = SimpleNamespace(statuses=[])
+    stop = threading.Event()
+
+    def ask() -> None:
+        with httpx.Client(headers=headers, timeout=120) as client:
+            while not stop.is_set():
+                try:
+                    r = client.post(url, json={"model": "gpt", "prompt": "the cluster", "max_tokens": 4})
+                    whole = r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+                    load.statuses.append(r.status_code if whole else f"{r.status_code}: {r.text[:300]}")
+                except (httpx.HTTPError, ValueError, LookupError) as exc:  # a cut answer is a failure too
+                    load.statuses.append(repr(exc))
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    try:
+        yield load
+    finally:
+        stop.set()
+        thread.join(timeout=150)

@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from accounts.tokens import create_token
+from accounts.tokens import create_token, find_token, revoke
 from cluster.models import Node
 from jobs.models import Checkpoint, Job
 from serving.models import Replica, Service
@@ -111,16 +111,32 @@ def test_the_idle_replica_takes_the_next_request(web, engines, token):
     assert others == ({"a", "b"} - {busy})
 
 
-def test_a_dead_replica_is_skipped_and_its_request_retried_once(web, engines, token):
+def test_a_dead_replica_is_skipped_and_its_request_retried_once_and_the_stats_say_so(web, engines, token, os_account):
     # given two ready replicas, one of which died (nothing listens on its port)
-    service_on([engines("alive"), free_port()])
+    service = service_on([engines("alive"), free_port()])
+    (engines.gate / "go").touch()  # streams are not held back here
 
-    # when several requests come
+    # when several requests come, one of them streamed
     answers = [completion(web, token) for _ in range(4)]
+    streamed = completion(web, token, stream=True)
 
     # then every one is answered, by the live replica
-    assert [r.status_code for r in answers] == [200] * 4
+    assert [r.status_code for r in answers] == [200] * 4 and streamed.status_code == 200
     assert {r.json()["served_by"] for r in answers} == {"alive"}
+
+    # and the endpoint's stats, written within a few seconds, count them: five answered with 3 tokens each
+    # (usage) but the stream (its 2 chunks), the dead replica's failed tries as errors
+    alive, dead = service.replica_set.order_by("index")
+    wait_for(lambda: Replica.objects.filter(pk=alive.pk, requests_total=5).exists(), timeout=30,
+             what="the stats written")  # fmt: skip
+    alive.refresh_from_db()
+    dead.refresh_from_db()
+    assert (alive.errors_total, alive.tokens_total) == (0, 4 * 3 + 2)
+    assert dead.requests_total == dead.errors_total >= 1 and dead.tokens_total == 0
+    read = create_token(os_account, "reader", "read")[1]
+    listed = httpx.get(f"{web}/api/v1/services/chat/", headers={"Authorization": f"Bearer {read}"}, timeout=10)
+    stats = listed.json()["replicas"][0]["stats"]
+    assert stats["requests"] == 5 and stats["p50_ms"] > 0 and stats["p99_ms"] >= stats["p50_ms"]
 
 
 def test_no_replica_answering_is_one_clear_error(web, token):
@@ -147,6 +163,10 @@ def test_a_token_is_required_and_its_scope_counts(web, engines, os_account, toke
     assert refused.status_code == 403 and "scope is read" in refused.json()["error"]["message"]
     assert completion(web, token).status_code == 200
 
+    # and a token revoked after it was let in is refused once its admission (ADMITTED_S) has run out
+    revoke(find_token(token))
+    wait_for(lambda: completion(web, token).status_code == 401, timeout=30, interval=0.5, what="the revoked token")
+
 
 def test_the_request_size_is_bounded(web, engines, token, tmp_path):
     # given a service
@@ -169,4 +189,7 @@ def test_models_lists_the_service_and_unknown_services_are_404(web, engines, tok
 
     models = httpx.get(f"{web}/serve/chat/v1/models", headers=headers, timeout=10)
     assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["chat"]
+    # served past the pages' middleware (serving/endpoint_handler.py): no cookie, no page headers, still nosniff
+    assert "set-cookie" not in models.headers and "content-security-policy" not in models.headers
+    assert models.headers["x-content-type-options"] == "nosniff"
     assert httpx.get(f"{web}/serve/nope/v1/models", headers=headers, timeout=10).status_code == 404

@@ -1,4 +1,4 @@
-"""`/metrics` for Prometheus: node, GPU, health, job and alert gauges read from the database.
+"""`/metrics` for Prometheus: node, GPU, health, job, alert and service replica series read from the database.
 
 Off unless UGRO_PROMETHEUS_TOKEN is set (404 until then); scrapes then need
 `Authorization: Bearer <token>` (403 without). Each scrape reads the latest raw sample of every
@@ -18,10 +18,12 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidde
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cluster.models import GPU, Alert, HealthSample, Node
 from jobs.models import Job
+from serving.models import Replica, Service
+from serving.stats import recent
 
 NODE_GAUGES = (
     ("cpu_percent", "ugro_node_cpu_percent", "CPU busy, percent"),
@@ -120,6 +122,52 @@ class ClusterCollector:
         yield alerts
 
 
+REPLICA_LABELS = ["service", "replica", "node"]
+
+
+class ServiceCollector:
+    """Each replica of every service not stopped: its state, restarts, and the endpoint's requests to it
+    (totals as counters; the last minute's rate, latency and tokens as gauges, as the services page shows)."""
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = list(Replica.objects.exclude(service__state=Service.State.STOPPED)
+                        .select_related("service", "node").order_by("service__name", "index"))  # fmt: skip
+        traffic = recent(replicas)
+        state = GaugeMetricFamily("ugro_replica_state", "1 for the replica's current state",
+                                  labels=[*REPLICA_LABELS, "state"])  # fmt: skip
+        counters = {
+            "restarts": CounterMetricFamily("ugro_replica_restarts", "Restarts of the replica", labels=REPLICA_LABELS),
+            "requests_total": CounterMetricFamily("ugro_replica_requests", "Requests the endpoint sent it",
+                                                  labels=REPLICA_LABELS),
+            "errors_total": CounterMetricFamily("ugro_replica_errors", "Its requests that failed: refused, reset, "
+                                                "a 5xx, or cut off", labels=REPLICA_LABELS),
+            "tokens_total": CounterMetricFamily("ugro_replica_completion_tokens", "Completion tokens it answered",
+                                                labels=REPLICA_LABELS),
+        }  # fmt: skip
+        gauges = {
+            "rps": GaugeMetricFamily("ugro_replica_requests_per_second", "Requests per second, last minute",
+                                     labels=REPLICA_LABELS),
+            "p50_s": GaugeMetricFamily("ugro_replica_latency_p50_seconds", "Median latency to the last byte, "
+                                       "last minute", labels=REPLICA_LABELS),
+            "p99_s": GaugeMetricFamily("ugro_replica_latency_p99_seconds", "99th percentile latency, last minute",
+                                       labels=REPLICA_LABELS),
+            "tokens_per_s": GaugeMetricFamily("ugro_replica_tokens_per_second", "Completion tokens per second, "
+                                              "last minute", labels=REPLICA_LABELS),
+        }  # fmt: skip
+        for r in replicas:
+            labels = [r.service.name, str(r.index), r.node.name if r.node else ""]
+            for value in Replica.State.values:
+                state.add_metric([*labels, value], 1.0 if r.state == value else 0.0)
+            stats = traffic[r.pk]
+            counters["restarts"].add_metric(labels, float(r.restarts))
+            for field in ("requests_total", "errors_total", "tokens_total"):
+                counters[field].add_metric(labels, float(getattr(stats, field)))
+            for field, gauge in gauges.items():
+                if (v := getattr(stats, field)) is not None:
+                    gauge.add_metric(labels, float(v))
+        yield from (state, *counters.values(), *gauges.values())
+
+
 def _authorized(request: HttpRequest, token: str) -> bool:
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
@@ -136,4 +184,5 @@ def prometheus(request: HttpRequest) -> HttpResponse:
         return HttpResponseForbidden("bearer token required\n", content_type="text/plain")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector())
+    registry.register(ServiceCollector())
     return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

@@ -7,6 +7,8 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from serving import pages as serving_pages
+
 from . import cluster_views, prometheus_view, views
 
 # django.contrib.auth.urls without the password reset views unless mail is configured (a reset link
@@ -33,6 +35,7 @@ urlpatterns = [
     path("serve/", include("serving.urls")),
     path("", cluster_views.overview, name="cluster-overview"),
     path("metrics", prometheus_view.prometheus, name="prometheus-metrics"),
+    path("services/", serving_pages.services_page, name="services"),
     path("nodes/<str:name>/", cluster_views.node_detail, name="node-detail"),
     path("api/nodes/<str:name>/history", cluster_views.api_node_history, name="api-node-history"),
     path("", include("jobs.urls")),

@@ -4,7 +4,8 @@
 
 GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions. A streamed answer sends its
 first chunk at once; with --gate it sends the rest only once DIR/go exists (the test says when). Every
-answer names the replica (served_by) and the model the request asked for.
+answer names the replica (served_by) and the model the request asked for; a non-streamed one says it used 3
+completion tokens, a streamed one sends no usage (two chunks).
 """
 
 import argparse
@@ -46,7 +47,8 @@ def main():
             base = {"model": req.get("model"), "served_by": args.name}
             if not req.get("stream"):
                 choices = [{"index": 0, "text": "hello"}]
-                return self._json(200, {**base, "object": "text_completion", "choices": choices})
+                usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+                return self._json(200, {**base, "object": "text_completion", "choices": choices, "usage": usage})
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
