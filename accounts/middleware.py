@@ -30,6 +30,8 @@ RULES = {
     "job-resume": "resume",
     "job-queue": "view",
     "services": "view",
+    "service-start": "serve",
+    "service-stop-page": "serve",
     "sweep-list": "view",
     "sweep-detail": "view",
     "sweep-cancel": "launch",  # and each trial's own cancel rule, in accounts.actions.cancel_sweep_as

@@ -1,18 +1,73 @@
-"""The services page: every service, each replica's state, where it runs, and its requests of the last minute."""
+"""The services page: every service, each replica's state, where it runs, and its requests of the last minute;
+for those who may serve, a form that starts a service (`ugro serve NAME --from JOB`) and a stop button on each."""
 
 from __future__ import annotations
 
+from django import forms
+from django.contrib import messages
 from django.db.models import Case, IntegerField, Value, When
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
-from django.views.decorators.http import require_GET
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_POST
+
+from accounts import policy
+from accounts.audit import web_source
+from ugro_site.celery import NoWorker
 
 from .models import Replica, Service
+from .requests import MAX_REPLICAS, ServeError, ServeRequest, start_service, stop_service
 from .stats import WINDOW_S, recent
+
+
+class ServeForm(forms.Form):
+    """The page's `ugro serve NAME --from JOB[:STEP|latest] --replicas N --gpus-per-replica K --engine E`."""
+
+    name = forms.CharField(max_length=48, help_text="The endpoint is /serve/NAME/v1/.")
+    source = forms.CharField(
+        label="From", max_length=120, help_text="JOB, JOB:STEP or JOB:latest (a checkpoint directory)."
+    )
+    replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS, initial=1)
+    gpus_per_replica = forms.IntegerField(label="GPUs per replica", min_value=0, initial=1)
+    engine = forms.ChoiceField(choices=Service.Engine.choices, initial=Service.Engine.TRANSFORMERS)
+    command = forms.CharField(
+        max_length=1000,
+        required=False,
+        help_text="custom only: argv with {model} {host} {port} {gpus} {name} {python}; no shell.",
+    )
+
+    def serve_request(self) -> ServeRequest:
+        d = self.cleaned_data
+        return ServeRequest(
+            name=d["name"].strip(),
+            source=d["source"].strip(),
+            replicas=d["replicas"],
+            gpus_per_replica=d["gpus_per_replica"],
+            engine=d["engine"],
+            command=d["command"] or "",
+        )
 
 
 @require_GET
 def services_page(request: HttpRequest) -> HttpResponse:
+    return _page(request, ServeForm())
+
+
+@require_POST
+def service_start(request: HttpRequest) -> HttpResponse:
+    """The start form (`serve` in the policy table): the page again with the error, or back to it once queued."""
+    form = ServeForm(request.POST)
+    if form.is_valid():
+        try:
+            service = start_service(request.user, form.serve_request(), web_source(request))
+        except (ServeError, NoWorker, policy.Refused) as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"service {service.name} starting: /serve/{service.name}/v1/")
+            return redirect("services")
+    return _page(request, form, status=400)
+
+
+def _page(request: HttpRequest, form: ServeForm, status: int = 200) -> HttpResponse:
     """Services not stopped first, then stopped ones; each replica with its request stats (three queries)."""
     stopped_last = Case(When(state=Service.State.STOPPED, then=Value(1)), default=Value(0), output_field=IntegerField())
     services = list(Service.objects.select_related("job", "checkpoint").order_by(stopped_last, "name"))
@@ -24,5 +79,19 @@ def services_page(request: HttpRequest) -> HttpResponse:
         by_service[r.service_id].append(r)
     for s in services:
         s.rows = by_service[s.pk]
-    return render(request, "serving/services.html", {"services": services, "window_s": int(WINDOW_S),
-                                                     "nav": "services"})  # fmt: skip
+    return render(request, "serving/services.html", {"services": services, "window_s": int(WINDOW_S), "form": form,
+                                                     "may_serve": policy.allowed(request.user, "serve"),
+                                                     "nav": "services"}, status=status)  # fmt: skip
+
+
+@require_POST
+def service_stop(request: HttpRequest, name: str) -> HttpResponse:
+    """`ugro serve NAME --stop`: the worker drains and stops its replicas and frees their GPUs."""
+    service = get_object_or_404(Service, name=name)
+    try:
+        stop_service(request.user, service, web_source(request))
+    except (ServeError, NoWorker, policy.Refused) as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"service {service.name} stopping")
+    return redirect("services")

@@ -36,6 +36,8 @@ urlpatterns = [
     path("", cluster_views.overview, name="cluster-overview"),
     path("metrics", prometheus_view.prometheus, name="prometheus-metrics"),
     path("services/", serving_pages.services_page, name="services"),
+    path("services/start", serving_pages.service_start, name="service-start"),
+    path("services/<str:name>/stop", serving_pages.service_stop, name="service-stop-page"),
     path("nodes/<str:name>/", cluster_views.node_detail, name="node-detail"),
     path("api/nodes/<str:name>/history", cluster_views.api_node_history, name="api-node-history"),
     path("", include("jobs.urls")),

@@ -1,0 +1,89 @@
+"""The services page's own controls: a form that starts a service (`ugro serve NAME --from JOB`) and a stop
+button per running service, for those the policy lets serve; bad input, a viewer and a missing worker are
+refused in one line and leave nothing behind. What the page lists is tests/test_serve_stats.py's; a real
+service end to end is tests/test_serve.py's."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.test import Client
+
+from accounts.models import AuditEvent
+from cluster.models import Node
+from jobs.models import Checkpoint, Job
+from serving.models import Replica, Service
+
+pytestmark = pytest.mark.django_db
+FORM = {"name": "chat", "source": "trained", "replicas": "2", "gpus_per_replica": "1", "engine": "transformers",
+        "command": ""}  # fmt: skip
+
+
+@pytest.fixture
+def trained(db):
+    node = Node.objects.create(name="gpu1", address="10.0.0.2", gpu_count=2)
+    job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
+    Checkpoint.objects.create(job=job, node=node, path="/w/outputs/trained/checkpoint-10", size=1, mtime=0, step=10,
+                              kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+    return job
+
+
+def client_in(group: str) -> Client:
+    user = User.objects.create_user(f"{group}-user", password="pw-12345678")
+    user.groups.add(Group.objects.get(name=group))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_a_launcher_starts_a_service_from_the_page_and_stops_it(trained, worker_heartbeat):
+    launcher = client_in("launcher")
+    assert 'id="serve-form"' in launcher.get("/services/").content.decode()
+    # when the form is sent
+    answer = launcher.post("/services/start", FORM)
+    # then the service is recorded with its replicas waiting for the worker, audited, and the page says so
+    assert answer.status_code == 302 and answer["Location"] == "/services/"
+    service = Service.objects.get(name="chat")
+    assert service.state == Service.State.RUNNING and service.checkpoint.step == 10
+    assert list(service.replica_set.values_list("state", flat=True)) == [Replica.State.PENDING] * 2
+    assert AuditEvent.objects.filter(action="serve", target="chat", outcome="ok").exists()
+    page = launcher.get("/services/").content.decode()
+    assert "service chat starting: /serve/chat/v1/" in page and 'data-stop="chat"' in page
+    # when its stop button is pressed: it is stopping (the worker drains it)
+    assert launcher.post("/services/chat/stop").status_code == 302
+    assert Service.objects.get(name="chat").state == Service.State.STOPPING
+    assert 'data-stop="chat"' not in launcher.get("/services/").content.decode()
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"source": "nosuchjob"}, "nosuchjob"),
+        ({"name": "bad name;rm"}, "service name"),
+        ({"replicas": "3", "gpus_per_replica": "2"}, "do not fit"),
+        ({"engine": "custom", "command": ""}, "command"),
+    ],
+)
+def test_bad_input_is_named_on_the_page_and_nothing_is_recorded(trained, worker_heartbeat, change, says):
+    answer = client_in("launcher").post("/services/start", {**FORM, **change})
+    assert answer.status_code == 400
+    error = answer.content.decode().split('id="serve-error">', 1)[1].split("</div>", 1)[0]
+    assert says in error and "\n" not in error.strip()
+    assert not Service.objects.exists() and not Replica.objects.exists()
+
+
+def test_a_viewer_sees_no_controls_and_is_refused(trained, worker_heartbeat):
+    viewer = client_in("viewer")
+    page = viewer.get("/services/").content.decode()
+    assert 'id="serve-form"' not in page
+    assert viewer.post("/services/start", FORM).status_code == 403
+    assert not Service.objects.exists()
+    client_in("launcher").post("/services/start", FORM)
+    assert viewer.post("/services/chat/stop").status_code == 403
+    assert Service.objects.get(name="chat").state == Service.State.RUNNING
+
+
+def test_with_no_worker_the_form_says_so_and_records_nothing(trained):
+    answer = client_in("launcher").post("/services/start", FORM)
+    assert answer.status_code == 400 and "no UGRO worker is running: start it with bin/start" in answer.content.decode()
+    assert not Service.objects.exists()
