@@ -32,6 +32,7 @@ RULES = {
     "services": "view",
     "service-start": "serve",
     "service-stop-page": "serve",
+    "replica-log": "view",
     "sweep-list": "view",
     "sweep-detail": "view",
     "sweep-cancel": "launch",  # and each trial's own cancel rule, in accounts.actions.cancel_sweep_as

@@ -15,6 +15,7 @@ from accounts.audit import web_source
 from ugro_site.celery import NoWorker
 
 from .models import Replica, Service
+from .replicas import log_tail
 from .requests import MAX_REPLICAS, ServeError, ServeRequest, start_service, stop_service
 from .stats import WINDOW_S, recent
 
@@ -95,3 +96,15 @@ def service_stop(request: HttpRequest, name: str) -> HttpResponse:
     else:
         messages.success(request, f"service {service.name} stopping")
     return redirect("services")
+
+
+@require_GET
+def replica_log(request: HttpRequest, name: str, index: int) -> HttpResponse:
+    """The tail of one replica's log, read from its node now (escaped: it is what the engine printed)."""
+    replica = get_object_or_404(Replica.objects.select_related("service", "node"), service__name=name, index=index)
+    try:
+        text, error = log_tail(replica), ""
+    except ValueError as exc:
+        text, error = "", str(exc)
+    return render(request, "serving/replica_log.html", {"replica": replica, "text": text, "error": error,
+                                                        "nav": "services"})  # fmt: skip

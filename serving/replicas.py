@@ -150,12 +150,27 @@ def process_gone(replica: Replica) -> str | None:
     return None
 
 
+LOG_TAIL_BYTES = 64 * 1024  # what the replica's log page shows: the engine's start-up and its latest requests
+
+
+def log_tail(replica: Replica, size: int = LOG_TAIL_BYTES) -> str:
+    """The last `size` bytes of the replica's current log on its node (read when asked: engines log little
+    once ready, so nothing copies it centrally); ValueError in one line when it cannot be read."""
+    if replica.node is None or not replica.tag:
+        raise ValueError(f"replica {replica.index} has not started yet: no log")
+    try:
+        out = node_request(replica.node, "exec", timeout=10, argv=["tail", "-c", str(size), replica.remote("log")])
+    except NODE_ERRORS as exc:
+        raise ValueError(f"the log of replica {replica.index} on {replica.node.name} cannot be read: {exc}") from None
+    return out.get("stdout", "")
+
+
 def last_line(replica: Replica) -> str:
     try:
-        out = node_request(replica.node, "exec", timeout=10, argv=["tail", "-c", "2000", replica.remote("log")])
-    except NODE_ERRORS:
+        text = log_tail(replica, 2000)
+    except ValueError:
         return "(its log cannot be read)"
-    lines = [line for line in out.get("stdout", "").splitlines() if line.strip()]
+    lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1][:300] if lines else "(no output)"
 
 

@@ -163,12 +163,16 @@ def describe(service: Service) -> dict:
 
 
 def listing(services: list[dict]) -> list[str]:
-    """--list's lines."""
+    """--list's lines: each replica with the last minute's requests per second, median latency and errors."""
     out = []
     for s in services:
         out.append(f"{s['name']}  {s['state']}  {s['engine']}  from {s['job']} step {s['step']}  {s['endpoint']}  "
                    f"holds {', '.join(s['holds']) or 'nothing'}")  # fmt: skip
         for r in s["replicas"]:
             where = f"{r['node']}:{r['port']}" if r["node"] and r["port"] else (r["node"] or "-")
-            out.append(f"  replica {r['index']}  {r['state']:<9}  {where:<22}  restarts {r['restarts']}  {r['note']}")
+            st = r.get("stats") or {}
+            p50 = f"{st['p50_ms']:.0f} ms" if st.get("p50_ms") is not None else "-"
+            traffic = f"{st.get('rps') or 0:.2f} req/s  p50 {p50}  errors {st.get('errors') or 0}"
+            out.append(f"  replica {r['index']}  {r['state']:<9}  {where:<22}  restarts {r['restarts']}  {traffic}  "
+                       f"{r['note']}")  # fmt: skip
     return out

@@ -87,3 +87,45 @@ def test_with_no_worker_the_form_says_so_and_records_nothing(trained):
     answer = client_in("launcher").post("/services/start", FORM)
     assert answer.status_code == 400 and "no UGRO worker is running: start it with bin/start" in answer.content.decode()
     assert not Service.objects.exists()
+
+
+def test_a_replicas_log_is_read_from_its_node_and_shown_as_text(trained, monkeypatch):
+    from cluster.links import LinkError
+    from serving import replicas
+
+    service = Service.objects.create(name="chat", job=trained, checkpoint=Checkpoint.objects.get(), replicas=2)
+    node = Node.objects.get(name="gpu1")
+    Replica.objects.create(
+        service=service, index=0, state=Replica.State.READY, node=node, port=8001, tag="serve-chat-0"
+    )
+    Replica.objects.create(service=service, index=1)
+    asked = []
+
+    def tail(node, op, timeout, argv):
+        asked.append(argv)
+        return {"stdout": "INFO: Uvicorn running\n<script>alert(1)</script>\n"}
+
+    monkeypatch.setattr(replicas, "node_request", tail)
+    viewer = client_in("viewer")
+    # the page links each started replica's log
+    assert 'data-log="0"' in viewer.get("/services/").content.decode()
+    # its log: the tail of the file of its current start, escaped
+    html = viewer.get("/services/chat/replicas/0/log").content.decode()
+    [argv] = asked
+    assert argv[:3] == ["tail", "-c", str(replicas.LOG_TAIL_BYTES)] and argv[3].endswith(
+        "/.ugro/serve/serve-chat-0.log"
+    )
+    assert "INFO: Uvicorn running" in html and "<script>alert(1)" not in html and "&lt;script&gt;" in html
+    # a replica not started yet, and a node that does not answer: one line each
+    assert "has not started yet" in viewer.get("/services/chat/replicas/1/log").content.decode()
+
+    def silent(*a, **k):
+        raise LinkError("node gpu1: SSH did not answer within 5 s")
+
+    monkeypatch.setattr(replicas, "node_request", silent)
+    error = viewer.get("/services/chat/replicas/0/log").content.decode().split('id="log-error">', 1)[1]
+    assert (
+        error.split("</div>", 1)[0]
+        == "the log of replica 0 on gpu1 cannot be read: node gpu1: SSH did not answer within 5 s"
+    )
+    assert viewer.get("/services/chat/replicas/7/log").status_code == 404

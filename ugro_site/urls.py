@@ -38,6 +38,7 @@ urlpatterns = [
     path("services/", serving_pages.services_page, name="services"),
     path("services/start", serving_pages.service_start, name="service-start"),
     path("services/<str:name>/stop", serving_pages.service_stop, name="service-stop-page"),
+    path("services/<str:name>/replicas/<int:index>/log", serving_pages.replica_log, name="replica-log"),
     path("nodes/<str:name>/", cluster_views.node_detail, name="node-detail"),
     path("api/nodes/<str:name>/history", cluster_views.api_node_history, name="api-node-history"),
     path("", include("jobs.urls")),
