@@ -44,6 +44,9 @@ class Service(models.Model):
     )
     replicas = models.PositiveIntegerField(default=1)
     gpus_per_replica = models.PositiveIntegerField(default=1, help_text="GPUs of one node (0: a whole GPU-less node).")
+    min_vram_mb = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Each of a replica's GPUs needs this much: its share of the weights."
+    )
     max_restarts = models.PositiveIntegerField(default=3, help_text="Restarts of one replica before it is given up.")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                               related_name="+")  # fmt: skip

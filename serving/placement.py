@@ -1,15 +1,21 @@
 """Where a service's replicas run: GPUs held through jobs.Allocation, the scheduler's own constraint.
 
-A replica takes `gpus_per_replica` GPUs of one node, or a whole node without GPUs (as a job does there).
-Replicas of one service go to different nodes first (a node that fails takes fewer of them along).
+A replica takes `gpus_per_replica` GPUs of one node, or a whole node without GPUs (as a job does there), each GPU
+with at least the service's min_vram_mb: its share of the checkpoint's weights with some headroom, as the
+scheduler's VRAM fit does for a job's --min-vram. Replicas of one service go to different nodes first (a node
+that fails takes fewer of them along).
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 from django.db import IntegrityError, transaction
 
+from cluster.fanout import node_request
 from cluster.models import GPU, Node
-from jobs.models import Allocation
+from jobs.models import Allocation, Checkpoint
 
 from .models import Replica, Service
 
@@ -29,16 +35,54 @@ def _fits(slots: list[int], gpus: int) -> int:
     return len(slots) // gpus if gpus else 0
 
 
-def capacity_problem(replicas: int, gpus: int) -> str | None:
+def _big_enough(slots: dict[int, list[int]], min_vram_mb: int | None) -> dict[int, list[int]]:
+    """The slots whose GPU has min_vram_mb (a GPU of unknown size does not, as for a job's --min-vram)."""
+    if not min_vram_mb:
+        return slots
+    vram = {(n, i): mb for n, i, mb in GPU.objects.values_list("node_id", "index", "vram_mb")}
+    return {n: s if s == [Allocation.WHOLE_NODE] else [i for i in s if vram.get((n, i), 0) >= min_vram_mb]
+            for n, s in slots.items()}  # fmt: skip
+
+
+# Weights need room beside them: the CUDA context, activations and at least some KV cache (vLLM and SGLang then
+# take a share of what is left for their cache).
+VRAM_HEADROOM = 1.2
+WEIGHT_FILES = re.compile(r"^(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)$")
+
+
+def weights_mb(checkpoint: Checkpoint) -> int | None:
+    """The size of the checkpoint's weight files (what save_pretrained writes: model*.safetensors,
+    pytorch_model*.bin), read from its node; None when it lists none (a custom engine's own format)."""
+    entries = node_request(checkpoint.node, "listdir", timeout=10, path=checkpoint.path)["entries"]
+    total = sum(e["size"] for e in entries if WEIGHT_FILES.match(e["name"]))
+    return math.ceil(total / 2**20) if total else None
+
+
+def min_vram_mb(checkpoint: Checkpoint, gpus: int) -> int | None:
+    """What each of a replica's `gpus` GPUs needs: its share of the weights, with VRAM_HEADROOM."""
+    weights = weights_mb(checkpoint) if gpus else None
+    return math.ceil(weights * VRAM_HEADROOM / gpus) if weights else None
+
+
+def capacity_problem(replicas: int, gpus: int, min_vram_mb: int | None = None) -> str | None:
     """Why the cluster could never hold this many replicas (one line), or None. Busy GPUs count: a replica
-    waits for them, as a job does; GPUs that do not exist are refused."""
+    waits for them, as a job does; GPUs that do not exist, or are too small for the weights, are refused."""
     nodes = Node.objects.filter(enabled=True)
-    slots = _slots()
+    slots = _big_enough(_slots(), min_vram_mb if gpus else None)
     room = sum(_fits(slots[n.pk], gpus) for n in nodes)
     if room >= replicas:
         return None
     gpu_nodes = sum(1 for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
     have = sum(len(slots[n.pk]) for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
+    if gpus and min_vram_mb:
+        largest = max(
+            (mb for mb in GPU.objects.filter(node__enabled=True).values_list("vram_mb", flat=True)), default=0
+        )
+        return (
+            f"{replicas} replicas of {gpus} GPUs each with at least {min_vram_mb / 1024:.1f} GB (the checkpoint's "
+            f"weights, {VRAM_HEADROOM:g}x, split over {gpus}) do not fit: the enabled nodes hold at most {room} "
+            f"({have} such GPUs; the largest GPU has {largest / 1024:.1f} GB)"
+        )
     return (
         f"{replicas} replicas of {gpus} GPUs each do not fit: the enabled nodes hold at most {room} "
         f"({have} GPUs on {gpu_nodes} nodes, {nodes.count() - gpu_nodes} nodes without GPUs)"
@@ -48,7 +92,7 @@ def capacity_problem(replicas: int, gpus: int) -> str | None:
 def place(replica: Replica) -> bool:
     """Hold free GPUs for a pending replica (STARTING is the caller's to set); False if none fit now."""
     service = replica.service
-    slots = _slots()
+    slots = _big_enough(_slots(), service.min_vram_mb if service.gpus_per_replica else None)
     busy = set(Allocation.objects.filter(active=True).values_list("node_id", "gpu_index"))
     mine = list(Replica.objects.filter(service=service, state__in=Replica.HOLDING).values_list("node_id", flat=True))
     nodes = [n for n in Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN)]

@@ -3,20 +3,23 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from django.db import transaction
 
 from accounts import audit, policy
+from cluster.links import AgentRequestError, LinkError
 from cluster.names import check_name
 from jobs.models import Checkpoint, Job
 from ugro_site.celery import require_worker, send_task
 
 from .engines import EngineError, check_template
 from .models import Replica, Service
-from .placement import capacity_problem, held
+from .placement import capacity_problem, held, min_vram_mb
 from .stats import recent
 
+log = logging.getLogger(__name__)
 MAX_REPLICAS = 64
 
 
@@ -59,8 +62,9 @@ def checkpoint_of(source: str) -> tuple[Job, Checkpoint]:
     raise ServeError(f"job {job.name} has no complete checkpoint directory at step {step} (steps: {steps})")
 
 
-def check_request(req: ServeRequest) -> tuple[Job, Checkpoint]:
-    """The job and checkpoint to serve; ServeError (one line) for anything wrong with the request."""
+def check_request(req: ServeRequest) -> tuple[Job, Checkpoint, int | None]:
+    """The job, the checkpoint to serve and what VRAM each replica GPU needs; ServeError (one line) for anything
+    wrong with the request."""
     try:
         check_name(req.name, "service name")
         check_template(req.engine, req.command)
@@ -71,13 +75,20 @@ def check_request(req: ServeRequest) -> tuple[Job, Checkpoint]:
     if req.gpus_per_replica < 0:
         raise ServeError(f"--gpus-per-replica must be 0 or more, not {req.gpus_per_replica}")
     job, checkpoint = checkpoint_of(req.source)
-    problem = capacity_problem(req.replicas, req.gpus_per_replica)
+    try:
+        vram = min_vram_mb(checkpoint, req.gpus_per_replica)
+    except (LinkError, AgentRequestError) as exc:
+        # not a reason to refuse: its node may be back before a replica needs the copy (which then says why)
+        log.warning("service %s: VRAM not checked, %s does not list the checkpoint: %s", req.name,
+                    checkpoint.node.name, exc)  # fmt: skip
+        vram = None
+    problem = capacity_problem(req.replicas, req.gpus_per_replica, vram)
     if problem:
         raise ServeError(problem)
     old = Service.objects.filter(name=req.name).exclude(state=Service.State.STOPPED).first()
     if old is not None:
         raise ServeError(taken(old))
-    return job, checkpoint
+    return job, checkpoint, vram
 
 
 def taken(service: Service) -> str:
@@ -86,7 +97,7 @@ def taken(service: Service) -> str:
 
 def create_service(req: ServeRequest) -> Service:
     """Record the service RUNNING with its replicas PENDING and ask a worker to start them."""
-    job, checkpoint = check_request(req)
+    job, checkpoint, vram = check_request(req)
     with transaction.atomic():
         old = Service.objects.select_for_update().filter(name=req.name).first()
         if old is not None and old.state != Service.State.STOPPED:
@@ -95,7 +106,7 @@ def create_service(req: ServeRequest) -> Service:
             old.delete()  # a stopped service leaves its name free
         service = Service.objects.create(
             name=req.name, job=job, checkpoint=checkpoint, engine=req.engine, command_template=req.command,
-            replicas=req.replicas, gpus_per_replica=req.gpus_per_replica, owner=req.owner,
+            replicas=req.replicas, gpus_per_replica=req.gpus_per_replica, min_vram_mb=vram, owner=req.owner,
         )  # fmt: skip
         Replica.objects.bulk_create([Replica(service=service, index=i) for i in range(req.replicas)])
         transaction.on_commit(request_tend)

@@ -19,9 +19,19 @@ FORM = {"name": "chat", "source": "trained", "replicas": "2", "gpus_per_replica"
         "command": ""}  # fmt: skip
 
 
+WEIGHTS = [{"name": "model.safetensors", "size": 3 * 2**30, "mtime": 0}, {"name": "optimizer.pt", "size": 6 * 2**30,
+                                                                           "mtime": 0}]  # fmt: skip
+
+
 @pytest.fixture
-def trained(db):
+def trained(db, monkeypatch):
+    """A finished job with a checkpoint directory of 3 GiB of weights on gpu1, whose two GPUs have 8 GB each."""
+    from cluster.models import GPU
+    from serving import placement
+
+    monkeypatch.setattr(placement, "node_request", lambda node, op, timeout, path: {"entries": WEIGHTS})
     node = Node.objects.create(name="gpu1", address="10.0.0.2", gpu_count=2)
+    GPU.objects.filter(node=node).update(vram_mb=8192)
     job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
     Checkpoint.objects.create(job=job, node=node, path="/w/outputs/trained/checkpoint-10", size=1, mtime=0, step=10,
                               kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
@@ -129,3 +139,30 @@ def test_a_replicas_log_is_read_from_its_node_and_shown_as_text(trained, monkeyp
         == "the log of replica 0 on gpu1 cannot be read: node gpu1: SSH did not answer within 5 s"
     )
     assert viewer.get("/services/chat/replicas/7/log").status_code == 404
+
+
+def test_a_checkpoint_too_big_for_any_gpu_is_refused_and_replicas_go_where_the_weights_fit(trained, monkeypatch):
+    from cluster.models import GPU
+    from serving import placement
+    from serving.requests import ServeError, ServeRequest, check_request
+
+    # given the checkpoint's 3 GiB of weights (its optimizer state does not count) and 8 GB GPUs
+    _, _, vram = check_request(ServeRequest(name="chat", source="trained", replicas=1, gpus_per_replica=1))
+    assert vram == 3687  # 3 GiB x 1.2 on one GPU
+    # when the weights grow to 10 GiB: refused in one line naming what each GPU needs and the largest GPU
+    placement_listing = [{"name": "model-00001-of-00002.safetensors", "size": 5 * 2**30},
+                         {"name": "model-00002-of-00002.safetensors", "size": 5 * 2**30}]  # fmt: skip
+    monkeypatch.setattr(placement, "node_request", lambda node, op, timeout, path: {"entries": placement_listing})
+    with pytest.raises(ServeError, match=r"at least 12\.0 GB .* the largest GPU has 8\.0 GB"):
+        check_request(ServeRequest(name="chat", source="trained", replicas=1, gpus_per_replica=1))
+    # split over the node's two GPUs (6 GB each) it fits
+    assert check_request(ServeRequest(name="chat", source="trained", replicas=1, gpus_per_replica=2))[2] == 6144
+    # and a replica is placed on a node whose GPUs hold its share, not on the smaller one placement tries first
+    big = Node.objects.create(name="gpu9", address="10.0.0.9", gpu_count=1, order=99)
+    GPU.objects.filter(node=big).update(vram_mb=16384)
+    GPU.objects.filter(node__name="gpu1").update(vram_mb=8192)
+    service = Service.objects.create(name="big", job=Job.objects.get(), checkpoint=Checkpoint.objects.get(),
+                                     replicas=1, gpus_per_replica=1, min_vram_mb=12288)  # fmt: skip
+    replica = Replica.objects.create(service=service, index=0)
+    assert min(Node.objects.all(), key=lambda n: n.placement_key()).name == "gpu1"
+    assert placement.place(replica) and Replica.objects.get(pk=replica.pk).node.name == "gpu9"
