@@ -452,6 +452,18 @@ def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_t
     waiting = page.locator('section[data-service="chat"] tr[data-replica="1"]').text_content()
     assert "pending" in waiting and "waiting for 1 free GPUs" in waiting
     page.screenshot(path=ARTIFACTS / "services.png", full_page=True)
+
+    # and when the waiting replica is ready and answers, the open page shows it without a reload
+    page.fill("#id_name", "typed")  # the start form keeps what is being typed
+    Replica.objects.filter(service=service, index=1).update(state=Replica.State.READY, node=node, port=8002, note="")
+    for _ in range(10):
+        web_process.record(Replica.objects.get(service=service, index=1).pk, 0.010, tokens=8)
+    web_process.flush()
+    page.wait_for_selector('section[data-service="chat"] tr[data-replica="1"][data-state="ready"]', timeout=20_000)
+    second = page.locator('section[data-service="chat"] tr[data-replica="1"] td')
+    ready = [c.strip() for c in second.all_text_contents()]
+    assert ready[1:3] == ["ready", "node2:8002"] and float(ready[5]) > 0
+    assert page.input_value("#id_name") == "typed"
     assert not errors, errors
 
 

@@ -91,8 +91,8 @@
   };
 
   /** Swap every [data-region] of this page for the same region of a freshly rendered copy. */
-  UGRO.refreshRegions = async function () {
-    const response = await fetch(location.href, { credentials: "same-origin" });
+  UGRO.refreshRegions = async function (url) {
+    const response = await fetch(url || location.href, { credentials: "same-origin" });
     if (!response.ok || response.redirected) return;
     // DOMParser documents run no scripts; their content is the server's escaped rendering.
     const doc = new DOMParser().parseFromString(await response.text(), "text/html");
