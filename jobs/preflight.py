@@ -155,7 +155,7 @@ def _node_checks(
         notes.append(f"{node.name}: torch/CUDA versions not checked ({why})")
     else:
         # The agent's exec bounds the command by its own 30 s timeout; the link waits a little longer.
-        out = node_request(node, "exec", timeout=VERSION_TIMEOUT_S, argv=[python, "-c", VERSION_CODE])
+        out = node_request(node, "env_report", timeout=VERSION_TIMEOUT_S, python=python, code=VERSION_CODE)
         try:
             versions = json.loads(out["stdout"].strip().splitlines()[-1])
         except (ValueError, IndexError):

@@ -95,3 +95,38 @@ def test_a_5_mib_line_without_a_newline_comes_back_whole_in_1_mib_reads(agent, t
             break
     # then it has every byte in order, in five reads, and the last one says end of file
     assert reads == 5 and got == want and b"\n" not in got
+
+
+def test_the_env_report_is_kept_until_a_package_is_installed_or_removed(agent, tmp_path):
+    import sys
+
+    # given an env (<env>/bin/python, <env>/lib/python3.X/site-packages) and code that counts its runs
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)
+    site = env / "lib" / "python3.99" / "site-packages"
+    site.mkdir(parents=True)
+    runs = tmp_path / "runs"
+    code = f"import json; f = open({str(runs)!r}, 'a'); f.write('x'); f.close(); print(json.dumps({{'torch': '2'}}))"
+
+    def report():
+        return agent.request("env_report", timeout=30, python=str(env / "bin" / "python"), code=code)
+
+    # when the pre-flight asks twice: the code ran once, the second answer is the kept one
+    first, second = report(), report()
+    assert first["stdout"].strip() == second["stdout"].strip() == '{"torch": "2"}'
+    assert (first["cached"], second["cached"]) == (False, True) and runs.read_text() == "x"
+    # when a package is installed (a dist-info directory appears) or removed: it runs again
+    time.sleep(0.01)
+    (site / "newpkg-1.0.dist-info").mkdir()
+    assert report()["cached"] is False and runs.read_text() == "xx"
+    assert report()["cached"] is True
+    time.sleep(0.01)
+    (site / "newpkg-1.0.dist-info").rmdir()
+    assert report()["cached"] is False and runs.read_text() == "xxx"
+    # an interpreter with no site-packages next to it: never kept
+    bare = tmp_path / "bare" / "bin"
+    bare.mkdir(parents=True)
+    (bare / "python").symlink_to(sys.executable)
+    again = [agent.request("env_report", timeout=30, python=str(bare / "python"), code=code) for _ in range(2)]
+    assert [a["cached"] for a in again] == [False, False]

@@ -472,6 +472,52 @@ def op_exec(req):
     }
 
 
+def _env_fingerprint(python):
+    """What changes when packages are installed into or removed from the env of this python: the mtimes of its
+    site-packages directories (every install or removal adds or drops a *.dist-info directory there), the user
+    site's, and the interpreter itself. None when no such directory is found: nothing is kept then."""
+    try:
+        interpreter = os.stat(os.path.realpath(python)).st_mtime_ns
+    except OSError:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(python)))  # <env>/bin/python -> <env>
+    own = [os.path.join(root, "lib", "python3*", "site-packages"),
+           os.path.join(root, "lib", "python3*", "dist-packages"),
+           os.path.join(root, "local", "lib", "python3*", "dist-packages")]
+    user = [os.path.expanduser(os.path.join("~", ".local", "lib", "python3*", "site-packages"))]
+
+    def marks(patterns):
+        out = []
+        for found in sorted(d for pattern in patterns for d in glob.glob(pattern)):
+            try:
+                out.append((found, os.stat(found).st_mtime_ns))
+            except OSError:
+                continue
+        return out
+
+    env = marks(own)
+    return (python, interpreter, tuple(env + marks(user))) if env else None
+
+
+_env_reports = {}  # (python, sha256 of the code) -> (fingerprint, answer)
+
+
+def op_env_report(req):
+    """op_exec of `python -c code` (the pre-flight's versions and installed packages), its answer kept in this
+    agent while the env's packages stay as they were (_env_fingerprint): listing every distribution of a
+    training env costs about 0.07 s of CPU, on every node at every launch."""
+    python, code = str(req["python"]), str(req["code"])
+    key = (python, hashlib.sha256(code.encode()).hexdigest())
+    mark = _env_fingerprint(python)
+    kept = _env_reports.get(key)
+    if mark is not None and kept is not None and kept[0] == mark:
+        return dict(kept[1], cached=True)
+    answer = op_exec({"argv": [python, "-c", code], "timeout": req.get("timeout", 30)})
+    if mark is not None and answer["rc"] == 0:
+        _env_reports[key] = (mark, answer)
+    return dict(answer, cached=False)
+
+
 def op_free_port(req):
     """A TCP port free now on this node's address req['host'] (the kernel's pick), for a server about to
     start there (a service replica's engine); a port taken in between shows as a replica that never answers."""
@@ -739,6 +785,7 @@ OPS = {
     "procs": op_procs,
     "kill": op_kill,
     "tagged": op_tagged,
+    "env_report": op_env_report,
     "rank_status": op_rank_status,
     "exec": op_exec,
     "free_port": op_free_port,
