@@ -9,6 +9,7 @@ agent's bootstrap, built from the node's python path through shlex.quote.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -190,9 +191,13 @@ def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     def run_with_input(argv: list[str], chunks, timeout: float) -> tuple[int, str]:
         side = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            for chunk in chunks:
-                side.stdin.write(chunk)
-            side.stdin.close()
+            try:
+                for chunk in chunks:
+                    side.stdin.write(chunk)
+                side.stdin.close()
+            except BrokenPipeError:  # the command ended early: its exit code and stderr say why
+                with contextlib.suppress(OSError):
+                    side.stdin.close()
             err = side.stderr.read(65536)
             return side.wait(timeout=timeout), err.decode("utf-8", "replace")[-2000:]
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -368,10 +373,13 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
             side = transport.open_session(timeout=timeout)
             side.settimeout(timeout)
             side.exec_command(shlex.join(argv))
-            for chunk in chunks:
-                side.sendall(chunk)
-            side.shutdown_write()
-            if not side.status_event.wait(timeout):
+            try:
+                for chunk in chunks:
+                    side.sendall(chunk)
+                side.shutdown_write()
+            except OSError:  # the command ended early (its exit code and stderr say why), or the channel closed
+                pass
+            if not side.status_event.wait(timeout):  # set by the exit status, or by the channel closing
                 side.close()
                 return -1, f"no exit status within {timeout:g} s"
             err = b""
