@@ -43,6 +43,11 @@ LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether 
 # of through this process's paramiko (Python packetizing every byte under one GIL). None: paramiko only.
 SSH_CLIENT = shutil.which("ssh")
 HOST_ALIAS = "ugro-node"  # the one name in a bulk stream's own known_hosts file
+# A bulk stream's ciphers, best first: AES-GCM runs on the AES and carry-less multiply instructions of most x86 and
+# ARM servers, at about 70% of the CPU of OpenSSH's default chacha20-poly1305 on both ends; then OpenSSH's own
+# defaults, so that a node whose sshd allows only those still takes the stream.
+STREAM_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
+                  "aes128-ctr,aes192-ctr,aes256-ctr")  # fmt: skip
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -411,7 +416,7 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
             "StrictHostKeyChecking": "yes", "CheckHostIP": "no", "UpdateHostKeys": "no", "VerifyHostKeyDNS": "no",
             "BatchMode": "yes", "ControlMaster": "no", "ControlPath": "none", "ClearAllForwardings": "yes",
             "PermitLocalCommand": "no", "ConnectTimeout": str(max(1, round(connect_timeout))),
-            "ServerAliveInterval": "15", "LogLevel": "ERROR",
+            "ServerAliveInterval": "15", "LogLevel": "ERROR", "Ciphers": STREAM_CIPHERS,
         }  # fmt: skip
         cmd = [SSH_CLIENT, "-T", "-x", "-a", "-p", str(ep.port), *who, *key,
                *(arg for name, value in options.items() for arg in ("-o", f"{name}={value}")),
