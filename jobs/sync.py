@@ -9,7 +9,7 @@ long it queues. A `ugro` client uploads its directory's files into the same stor
 Before an attempt starts, each node's own store is brought up to date over the links UGRO already holds
 (only objects the node lacks travel, as one tar stream through the OpenSSH client held to the node's pinned
 host key, else on a second channel of the node's SSH connection, each checked against its sha256 by the
-agent before it is kept), then the job's copy is built at
+node's receiver before it is kept), then the job's copy is built at
 <workdir>/outputs/<job>/code from it and moved into place whole. A node that fails any step fails the
 attempt before a rank starts.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
-from cluster.links import AgentRequestError, LinkError
+from cluster.links import NODE_CODE_DIR, AgentRequestError, LinkError
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
@@ -245,8 +245,8 @@ def _lacks(node: Node, digest: str, manifest: dict) -> list[str]:
 
 def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> int:
     """Send the objects a node lacks: a few small ones inside one request; more as one tar stream (raw bytes
-    beside the node's link, NodeLink.run_with_input, unpacked by `tar` into a staging directory of its store), each
-    then checked by the agent against its sha256 and kept. Returns the bytes sent; SyncError in one line."""
+    beside the node's link, NodeLink.run_with_input) read by the node's receiver (codesync.py _sync_receive),
+    which keeps each object once checked against its sha256. Returns the bytes sent; SyncError in one line."""
     total = sum(sizes[sha] for sha in missing)
     if not missing:
         return 0
@@ -255,32 +255,51 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int]) -> 
         node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
         return total
     staging = node_request(node, "sync_stage", timeout=REQUEST_TIMEOUT_S, store=store)["dir"]
+    argv = [node.agent_python, "-c", RECEIVE_BOOTSTRAP, store, staging, str(len(missing))]
     try:
-        rc, err = node.link().run_with_input(["tar", "-xf", "-", "-C", staging], TarStream(missing, sizes),
+        rc, err = node.link().run_with_input(argv, TarStream(missing, sizes, head=_receiver_source()),
                                              timeout=STREAM_TIMEOUT_S)  # fmt: skip
     except (LinkError, SyncError):
-        with contextlib.suppress(LinkError, AgentRequestError):  # the staging directory goes; the first error says why
-            node_request(node, "sync_adopt", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging, objects={})
+        _unstage(node, store, staging)
         raise
-    objects = {sha: sizes[sha] for sha in missing} if rc == 0 else {}
-    node_request(node, "sync_adopt", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging, objects=objects)
     if rc != 0:
+        _unstage(node, store, staging)  # a receiver that was killed could not remove it itself
         detail = (err.strip().splitlines() or ["no output"])[-1]
-        raise SyncError(f"unpacking the code there failed (exit {rc}): {detail}")
+        raise SyncError(f"receiving the code there failed (exit {rc}): {detail}")
     return total
 
 
-class TarStream:
-    """A tar stream (ustar) of the controller's objects, one member per sha256, in pieces of about
-    STREAM_PIECE bytes; iterable again from its start (a stream that must go another way)."""
+def _unstage(node: Node, store: str, staging: str) -> None:
+    with contextlib.suppress(LinkError, AgentRequestError):  # the stream's own error says why it failed
+        node_request(node, "sync_unstage", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging)
 
-    def __init__(self, shas: list[str], sizes: dict[str, int]) -> None:
-        self.shas, self.sizes = shas, sizes
+
+# The node's receiver is codesync.py run alone (its __name__ says so) by the python the agent runs on, its source
+# ahead of the tar on stdin as the agent's is: nothing installed on the node, and only the stream's bytes travel
+# beside the link. It writes each object once, hashing it as it goes (`tar -x` then a check read each file twice).
+RECEIVE_BOOTSTRAP = (
+    "import sys;b=sys.stdin.buffer;n=int(b.readline());"
+    "exec(compile(b.read(n),'ugro-sync-receive','exec'),{'__name__':'__ugro_sync_receive__'})"
+)
+
+
+def _receiver_source() -> bytes:
+    src = (NODE_CODE_DIR / "codesync.py").read_bytes()
+    return b"%d\n" % len(src) + src
+
+
+class TarStream:
+    """A tar stream (ustar) of the controller's objects, one member per sha256, after `head` (bytes that go
+    first), in pieces of about STREAM_PIECE bytes; iterable again from its start (a stream that must go
+    another way)."""
+
+    def __init__(self, shas: list[str], sizes: dict[str, int], head: bytes = b"") -> None:
+        self.shas, self.sizes, self.head = shas, sizes, head
 
     def __iter__(self):
         objects = str(store_dir() / "objects")
-        parts: list[bytes] = []
-        held = 0
+        parts: list[bytes] = [self.head]
+        held = len(self.head)
         for sha in self.shas:
             size = self.sizes[sha]
             parts.append(tar_header(sha, size))

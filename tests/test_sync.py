@@ -105,22 +105,38 @@ def agent():
     link.close()
 
 
-def stream(agent, store: str, objects: dict[str, bytes]) -> dict:
-    """Send objects (name -> bytes) to the agent's store as UGRO does: a tar on a second channel, then adopt."""
-    staging = agent.request("sync_stage", store=store)["dir"]
+def tar_of(objects: dict[str, bytes]) -> bytes:
+    """A tar (ustar, written by tarfile) of regular members: name -> bytes."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for name, data in objects.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    rc, err = agent.run_with_input(["tar", "-xf", "-", "-C", staging], [buffer.getvalue()], 30)
-    assert rc == 0, err
+    return buffer.getvalue()
+
+
+def stream(agent, store: str, data: bytes, count: int) -> tuple[int, str]:
+    """Send a tar to the agent's store as UGRO does (a staging directory, then the node's receiver beside the
+    agent, its stdin the tar); (exit code, stderr). The staging directory is gone after, whatever happened."""
+    from jobs.sync import RECEIVE_BOOTSTRAP, _receiver_source
+
+    staging = agent.request("sync_stage", store=store)["dir"]
+    argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, staging, str(count)]
     try:
-        sizes = {name: len(data) for name, data in objects.items()}
-        return agent.request("sync_adopt", store=store, staging=staging, objects=sizes)
+        return agent.run_with_input(argv, [_receiver_source(), data], 30)
     finally:
         assert not os.path.exists(staging)
+
+
+def send(agent, store: str, objects: dict[str, bytes]) -> None:
+    rc, err = stream(agent, store, tar_of(objects), len(objects))
+    assert rc == 0, err
+
+
+def store_files(store: str) -> set[str]:
+    """Every file under a node's store, by name (objects, and anything left behind)."""
+    return {name for _, _, names in os.walk(store) for name in names}
 
 
 def sha(data: bytes) -> str:
@@ -141,10 +157,10 @@ def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, t
     have = agent.request("sync_have", store=store, digest=digest, manifest=listing)
     assert sorted(have["missing"]) == sorted({hashlib.sha256(d).hexdigest() for d in files.values()})
     # an object whose bytes are not its name is refused and not kept
-    with pytest.raises(AgentRequestError, match=r"1 objects not kept: .* has sha256 "):
-        stream(agent, store, {sha(b"print('v1')\n"): b"tampered"})
+    rc, err = stream(agent, store, tar_of({sha(b"print('v1')\n"): b"tampered"}), 1)
+    assert rc == 1 and err.strip().endswith(f"has sha256 {sha(b'tampered')[:12]}"), err
     assert agent.request("sync_have", store=store, manifest=listing)["missing"] == have["missing"]
-    assert stream(agent, store, {sha(d): d for d in set(files.values())}) == {"kept": 2}
+    send(agent, store, {sha(d): d for d in set(files.values())})
     assert agent.request("sync_have", store=store, digest=digest, manifest=listing) == {"known": True, "missing": []}
     # then the copy is built from the store: every file, its link, read-only objects shared by hard links
     done = agent.request("sync_apply", store=store, digest=digest, dest=dest)
@@ -155,12 +171,46 @@ def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, t
     assert agent.request("sync_have", store=store, digest=digest)["known"] is True
 
 
+def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(agent, tmp_path):
+    store = str(tmp_path / "store")
+    first, big = b"checked before the fault\n", os.urandom(300_000)
+    objects = {sha(first): first, sha(big): big}
+    whole = tar_of(objects)
+    at_big = 1024 + 512  # where big's bytes start: first's header and data block, then big's header
+    flipped = bytearray(whole)
+    flipped[at_big + 1000] ^= 1
+    bad_header = bytearray(whole)
+    bad_header[1024 + 10] ^= 1  # inside big's name: its header checksum no longer holds
+    for data, count, why in (
+        (whole[: at_big + 4096], 2, f"the stream ended inside object {sha(big)[:12]}"),
+        (bytes(flipped), 2, f"object {sha(big)[:12]} has sha256 "),
+        (bytes(bad_header), 2, "a bad tar header after 1 objects (bad checksum)"),
+        (whole[: at_big - 512], 2, "the stream ended after 1 objects, before its end"),
+        (tar_of({sha(first): first, "../escape": b"x"}), 2, "not an object of the store: '../escape'"),
+        (whole, 3, "the stream held 2 objects, not 3"),  # these two: each object is right, and kept
+        (whole + b"more", 2, "data after the stream's end"),
+    ):
+        # when the receiver is sent a stream that is not whole and right, it refuses it in one line
+        rc, err = stream(agent, store, data, count)
+        assert rc == 1 and why in err and len(err.strip().splitlines()) == 1, (why, err)
+        # and keeps only the objects it checked: nothing unfinished, no staging directory (stream() checks)
+        kept = store_files(store)
+        assert sha(first) in kept and kept <= set(objects)
+        assert (sha(big) in kept) == why.startswith(("the stream held", "data after")), why
+    assert not (tmp_path / "escape").exists() and not any(Path(store).glob(".stage-*"))
+    # a symlink or directory member is not an object either
+    link = tarfile.TarInfo(sha(b"elsewhere"))
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1)
+    assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")[:2]).exists()
+
+
 def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_was(agent, tmp_path):
     store, dest = str(tmp_path / "store"), tmp_path / "code"
     dest.mkdir()
     (dest / "train.py").write_text("old")
     data = b"new"
-    stream(agent, store, {sha(data): data})
+    send(agent, store, {sha(data): data})
     entry = {"path": "train.py", "sha256": sha(data), "size": 3, "mode": 0o644}
     absent = {"path": "lib.py", "sha256": "0" * 64, "size": 1, "mode": 0o644}
     for listing, why in (

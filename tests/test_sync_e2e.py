@@ -168,8 +168,14 @@ def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_star
         blocker.unlink()
 
 
-def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whole(project, lab):
-    # given a tree with 2.5 MB to send (more than travels inside a request)
+@pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
+def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whole(project, lab, client, monkeypatch):
+    # given a tree with 2.5 MB to send (more than travels inside a request), through the OpenSSH client or,
+    # where there is none, on a second channel of the node's own SSH connection
+    if client != "openssh":
+        from cluster import links
+
+        monkeypatch.setattr(links, "SSH_CLIENT", None)
     weights = os.urandom(2_500_000)
     (project / "assets").mkdir()
     (project / "assets" / "vocab.bin").write_bytes(weights)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -96,50 +97,101 @@ def _sync_save_manifest(store, digest, manifest):
     path = _sync_manifest_path(store, digest)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.%d.tmp" % (path, os.getpid())
-    with open(tmp, "w") as fh:
-        json.dump({"files": manifest["files"], "links": manifest.get("links") or []}, fh)
+    with open(tmp, "w") as fh:  # dumps, then one write: json.dump writes each of its many pieces on its own
+        fh.write(json.dumps({"files": manifest["files"], "links": manifest.get("links") or []}))
     os.replace(tmp, path)
 
 
 def op_sync_stage(req):
-    """A fresh directory inside the store for a stream of objects (a tar whose members are named by their
-    sha256, unpacked there by `tar` beside the agent); sync_adopt checks and keeps them."""
+    """A fresh directory inside the store for one stream of objects (_sync_receive writes each there first);
+    the receiver removes it when done, sync_unstage when the receiver could not (it was killed)."""
     store = os.path.expanduser(req["store"])
     os.makedirs(store, exist_ok=True)
     return {"dir": tempfile.mkdtemp(prefix=".stage-", dir=store)}
 
 
-def op_sync_adopt(req):
-    """Keep the objects a stream unpacked into a staging directory: each checked against its name (sha256)
-    and expected size, made read-only and moved into the store; the staging directory is removed.
-    Anything missing or wrong fails the request (what was right is kept)."""
-    store = os.path.expanduser(req["store"])
-    staging = os.path.realpath(os.path.expanduser(req["staging"]))
-    if not staging.startswith(os.path.realpath(store) + "/.stage-"):
-        raise AgentError("not a staging directory of this store: %s" % req["staging"])
-    bad, kept, made = [], 0, set()
+class _SyncRefused(Exception):
+    """A stream of objects that is not what UGRO sends, or an object whose bytes are not its name."""
+
+
+def _sync_staging(store, staging):
+    """A staging directory of this store (sync_stage made it), checked: nothing else is ever removed."""
+    real = os.path.realpath(os.path.expanduser(staging))
+    if not real.startswith(os.path.realpath(os.path.expanduser(store)) + "/.stage-"):
+        raise _SyncRefused("not a staging directory of this store: %s" % staging)
+    return real
+
+
+def op_sync_unstage(req):
+    """Remove what a stream that failed left in its staging directory, and the directory."""
     try:
-        for sha, size in sorted(req["objects"].items()):
-            path = os.path.join(staging, _sync_sha(sha))
-            h = hashlib.sha256()
+        staging = _sync_staging(req["store"], req["staging"])
+    except _SyncRefused as exc:
+        raise AgentError(str(exc))
+    shutil.rmtree(staging, ignore_errors=True)
+    return {}
+
+
+def _sync_read(stream, size, what):
+    data = stream.read(size)
+    if len(data) != size:
+        raise _SyncRefused("the stream ended %s" % what)
+    return data
+
+
+def _sync_receive(store, staging, count, stream):
+    """Keep the objects of a tar stream (jobs/sync.py TarStream: one regular member per object, named by its
+    sha256) in one pass: each written to a read-only file in the staging directory while it is hashed, and
+    moved into the store only when its bytes are its name. Returns how many were kept; _SyncRefused at the
+    first bad header, short object or wrong checksum (what was kept before it stays: each object was checked),
+    the staging directory removed either way."""
+    import tarfile  # here, not at the top: only this process needs it, not every agent's start
+
+    staging = _sync_staging(store, staging)
+    root = os.path.expanduser(store)
+    kept, made = 0, set()
+    try:
+        while True:
+            head = _sync_read(stream, tarfile.BLOCKSIZE, "after %d objects, before its end" % kept)
+            try:  # tarfile parses and checks the header (checksum, octal fields, ustar prefix)
+                info = tarfile.TarInfo.frombuf(head, "utf-8", "strict")
+            except tarfile.EOFHeaderError:  # a block of zeros: the archive's end
+                break
+            except (tarfile.HeaderError, UnicodeDecodeError) as exc:
+                raise _SyncRefused("a bad tar header after %d objects (%s)" % (kept, exc))
+            sha = info.name
+            if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or len(sha) != 64 or not _SYNC_HEX.issuperset(sha):
+                raise _SyncRefused("not an object of the store: %r (type %r)" % (sha[:80], info.type))
+            part = os.path.join(staging, sha)
+            # created read-only: the store's objects are, and no chmod is needed once it is written
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
+            h, left = hashlib.sha256(), info.size
             try:
-                with open(path, "rb", buffering=0) as fh:
-                    got = os.fstat(fh.fileno()).st_size
-                    for block in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(block)
-            except OSError:
-                bad.append("%s missing" % sha[:12])
-                continue
-            if h.hexdigest() != sha or got != int(size):
-                bad.append("%s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-                continue
-            _sync_keep(store, sha, path, made)
+                while left:
+                    data = stream.read(min(left, 1 << 20))
+                    if not data:
+                        raise _SyncRefused("the stream ended inside object %s" % sha[:12])
+                    h.update(data)
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    left -= len(data)
+            finally:
+                os.close(fd)
+            if h.hexdigest() != sha:
+                raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
+            _sync_read(stream, -info.size % tarfile.BLOCKSIZE, "inside object %s" % sha[:12])
+            target = os.path.join(root, sha[:2], sha)
+            _sync_makedirs(os.path.dirname(target), made)
+            os.rename(part, target)
             kept += 1
-    finally:
+        if stream.read().strip(b"\0"):
+            raise _SyncRefused("data after the stream's end")
+        if kept != count:
+            raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
+    finally:  # empty once every object moved; else it holds the one that failed
         shutil.rmtree(staging, ignore_errors=True)
-    if bad:
-        raise AgentError("%d objects not kept: %s" % (len(bad), ", ".join(bad[:5])))
-    return {"kept": kept}
+    return kept
 
 
 def op_sync_apply(req):
@@ -226,4 +278,12 @@ def op_sync_put(req):
 
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
 EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_stage": op_sync_stage,
-                  "sync_adopt": op_sync_adopt, "sync_apply": op_sync_apply})
+                  "sync_unstage": op_sync_unstage, "sync_apply": op_sync_apply})
+
+
+if __name__ == "__ugro_sync_receive__":  # run alone beside the agent, its stdin the stream (jobs/sync.py _send)
+    try:
+        _sync_receive(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin.buffer)
+    except (_SyncRefused, OSError) as exc:
+        sys.stderr.write("%s\n" % exc)
+        sys.exit(1)
