@@ -748,7 +748,8 @@ def launch(job: Job) -> Job:
             return job
         log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
                  pushed.seconds, pushed.sent_bytes)  # fmt: skip
-    problems = run_preflight(job, ranks, {r.node_id: sync.start_dir(job, r.node) for r in ranks})
+    bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
+    problems = run_preflight(job, ranks, bases)
     if problems:
         lifecycle.fail_unstarted(
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
@@ -761,15 +762,18 @@ def launch(job: Job) -> Job:
         except ValueError as exc:
             lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
             return job
+    # Every rank's command and environment built here, not in the start threads: the database reads they need
+    # (the job's code, its checkpoint) would open a connection per thread (16 nodes: 16 connections at once).
+    commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint) for r in ranks}
+    envs = {r.pk: rank_env(job, r) for r in ranks}
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:
         left = max(1.0, window - (time.monotonic() - t0))
-        argv, script_index = rank_command_and_script_index(job, rank, len(ranks), job.rdzv_endpoint)
+        argv, script_index = commands[rank.pk]
         result = node_request(
             rank.node, "start", timeout=left, argv=argv, script_index=script_index,
-            env=rank_env(job, rank), cwd=sync.start_dir(job, rank.node), log=rank.remote_log,
-            exit_file=rank.remote_exit,
+            env=envs[rank.pk], cwd=bases[rank.node_id], log=rank.remote_log, exit_file=rank.remote_exit,
             key=rank.start_key, record=rank.start_record, mkdirs=[job_dir_on(job, rank.node)],
         )  # fmt: skip
         rank.pid = result["pid"]
