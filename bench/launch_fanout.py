@@ -151,6 +151,11 @@ def fake_torchrun_cluster_yaml(cluster, bin_dir: Path, port: int) -> str:
     python = bin_dir / "python"
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(str(NODE_PY))} "$@"\n')
     python.chmod(0o755)
+    # ... and the env's lib/ beside it, as in a real env: the agent keeps its version report while the
+    # site-packages there are unchanged (cluster/node/agent.py op_env_report), as it would for the real env
+    lib = bin_dir.parent / "lib"
+    if not lib.exists():
+        lib.symlink_to(NODE_PY.parent.parent / "lib")
     lines = ["cluster:", '  name: "bench"', f'  master_ip: "{cluster.nodes[0].address}"', f"  master_port: {port}"]
     lines.append("nodes:")
     for i, node in enumerate(cluster.nodes):
