@@ -105,6 +105,10 @@ def server(web, controller, tmp_path):
                     "-n", "browser@%h", "--loglevel=warning"],
                    controller, tmp_path / "worker.log")  # fmt: skip
     try:
+        from ugro_site.celery import worker_alive
+
+        # commands refuse with no worker alive: a loaded machine takes seconds to start one
+        wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
         yield web
     finally:
         stop(worker)
