@@ -621,7 +621,11 @@ def rank_command(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> list[
     return argv
 
 
-def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str) -> tuple[list[str], int]:
+def rank_command_and_script_index(
+    job: Job, rank: Rank, nnodes: int, rdzv_endpoint: str, base: str | None = None
+) -> tuple[list[str], int]:
+    """The rank's torchrun argv and the index of the script in it; base: where its ranks start on the node
+    (sync.start_dir, read when not given)."""
     node = rank.node
     nproc = job.nproc_per_node or len(rank.gpu_indices) or 1
     join_timeout = settings.UGRO["JOIN_TIMEOUT_S"]
@@ -639,7 +643,8 @@ def rank_command_and_script_index(job: Job, rank: Rank, nnodes: int, rdzv_endpoi
     args = _with_places(_with_local_batch(job.script_args, getattr(rank, "local_batch", None)), job, node)
     # the batch and resume arguments after the user's: argparse keeps the last value
     extra = [*checkpoints.batch_args(job), *checkpoints.resume_args(job)]
-    return [*prefix, script_path(node, job.script, sync.start_dir(job, node)), *args, *extra], len(prefix)
+    base = sync.start_dir(job, node) if base is None else base
+    return [*prefix, script_path(node, job.script, base), *args, *extra], len(prefix)
 
 
 def _with_local_batch(args: list[str], local_batch: int | None) -> list[str]:
@@ -764,7 +769,8 @@ def launch(job: Job) -> Job:
             return job
     # Every rank's command and environment built here, not in the start threads: the database reads they need
     # (the job's code, its checkpoint) would open a connection per thread (16 nodes: 16 connections at once).
-    commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint) for r in ranks}
+    commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint, bases[r.node_id])
+                for r in ranks}  # fmt: skip
     envs = {r.pk: rank_env(job, r) for r in ranks}
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 

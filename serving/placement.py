@@ -20,12 +20,17 @@ from jobs.models import Allocation, Checkpoint
 from .models import Replica, Service
 
 
-def _slots() -> dict[int, list[int]]:
-    """node id -> its slots: GPU indices, or [-1] for a node without GPUs (every node, free or not)."""
+def _slots(min_vram_mb: int | None = None) -> dict[int, list[int]]:
+    """node id -> its slots: GPU indices, or [-1] for a node without GPUs (every node, free or not). With
+    min_vram_mb only the GPUs that have that much (one of unknown size has not, as for a job's --min-vram): a
+    node whose GPUs are all too small has no slot, it is not a node without GPUs."""
     out: dict[int, list[int]] = {n: [] for n in Node.objects.values_list("pk", flat=True)}
-    for node_id, index in GPU.objects.order_by("node_id", "index").values_list("node_id", "index"):
-        out[node_id].append(index)
-    return {n: slots or [Allocation.WHOLE_NODE] for n, slots in out.items()}
+    with_gpus = set()
+    for node_id, index, vram in GPU.objects.order_by("node_id", "index").values_list("node_id", "index", "vram_mb"):
+        with_gpus.add(node_id)
+        if not min_vram_mb or vram >= min_vram_mb:
+            out[node_id].append(index)
+    return {n: slots if n in with_gpus else [Allocation.WHOLE_NODE] for n, slots in out.items()}
 
 
 def _fits(slots: list[int], gpus: int) -> int:
@@ -33,15 +38,6 @@ def _fits(slots: list[int], gpus: int) -> int:
     if slots == [Allocation.WHOLE_NODE]:
         return 1
     return len(slots) // gpus if gpus else 0
-
-
-def _big_enough(slots: dict[int, list[int]], min_vram_mb: int | None) -> dict[int, list[int]]:
-    """The slots whose GPU has min_vram_mb (a GPU of unknown size does not, as for a job's --min-vram)."""
-    if not min_vram_mb:
-        return slots
-    vram = {(n, i): mb for n, i, mb in GPU.objects.values_list("node_id", "index", "vram_mb")}
-    return {n: s if s == [Allocation.WHOLE_NODE] else [i for i in s if vram.get((n, i), 0) >= min_vram_mb]
-            for n, s in slots.items()}  # fmt: skip
 
 
 # Weights need room beside them: the CUDA context, activations and at least some KV cache (vLLM and SGLang then
@@ -68,16 +64,14 @@ def capacity_problem(replicas: int, gpus: int, min_vram_mb: int | None = None) -
     """Why the cluster could never hold this many replicas (one line), or None. Busy GPUs count: a replica
     waits for them, as a job does; GPUs that do not exist, or are too small for the weights, are refused."""
     nodes = Node.objects.filter(enabled=True)
-    slots = _big_enough(_slots(), min_vram_mb if gpus else None)
+    slots = _slots(min_vram_mb)
     room = sum(_fits(slots[n.pk], gpus) for n in nodes)
     if room >= replicas:
         return None
     gpu_nodes = sum(1 for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
     have = sum(len(slots[n.pk]) for n in nodes if slots[n.pk] != [Allocation.WHOLE_NODE])
     if gpus and min_vram_mb:
-        largest = max(
-            (mb for mb in GPU.objects.filter(node__enabled=True).values_list("vram_mb", flat=True)), default=0
-        )
+        largest = max(GPU.objects.filter(node__enabled=True).values_list("vram_mb", flat=True), default=0)
         return (
             f"{replicas} replicas of {gpus} GPUs each with at least {min_vram_mb / 1024:.1f} GB (the checkpoint's "
             f"weights, {VRAM_HEADROOM:g}x, split over {gpus}) do not fit: the enabled nodes hold at most {room} "
@@ -92,7 +86,7 @@ def capacity_problem(replicas: int, gpus: int, min_vram_mb: int | None = None) -
 def place(replica: Replica) -> bool:
     """Hold free GPUs for a pending replica (STARTING is the caller's to set); False if none fit now."""
     service = replica.service
-    slots = _big_enough(_slots(), service.min_vram_mb if service.gpus_per_replica else None)
+    slots = _slots(service.min_vram_mb)
     busy = set(Allocation.objects.filter(active=True).values_list("node_id", "gpu_index"))
     mine = list(Replica.objects.filter(service=service, state__in=Replica.HOLDING).values_list("node_id", flat=True))
     nodes = [n for n in Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN)]

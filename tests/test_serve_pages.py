@@ -6,13 +6,14 @@ service end to end is tests/test_serve.py's."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Group, User
 from django.test import Client
 
 from accounts.models import AuditEvent
 from cluster.models import Node
 from jobs.models import Checkpoint, Job
 from serving.models import Replica, Service
+
+from .test_roles import make_user
 
 pytestmark = pytest.mark.django_db
 FORM = {"name": "chat", "source": "trained", "replicas": "2", "gpus_per_replica": "1", "engine": "transformers",
@@ -38,11 +39,9 @@ def trained(db, monkeypatch):
     return job
 
 
-def client_in(group: str) -> Client:
-    user = User.objects.create_user(f"{group}-user", password="pw-12345678")
-    user.groups.add(Group.objects.get(name=group))
+def client_in(role: str) -> Client:
     client = Client()
-    client.force_login(user)
+    client.force_login(make_user(role))
     return client
 
 
