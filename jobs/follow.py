@@ -567,6 +567,12 @@ def follow(
                 active = [_Listed(*row) for row in cursor.fetchall()]
             if not active and (job_ids is not None):
                 return
+            listed = {job.pk for job in active}
+            for job_id in [pk for pk in followers if pk not in listed and pk not in inflight]:
+                # no rank of it runs any more: its follower is done (else, held here, it kept an idle task
+                # from exiting for max_seconds, and such tasks took every thread of the worker)
+                followers.pop(job_id).fold(now=True)
+                release(job_id, owner)
             taken = 0
             # Instead of sleeping between idle passes, each job's node long-polls its share of
             # idle_sleep: a line is taken as soon as it is written, and an idle job costs the

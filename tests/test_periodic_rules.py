@@ -121,6 +121,31 @@ def test_the_follow_listing_reads_an_aware_lease_time(box):
     follow(0.2, job_ids=[job.pk], owner="me", exit_when_idle=True)
 
 
+def test_an_idle_follow_task_whose_job_ended_exits_and_lets_the_job_go(box, monkeypatch):
+    import jobs.follow
+
+    # given a follow task (exit_when_idle, as the worker runs it) following a running job
+    job = job_with_rank(box, "short", Job.State.RUNNING, state=Rank.State.RUNNING)
+    passes, rounds_after_end = [], []
+
+    def one_pass(f, wait):  # its pass sees the rank end (the follower's own step needs a real node)
+        passes.append(f.job.name)
+        Rank.objects.filter(job=job).update(state=Rank.State.EXITED)
+        return 0
+
+    def stopping() -> bool:  # checked before every round: more than a few after the end means it never exits
+        if passes:
+            rounds_after_end.append(1)
+        return len(rounds_after_end) > 5
+
+    monkeypatch.setattr(jobs.follow, "_one_pass", one_pass)
+    # when its job's last rank has ended
+    follow(60, owner="task-1", exit_when_idle=True, max_jobs=2, stopping=stopping)
+    # then the task returned on the next round (its thread free for the next task), and no lease is left
+    assert passes == ["short"] and len(rounds_after_end) <= 2
+    assert Job.objects.filter(pk=job.pk, follower="").exists()
+
+
 def test_the_charts_rollup_times_are_aware(box):
     job = job_with_rank(box, "curve", Job.State.RUNNING, state=Rank.State.RUNNING)
     points(job, 300)
