@@ -142,7 +142,7 @@ def job_detail(job: Job) -> dict:
 
 
 def _jobs_qs():
-    return Job.objects.select_related("owner").prefetch_related("ranks__node")
+    return Job.objects.select_related("owner", "current").prefetch_related("current__ranks__node")
 
 
 class JobsView(APIView):

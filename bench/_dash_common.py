@@ -301,9 +301,9 @@ def cleanup(cluster, procs: list, tmp: Path, keep: bool) -> None:
     for proc in procs:
         stop(proc)
     try:
-        from jobs.models import Job
+        from jobs.models import Attempt
 
-        tags = list(Job.objects.values_list("tag", flat=True))
+        tags = list(Attempt.objects.values_list("tag", flat=True))
     except Exception:
         tags = []
     for _ in range(50):  # bounded: SIGKILL what this benchmark's jobs left running

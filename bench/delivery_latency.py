@@ -133,7 +133,7 @@ def main() -> None:
             raise RuntimeError(f"job did not start: {job.state} {job.failure_reason}")
         ws, ws_out = start_wsclient(base, job.pk, cookie, tmp, run_seconds + 120)
         procs.append(ws)
-        wait_for(lambda: Job.objects.filter(pk=job.pk).exclude(follower="").exists(), 30,
+        wait_for(lambda: Job.objects.filter(pk=job.pk).exclude(current__follower="").exists(), 30,
                  "the worker to claim the job", 0.1)  # fmt: skip
         idle = idle_cost(worker.pid, cluster.nodes[0].address)
         print("idle (job running, rank silent):", idle)

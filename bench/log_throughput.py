@@ -84,7 +84,7 @@ def main() -> None:
         job.refresh_from_db()
         if job.state != Job.State.RUNNING:
             raise RuntimeError(f"job did not start: {job.state} {job.failure_reason}")
-        wait_for(lambda: Job.objects.filter(pk=job.pk).exclude(follower="").exists(), 30,
+        wait_for(lambda: Job.objects.filter(pk=job.pk).exclude(current__follower="").exists(), 30,
                  "the worker to claim the job", 0.1)  # fmt: skip
         ws, ws_out = start_wsclient(base, job.pk, cookie, tmp, args.timeout)
         procs.append(ws)

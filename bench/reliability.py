@@ -855,7 +855,7 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
                  "every rank to be up and waiting for GO", 0.2)  # fmt: skip
         ready_s = time.monotonic() - t0
         ids = [j.pk for j in jobs]
-        wait_for(lambda: not Job.objects.filter(pk__in=ids, follower="").exists(), 60,
+        wait_for(lambda: not Job.objects.filter(pk__in=ids, current__follower="").exists(), 60,
                  "the worker to follow every job", 0.2)  # fmt: skip
         max_view = seconds + 600
         for j in jobs:
@@ -972,7 +972,8 @@ def run_scenario(kind: str, label: str, n_jobs: int, rate: float, seconds: float
         loaded.append({"label": v["label"], "job_id": v["job_id"], "data": data, "exit": v["proc"].returncode})
     view = check_viewers(loaded, printed, commits)
     states = Counter(Job.objects.filter(pk__in=ids).values_list("state", flat=True))
-    failures = list(Job.objects.filter(pk__in=ids).exclude(failure_reason="").values_list("name", "failure_reason"))
+    failed = Job.objects.filter(pk__in=ids).exclude(current__failure_reason="")
+    failures = list(failed.values_list("name", "current__failure_reason"))
     done_data = [json.loads(p.read_text()) for p in done]
     first_print = min(d["t_first"] for d in done_data)
     last_print = max(d["t_last"] for d in done_data)
@@ -1179,9 +1180,9 @@ def viewer(url: str, cookie: str, origin: str, out: str, ready: str, max_seconds
 # ---- main --------------------------------------------------------------------------------------
 def cleanup(cluster, redis: RedisServer | None, tmp: Path, keep: bool) -> None:
     try:
-        from jobs.models import Job
+        from jobs.models import Attempt
 
-        kill_job_processes(list(Job.objects.values_list("tag", flat=True)))
+        kill_job_processes(list(Attempt.objects.values_list("tag", flat=True)))
     except Exception as exc:
         print("could not list the bench's jobs:", exc)
     if cluster is not None:

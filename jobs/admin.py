@@ -11,7 +11,7 @@ class RankInline(admin.TabularInline):
     model = Rank
     extra = 0
     can_delete = False
-    fields = ("index", "node", "state", "exit_code", "pid", "log_lines", "log_offset", "active")
+    fields = ("attempt", "index", "node", "state", "exit_code", "pid", "log_lines", "log_offset", "active")
     readonly_fields = fields
 
 
@@ -27,7 +27,7 @@ class AllocationInline(admin.TabularInline):
 class JobAdmin(admin.ModelAdmin):
     list_display = ("name", "state", "priority", "created_at", "started_at", "finished_at", "launch_spread_s")
     list_filter = ("state",)
-    search_fields = ("name", "tag")
+    search_fields = ("name", "current__tag")
     inlines = [RankInline, AllocationInline]
     readonly_fields = ("tag", "rdzv_endpoint", "launch_spread_s", "failure_reason", "follower", "follower_until",
                        "metrics_bytes", "started_at", "running_at", "finished_at")  # fmt: skip

@@ -109,7 +109,7 @@ def record_found(rank: Rank, entries: list[dict]) -> int:
     # another job's: one it runs now, or one it recorded as it still is (a run that ended just before this
     # rank started, within the clock slack), not one a later run rewrote
     others = Checkpoint.objects.filter(node=rank.node, path__in=[e["path"] for e in wanted]).exclude(job=rank.job)
-    running = set(others.filter(job__finished_at__isnull=True).values_list("path", flat=True))
+    running = set(others.filter(job__current__finished_at__isnull=True).values_list("path", flat=True))
     recorded = set(others.values_list("path", "mtime"))
     mine = [e for e in wanted if e["path"] not in running and (e["path"], e["mtime"]) not in recorded]
     return _record(rank, mine, set())

@@ -1,6 +1,6 @@
 """Following a job: copy each rank's log from its node, ingest metrics, notice how the ranks ended.
 
-One follower per job, by a lease in the job's row. The follower owns what it writes: a round of node
+One follower per job, by a lease in the row of its current attempt. The follower owns what it writes: a round of node
 reads starts with at least 7/8 of the lease left (renewed first unless that is so), no round may outlast
 3/4 of it, and every write
 (central log, arrival times, metrics.jsonl, metric rows, offsets) happens inside a transaction that
@@ -51,7 +51,7 @@ from metrics.models import JobMetrics, MetricFile
 from . import checkpoints, discovery, lifecycle
 from .events import publish_job
 from .logs import LINE_CUT, display_text, times_path, write_at
-from .models import Job, Rank
+from .models import Attempt, Job, Rank
 
 log = logging.getLogger(__name__)
 TAIL_BYTES = 4 * 1024 * 1024
@@ -98,11 +98,11 @@ def claim(job_id: int, owner: str, *, any_state: bool = False) -> bool:
     """Take or renew the right to follow a job with output to copy (one follower per job; a lease, so a
     dead follower is replaced). any_state: also a job with no running rank (to fetch a lost rank's rest)."""
     now = timezone.now()
-    qs = Job.objects.filter(pk=job_id).filter(
+    qs = Attempt.objects.filter(pk__in=Job.objects.filter(pk=job_id).values("current")).filter(
         Q(follower="") | Q(follower=owner) | Q(follower_until__lt=now) | Q(follower_until__isnull=True)
     )
     if not any_state:
-        qs = qs.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("pk"))
+        qs = qs.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("current"))
     return bool(qs.update(follower=owner, follower_until=now + timedelta(seconds=FOLLOW_LEASE_S)))
 
 
@@ -114,8 +114,8 @@ def followed_by_nobody(job: Job | _Listed, now: datetime) -> bool:
 
 def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> int:
     """Extend this follower's lease if it still holds it; LeaseLost otherwise. Inside a transaction the
-    UPDATE also locks the job's row until commit. Returns the job's committed metrics.jsonl size, read by
-    the same statement (a pass that stores points needs it).
+    statement also locks the job's row (and its current attempt's) until commit. Returns the job's committed
+    metrics.jsonl size, read by the same statement (a pass that stores points needs it).
 
     grow: bytes this transaction appends to metrics.jsonl: the committed size is raised by them in the same
     statement (the caller writes them at the size returned, and a rollback undoes both). relaxed: this
@@ -125,13 +125,15 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
     database kept before anything is appended (see above). One statement where a pass made three: each was
     a round trip and a fiftieth of a pass's CPU in the worker."""
     now = timezone.now()
-    table = connection.ops.quote_name(Job._meta.db_table)
+    jobs, attempts = (connection.ops.quote_name(m._meta.db_table) for m in (Job, Attempt))
     sql = (
-        f"UPDATE {table} SET follower_until = %s, metrics_bytes = metrics_bytes + %s"
-        " WHERE id = %s AND follower = %s AND follower_until > %s"
+        f"WITH lease AS (UPDATE {attempts} AS a SET follower_until = %s FROM {jobs} AS j"
+        " WHERE j.id = %s AND a.id = j.current_id AND a.follower = %s AND a.follower_until > %s"
+        " RETURNING a.job_id)"
+        f" UPDATE {jobs} SET metrics_bytes = metrics_bytes + %s WHERE id IN (SELECT job_id FROM lease)"
         " RETURNING metrics_bytes - %s"
     )
-    params = [now + timedelta(seconds=FOLLOW_LEASE_S), grow, job_id, owner, now, grow]
+    params = [now + timedelta(seconds=FOLLOW_LEASE_S), job_id, owner, now, grow, grow]
     with connection.cursor() as cursor:
         cursor.execute(f"{RELAXED_COMMIT}; {sql}" if relaxed else sql, params)
         if relaxed:
@@ -146,7 +148,7 @@ RELAXED_COMMIT = "SET LOCAL synchronous_commit TO OFF"
 
 
 def release(job_id: int, owner: str) -> None:
-    Job.objects.filter(pk=job_id, follower=owner).update(follower="", follower_until=None)
+    Attempt.objects.filter(job_id=job_id, follower=owner).update(follower="", follower_until=None)
 
 
 def tail_bytes(item: dict) -> bytes:
@@ -522,6 +524,9 @@ class _Listed(NamedTuple):
     name: str
 
 
+LISTED = ("pk", "current__number", "current__follower", "current__follower_until", "name")  # _Listed's columns
+
+
 def follow(
     max_seconds: float,
     job_ids: list[int] | None = None,
@@ -556,7 +561,7 @@ def follow(
     listing = Job.objects.filter(pk__in=Job.objects.filter(lifecycle.followable()).values("pk"))
     if job_ids is not None:
         listing = listing.filter(pk__in=job_ids)
-    listing_sql = listing.values_list(*_Listed._fields).query.sql_with_params()
+    listing_sql = listing.values_list(*LISTED).query.sql_with_params()
     lanes: ThreadPoolExecutor | None = None  # the jobs' passes, side by side (made when two jobs are followed)
     inflight: dict[int, tuple[_Listed, Future]] = {}  # job pk -> its pass still running on a lane
     try:
@@ -597,7 +602,7 @@ def follow(
                     followers.pop(job.pk, None)
                     continue
                 if f is None or f.job.attempt != job.attempt:  # a resumed job's next attempt: start afresh
-                    row = Job.objects.filter(pk=job.pk).first()
+                    row = Job.objects.select_related("current").filter(pk=job.pk).first()
                     if row is None:  # deleted meanwhile
                         followers.pop(job.pk, None)
                         continue

@@ -272,8 +272,8 @@ def _snapshot_code(job: Job, req: LaunchRequest) -> JobCode:
 
 def _never_ran(name: str):
     return Job.objects.filter(
-        name=name, state=Job.State.FAILED, running_at__isnull=True, attempt=1,
-        failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
+        name=name, state=Job.State.FAILED, current__running_at__isnull=True, current__number=1,
+        current__failure_kind__in=[FailureKind.PREFLIGHT.value, FailureKind.NODE_LOST.value],
     )  # fmt: skip
 
 
@@ -729,9 +729,9 @@ def launch(job: Job) -> Job:
     Rank.objects.bulk_update(ranks, ["batch_weight"])
     window = job.sync_window_s
     cs = ClusterSettings.load()
-    job.rdzv_endpoint = f"{ranks[0].node.address}:{rendezvous_port(cs, ranks[0].gpu_indices)}"
-    job.launcher = follower_id()
-    job.save(update_fields=["rdzv_endpoint", "launcher"])
+    job.current.rdzv_endpoint = f"{ranks[0].node.address}:{rendezvous_port(cs, ranks[0].gpu_indices)}"
+    job.current.launcher = follower_id()
+    job.current.save(update_fields=["rdzv_endpoint", "launcher"])
     write_job_config(job, ranks)
 
     # Connect (or reuse warm links) to every node at once; an unreachable node fails fast.

@@ -60,21 +60,35 @@ def _now() -> datetime:
     return timezone.now()
 
 
+# what _move writes on the current attempt's row: its fields that the job has none of
+_ATTEMPT_FIELDS = frozenset(f.name for f in Attempt._meta.concrete_fields) - {f.name for f in Job._meta.concrete_fields}
+_ATTEMPT_FIELDS -= {"job", "number"}
+
+
 def _move(job: Job, sources: Iterable[str], target: str, **fields) -> bool:
-    """The one way a job changes state: UPDATE ... WHERE state IN sources. True if this call did it."""
-    now = _now()
-    fields = {"state": target, "state_changed_at": now, **fields}
-    updated = Job.objects.filter(pk=job.pk, state__in=list(sources)).update(**fields)
+    """The one way a job changes state: UPDATE ... WHERE state IN sources, and in the same transaction the
+    fields given of its current attempt (tag, times, failure, ...) on that attempt's row. True if this call
+    did it."""
+    of_job = {"state": target, "state_changed_at": _now()}
+    of_attempt = {}
+    for key, value in fields.items():
+        (of_attempt if key in _ATTEMPT_FIELDS else of_job)[key] = value
+    with transaction.atomic():
+        updated = Job.objects.filter(pk=job.pk, state__in=list(sources)).update(**of_job)
+        if updated and of_attempt:
+            Attempt.objects.filter(pk=job.current_id).update(**of_attempt)
     if updated:
-        for key, value in fields.items():
+        for key, value in of_job.items():
             setattr(job, key, value)
+        for key, value in of_attempt.items():
+            setattr(job.current, key, value)
     else:
         job.refresh_from_db()
     return bool(updated)
 
 
 def _release(job: Job) -> None:
-    job.ranks.filter(active=True).update(active=False)
+    job.all_ranks.filter(active=True).update(active=False)
     job.allocations.filter(active=True).update(active=False)
 
 
@@ -99,8 +113,9 @@ def claim_nodes(job: Job, nodes: list[Node], gpus: list[list[int]] | None = None
             for index, (node, indices) in enumerate(zip(nodes, taken, strict=True)):
                 base = f"{node.workdir.rstrip('/') or '/'}/.ugro/jobs/{tag}/rank_{index}"
                 Rank.objects.create(
-                    job=job, node=node, index=index, remote_log=f"{base}.log", remote_exit=f"{base}.exit",
-                    remote_error=f"{base}.error.json", start_record=f"{base}.start", gpu_indices=indices,
+                    job=job, attempt_id=job.current_id, node=node, index=index, remote_log=f"{base}.log",
+                    remote_exit=f"{base}.exit", remote_error=f"{base}.error.json", start_record=f"{base}.start",
+                    gpu_indices=indices,
                 )  # fmt: skip
                 allocations += [Allocation(job=job, node=node, gpu_index=g) for g in indices or [Allocation.WHOLE_NODE]]
             Allocation.objects.bulk_create(allocations)
@@ -135,7 +150,7 @@ def ranks_started(job: Job, started: list[Started], spread: float | None) -> boo
 def ranks_started_partly(job: Job, started: list[Started], spread: float | None) -> None:
     """Record the ranks that did start of a launch that failed, so their output is still copied."""
     _record_started(started, _now())
-    Job.objects.filter(pk=job.pk).update(launch_spread_s=spread)
+    Attempt.objects.filter(pk=job.current_id).update(launch_spread_s=spread)
 
 
 def _record_started(started: list[Started], now: datetime) -> None:
@@ -318,29 +333,27 @@ class NextAttempt:
     wait_nodes: list[str] | None = None  # lost nodes it waits for, QUEUED, before it may start
 
 
-def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
-    """Inside requeue's transaction: the Attempt row, the ranks removed, the curve cut, the job QUEUED."""
-    ranks = list(job.ranks.select_related("node").order_by("index"))
+def _next_attempt(job: Job, nxt: NextAttempt, moved) -> None:
+    """Inside requeue's transaction: the ended attempt closed (how it ended, its last step, where its logs
+    went; its ranks stay its own), the next one added as the job's current, the curve cut, the job QUEUED."""
+    ended = job.current
     last_step = (
-        MetricPoint.objects.filter(job=job, attempt=number, step__isnull=False)
+        MetricPoint.objects.filter(job=job, attempt=ended.number, step__isnull=False)
         .order_by("-step")
         .values_list("step", flat=True)
+        .first()
     )
+    Attempt.objects.filter(pk=ended.pk).update(
+        state=job.state, last_step=last_step, logs_dir=str(moved) if moved else "", next_reason=nxt.reason[:300],
+        follower="", follower_until=None,
+    )  # fmt: skip
     from_step = nxt.checkpoint.step if nxt.checkpoint is not None else None
-    ended = {
-        "tag": job.tag, "state": job.state, "failure_kind": job.failure_kind,
-        "failure_reason": job.failure_reason, "started_at": job.started_at, "finished_at": job.finished_at,
-    }  # fmt: skip
-    ended_from = job.resume_step  # the step the ended attempt started from (None: from scratch)
-    fields = {
-        "attempt": number + 1,
-        "started_at": None, "running_at": None, "finished_at": None, "tag": "", "rdzv_endpoint": "",
-        "launch_spread_s": None, "launcher": "", "follower": "", "follower_until": None,
-        "failure_kind": "", "failure_rank": None, "failure_node": "", "failure_exit_code": None,
-        "failure_signal": None, "failure_line": "", "failure_reason": "",
-        "resume_checkpoint": nxt.checkpoint, "resume_path": nxt.resume_path, "resume_step": from_step,
-        "retry_at": nxt.retry_at, "recovery_note": nxt.reason[:2000], "wait_nodes": list(nxt.wait_nodes or []),
-    }  # fmt: skip
+    following = Attempt.objects.create(
+        job=job, number=ended.number + 1, resume_checkpoint=nxt.checkpoint, resume_path=nxt.resume_path,
+        from_step=from_step, retry_at=nxt.retry_at, recovery_note=nxt.reason[:2000],
+        wait_nodes=list(nxt.wait_nodes or []),
+    )  # fmt: skip
+    fields = {"current": following}
     if nxt.nodes is not None:
         fields.update(requested_nodes=list(nxt.nodes), requested_count=None)
     elif nxt.count is not None:
@@ -348,18 +361,7 @@ def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
     if nxt.batch is not None:
         fields["batch"] = nxt.batch
     if not _move(job, [job.state], Job.State.QUEUED, **fields):
-        raise RuntimeError(f"job {job.name} left {ended['state']} while its row was locked")
-    Attempt.objects.create(
-        job=job, number=number, from_step=ended_from, last_step=last_step.first(),
-        nodes=[r.node.name for r in ranks],
-        ranks=[
-            {"index": r.index, "node": r.node.name, "state": r.state, "exit_code": r.exit_code,
-             "log_offset": r.log_offset, "log_lines": r.log_lines, "lost_reason": r.lost_reason}
-            for r in ranks
-        ],
-        logs_dir=str(moved) if moved else "", next_reason=nxt.reason[:300], **ended,
-    )  # fmt: skip
-    Rank.objects.filter(job=job).delete()
+        raise RuntimeError(f"job {job.name} left {job.state} while its row was locked")
     cut = MetricPoint.objects.filter(job=job, superseded=False)
     (cut.filter(step__gt=from_step) if from_step is not None else cut).update(superseded=True)
     rollup.cut(job.pk, from_step)  # the charts' rollup leaves them too
@@ -368,10 +370,10 @@ def _archive_attempt(job: Job, nxt: NextAttempt, number: int, moved) -> None:
 def requeue(job: Job, nxt: NextAttempt) -> bool:
     """FAILED | CANCELLED -> QUEUED as attempt N+1 of the same job (same name, same curve).
 
-    The ended attempt is kept as an Attempt row; its central logs move to logs/attempt_<N>/ and its rank
-    rows are removed (the job's ranks are always the current attempt's); its metric points past the
-    step the new attempt starts from leave the curve (superseded, not deleted). False if the job is not
-    in a resumable state (another resume won the race, or it is still live).
+    The next attempt is a new Attempt row, the job's current; the ended one keeps its row and its ranks, and
+    its central logs move to logs/attempt_<N>/; its metric points past the step the new attempt starts from
+    leave the curve (superseded, not deleted). False if the job is not in a resumable state (another resume
+    won the race, or it is still live).
     """
     with transaction.atomic():
         # the row lock makes a second resume wait, then see the job QUEUED: it moves no log file
@@ -383,7 +385,7 @@ def requeue(job: Job, nxt: NextAttempt) -> bool:
         number = job.attempt
         moved = archive_logs(job, number)  # the next attempt must never write over them
         try:
-            _archive_attempt(job, nxt, number, moved)
+            _next_attempt(job, nxt, moved)
         except Exception:
             if moved:
                 restore_logs(job, number)
@@ -408,8 +410,8 @@ def node_back(job: Job, node_name: str) -> bool:
             job.refresh_from_db()
             return False
         left = [n for n in locked.wait_nodes if n != node_name]
-        Job.objects.filter(pk=job.pk).update(wait_nodes=left)
-    job.wait_nodes = left
+        Attempt.objects.filter(pk=locked.current_id).update(wait_nodes=left)
+    job.refresh_from_db()
     log.warning("job %s: node %s is back%s", job.name, node_name, "" if left else "; it may start")
     if not left:
         transaction.on_commit(lambda: send_task("jobs.tasks.schedule_jobs"))
@@ -568,4 +570,4 @@ def _settle_over(failed: list[Rank]) -> bool:
 
 def followable() -> Q:
     """Jobs with output still to copy: a rank that runs (or ran, and its exit is not yet seen)."""
-    return Q(ranks__state=Rank.State.RUNNING)
+    return Q(current__ranks__state=Rank.State.RUNNING)

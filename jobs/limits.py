@@ -84,9 +84,9 @@ def learned_vram(script: str, previous: Job | None = None) -> tuple[int, str] | 
     the latest run of the same script that ran long enough to be sampled; None when nothing is known."""
     candidates = [previous] if previous is not None else []
     candidates += list(
-        Job.objects.filter(script=script, running_at__isnull=False)
+        Job.objects.filter(script=script, current__running_at__isnull=False)
         .exclude(allocations=None)
-        .order_by("-running_at")[:3]
+        .order_by("-current__running_at")[:3]
     )
     for job in candidates:
         peak = peak_vram_mb(job)
@@ -105,10 +105,10 @@ def learned_speeds(script: str, nodes: list) -> dict[str, float]:
     speeds: dict[str, float] = {}
     for node in nodes:
         solo = (
-            Job.objects.filter(script=script, running_at__isnull=False, ranks__node=node)
-            .annotate(n=Count("ranks"))
+            Job.objects.filter(script=script, current__running_at__isnull=False, current__ranks__node=node)
+            .annotate(n=Count("current__ranks"))
             .filter(n=1)
-            .order_by("-running_at")
+            .order_by("-current__running_at")
             .first()
         )
         if solo is None:
@@ -138,11 +138,14 @@ def typical_durations(scripts: Iterable[str]) -> dict[str, float]:
         return {}
     latest = (
         Job.objects.filter(
-            script__in=scripts, state=Job.State.SUCCEEDED, started_at__isnull=False, finished_at__isnull=False
+            script__in=scripts,
+            state=Job.State.SUCCEEDED,
+            current__started_at__isnull=False,
+            current__finished_at__isnull=False,
         )
-        .annotate(nth=Window(RowNumber(), partition_by=F("script"), order_by=F("finished_at").desc()))
+        .annotate(nth=Window(RowNumber(), partition_by=F("script"), order_by=F("current__finished_at").desc()))
         .filter(nth__lte=RUNS_FOR_ESTIMATE)
-        .values_list("script", "started_at", "finished_at")
+        .values_list("script", "current__started_at", "current__finished_at")
     )
     runs: dict[str, list[float]] = {}
     for script, started, finished in latest:

@@ -69,33 +69,11 @@ def restore_logs(job: Job, number: int) -> None:
         f.replace(job.logs_dir / f.name)
 
 
-@dataclass(frozen=True)
-class ArchivedRank:
-    """A rank of an earlier attempt, as far as reading its central log needs (duck-types Rank)."""
-
-    pk: str
-    index: int
-    log_offset: int
-    local_log: Path
-
-
-def attempt_ranks(job: Job, number: int) -> list[ArchivedRank] | None:
-    """The ranks of an earlier attempt of the job, for job_lines; None if there is no such attempt."""
-    attempt = job.attempts.filter(number=number).first()
-    if attempt is None:
-        return None
-    base = Path(attempt.logs_dir) if attempt.logs_dir else attempt_logs_dir(job, number)
-    return [
-        ArchivedRank(pk=f"a{number}r{r['index']}", index=r["index"], log_offset=int(r.get("log_offset") or 0),
-                     local_log=base / f"rank_{r['index']}.log")
-        for r in sorted(attempt.ranks, key=lambda r: r["index"])
-    ]  # fmt: skip
-
-
-def earlier_attempt(job: Job, number: int, rank: int | None, follow: bool) -> list[ArchivedRank]:
+def earlier_attempt(job: Job, number: int, rank: int | None, follow: bool) -> list[Rank]:
     """The ranks of attempt `number` for reading its lines (`logs --attempt`); ValueError in one line when
     there is no such attempt or rank, or when asked to follow an attempt that has ended."""
-    ranks = attempt_ranks(job, number)
+    attempt = job.earlier_attempts.filter(number=number).first()
+    ranks = list(attempt.ranks.select_related("job", "attempt").order_by("index")) if attempt else None
     if ranks is None:
         raise ValueError(f"job {job.name} has no attempt {number} (attempts 1-{job.attempt})")
     if follow:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
 from cluster.models import Node
@@ -14,8 +14,40 @@ from cluster.names import validate_safe_name
 DEFAULT_RESUME_TEMPLATE = "--resume-from {checkpoint}"
 
 
+def _of_current(field: str) -> property:
+    def get(job: Job):
+        current = job.current
+        if current is not None:
+            return getattr(current, field)
+        first = job.__dict__.get("_first_attempt", {})
+        return first[field] if field in first else Attempt._meta.get_field(field).get_default()
+
+    def put(job: Job, value) -> None:
+        if not job._state.adding:
+            raise AttributeError(f"{field} belongs to the job's current attempt: write job.current.{field}")
+        job.__dict__.setdefault("_first_attempt", {})[field] = value
+
+    return property(get, put, doc=f"The current attempt's {field}.")
+
+
+class JobManager(models.Manager):
+    def bulk_create(self, objs, *args, **kwargs):
+        """Jobs made in bulk get their first attempts in bulk too (every job has a current attempt)."""
+        with transaction.atomic(using=self.db):
+            jobs = super().bulk_create(objs, *args, **kwargs)
+            firsts = Attempt.objects.using(self.db).bulk_create(
+                Attempt(job=job, **{"number": 1, **job.__dict__.pop("_first_attempt", {})}) for job in jobs
+            )
+            for job, first in zip(jobs, firsts, strict=True):
+                job.current = first
+            super().bulk_update(jobs, ["current"])
+        return jobs
+
+
 class Job(models.Model):
-    """One distributed training run. Only jobs/lifecycle.py changes `state` (docs/lifecycle.md):
+    """One distributed training run: what to run (this row) and its attempts (Attempt rows: a resume or
+    retry adds one; `current` is the one that runs now). Only jobs/lifecycle.py changes `state` and writes
+    an attempt (docs/lifecycle.md):
 
     QUEUED -> STARTING -> RUNNING -> SUCCEEDED; STARTING | RUNNING -> FAILING -> FAILED;
     QUEUED -> CANCELLED; STARTING | RUNNING -> CANCELLING -> CANCELLED;
@@ -58,36 +90,18 @@ class Job(models.Model):
     )
     min_vram_mb = models.PositiveIntegerField(null=True, blank=True, help_text="Each of its GPUs needs this much.")
     vram_source = models.CharField(max_length=200, blank=True, help_text="Where min_vram_mb came from.")
-    held_gpus = models.PositiveIntegerField(default=0, help_text="GPUs (or whole GPU-less nodes) it was given.")
     sweep = models.ForeignKey("Sweep", null=True, blank=True, on_delete=models.CASCADE, related_name="trials")
     sweep_params = models.JSONField(default=dict, blank=True, help_text="This trial's values of the sweep's params.")
     after = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
         help_text="Starts only after this job succeeded (--after).",
     )  # fmt: skip
-    tag = models.CharField(max_length=100, blank=True, help_text="Unique per attempt; marks every process.")
-    rdzv_endpoint = models.CharField(max_length=300, blank=True)
     sync_window_s = models.FloatField(default=30.0)
-    launch_spread_s = models.FloatField(null=True, blank=True, help_text="First to last rank start.")
-    failure_reason = models.TextField(blank=True, help_text="One line: kind, rank, exit code and the decisive line.")
-    failure_kind = models.CharField(max_length=16, blank=True, db_index=True)
-    failure_rank = models.IntegerField(null=True, blank=True, help_text="The first failing rank (node rank).")
-    failure_node = models.CharField(max_length=64, blank=True)
-    failure_exit_code = models.IntegerField(null=True, blank=True, help_text="The script's own exit code.")
-    failure_signal = models.IntegerField(null=True, blank=True)
-    failure_line = models.TextField(blank=True, help_text="The decisive line of the failing rank's output.")
-    attempt = models.PositiveIntegerField(default=1, help_text="Resume and retry make attempt N+1 of the job.")
     state_changed_at = models.DateTimeField(null=True, blank=True, help_text="When the job entered its state.")
     created_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    running_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
     metrics_bytes = models.BigIntegerField(default=0, help_text="Committed size of metrics.jsonl.")
-    launcher = models.CharField(max_length=100, blank=True, help_text="The process that started the ranks.")
-    follower = models.CharField(max_length=100, blank=True)
-    follower_until = models.DateTimeField(null=True, blank=True)
     resumed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    # Recovery (docs/recovery.md): how this job resumes, and what made its current attempt.
+    # Recovery (docs/recovery.md): how this job resumes.
     resume_template = models.CharField(
         max_length=500, default=DEFAULT_RESUME_TEMPLATE,
         help_text="The script's resume argument; {checkpoint} is the checkpoint's path on rank 0's node.",
@@ -95,12 +109,6 @@ class Job(models.Model):
     checkpoint_glob = models.CharField(
         max_length=500, blank=True, help_text="Extra checkpoint paths to record, a glob relative to the workdir."
     )
-    resume_checkpoint = models.ForeignKey(
-        "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
-        help_text="The checkpoint this attempt starts from (blank: from scratch).",
-    )  # fmt: skip
-    resume_path = models.CharField(max_length=1000, blank=True, help_text="Its path as rank 0 reads it.")
-    resume_step = models.BigIntegerField(null=True, blank=True, help_text="The step this attempt starts from.")
     retry_on = models.JSONField(default=list, blank=True, help_text="Failure kinds that resume automatically.")
     max_attempts = models.PositiveIntegerField(null=True, blank=True, help_text="Blank: the cluster default.")
     min_nodes = models.PositiveIntegerField(null=True, blank=True, help_text="Fewest nodes a retry may run on.")
@@ -110,12 +118,6 @@ class Job(models.Model):
     )  # fmt: skip
     batch = models.JSONField(default=dict, blank=True, help_text='{"batch": B, "accum": A} for batch_template.')
     hang_after_s = models.FloatField(null=True, blank=True, help_text="Silence that makes it HUNG; blank: default.")
-    retry_at = models.DateTimeField(null=True, blank=True, help_text="When the next automatic attempt starts.")
-    wait_nodes = models.JSONField(
-        default=list, blank=True, help_text="Lost nodes this queued attempt waits for: it starts only once they "
-        "answer again (a node-lost retry without --min-nodes; docs/recovery.md).",
-    )  # fmt: skip
-    recovery_note = models.TextField(blank=True, help_text="What recovery did or proposes, one line.")
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
@@ -124,12 +126,68 @@ class Job(models.Model):
         related_name="jobs",
         help_text="Who launched it (blank: launched before jobs had owners, or by the system).",
     )
+    current = models.OneToOneField(
+        "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="The attempt that runs now, or ran last (made with the job; a resume or retry makes the next).",
+    )  # fmt: skip
+
+    objects = JobManager()
+
+    # The current attempt's fields, read through the job (job.tag is job.current.tag). Written only on the
+    # attempt (jobs/lifecycle.py), except as keywords of a new Job: its first attempt is made with them.
+    tag = _of_current("tag")
+    rdzv_endpoint = _of_current("rdzv_endpoint")
+    launch_spread_s = _of_current("launch_spread_s")
+    launcher = _of_current("launcher")
+    follower = _of_current("follower")
+    follower_until = _of_current("follower_until")
+    held_gpus = _of_current("held_gpus")
+    started_at = _of_current("started_at")
+    running_at = _of_current("running_at")
+    finished_at = _of_current("finished_at")
+    failure_kind = _of_current("failure_kind")
+    failure_reason = _of_current("failure_reason")
+    failure_rank = _of_current("failure_rank")
+    failure_node = _of_current("failure_node")
+    failure_exit_code = _of_current("failure_exit_code")
+    failure_signal = _of_current("failure_signal")
+    failure_line = _of_current("failure_line")
+    resume_checkpoint = _of_current("resume_checkpoint")
+    resume_path = _of_current("resume_path")
+    resume_step = _of_current("from_step")
+    retry_at = _of_current("retry_at")
+    wait_nodes = _of_current("wait_nodes")
+    recovery_note = _of_current("recovery_note")
+    attempt = _of_current("number")
 
     class Meta:
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs) -> None:
+        """A new job is saved with its first attempt (made from the attempt keywords it was given)."""
+        if not self._state.adding or self.current_id is not None:
+            super().save(*args, **kwargs)
+            return
+        first = self.__dict__.pop("_first_attempt", {})
+        with transaction.atomic(using=kwargs.get("using")):
+            super().save(*args, **kwargs)
+            db = self._state.db
+            self.current = Attempt.objects.using(db).create(job=self, **{"number": 1, **first})
+            Job.objects.using(db).filter(pk=self.pk).update(current=self.current)
+
+    @property
+    def ranks(self):
+        """The current attempt's ranks (every attempt keeps its own: Attempt.ranks, Rank.job's all_ranks)."""
+        if self.current_id is None:
+            return Rank.objects.none()
+        return self.current.ranks
+
+    @property
+    def earlier_attempts(self):
+        return self.attempts.exclude(pk=self.current_id).order_by("number")
 
     @property
     def is_live(self) -> bool:
@@ -167,7 +225,10 @@ class Rank(models.Model):
         EXITED = "exited", "exited"
         LOST = "lost", "lost"
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="ranks")
+    attempt = models.ForeignKey("Attempt", on_delete=models.CASCADE, related_name="ranks")
+    job = models.ForeignKey(
+        Job, on_delete=models.CASCADE, related_name="all_ranks", help_text="Its attempt's job (every attempt's ranks)."
+    )
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ranks")
     index = models.PositiveIntegerField(help_text="Node rank within the job (0 hosts the rendezvous).")
     state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
@@ -196,14 +257,23 @@ class Rank(models.Model):
     )  # fmt: skip
 
     class Meta:
-        ordering = ["job", "index"]
+        ordering = ["attempt", "index"]
         constraints = [
-            models.UniqueConstraint(fields=["job", "index"], name="rank_index_unique"),
-            models.UniqueConstraint(fields=["job", "node"], name="rank_node_unique"),
+            models.UniqueConstraint(fields=["attempt", "index"], name="rank_index_unique"),
+            models.UniqueConstraint(fields=["attempt", "node"], name="rank_node_unique"),
         ]
 
     def __str__(self) -> str:
         return f"{self.job.name} rank {self.index} on {self.node.name}"
+
+    def save(self, *args, **kwargs) -> None:
+        """A rank given only its job belongs to the job's current attempt; one given its attempt, to its job."""
+        if self.attempt_id is None and self.job_id is not None:
+            db = kwargs.get("using") or self._state.db
+            self.attempt_id = Job.objects.using(db).values_list("current", flat=True).get(pk=self.job_id)
+        elif self.job_id is None and self.attempt_id is not None:
+            self.job_id = self.attempt.job_id
+        super().save(*args, **kwargs)
 
     def in_other_jobs_dir(self, path: str) -> bool:
         """Whether a path on this rank's node lies in another job's own directory, <workdir>/outputs/<that
@@ -216,12 +286,17 @@ class Rank(models.Model):
 
     @property
     def local_log(self) -> Path:
-        return self.job.logs_dir / f"rank_{self.index}.log"
+        """Its central copy: in the job's logs while its attempt is the current one, then where they moved
+        (jobs/logs.py archive_logs)."""
+        if self.attempt_id == self.job.current_id:
+            return self.job.logs_dir / f"rank_{self.index}.log"
+        moved = Path(self.attempt.logs_dir) if self.attempt.logs_dir else None
+        return (moved or self.job.logs_dir / f"attempt_{self.attempt.number}") / f"rank_{self.index}.log"
 
     @property
     def start_key(self) -> str:
         """The idempotency key of this rank's start: a retried start never starts a second torchrun."""
-        return f"{self.job.tag}:{self.index}:{self.job.attempt}"
+        return f"{self.attempt.tag}:{self.index}:{self.attempt.number}"
 
     def exit_text(self) -> str:
         if self.exit_code is None:
@@ -326,25 +401,47 @@ class Checkpoint(models.Model):
 
 
 class Attempt(models.Model):
-    """One ended attempt of a job, kept when a resume or retry starts the next one (same job, same name).
+    """One try of a job: where and when it ran, who follows it, how it failed, what it started from.
 
-    The job row always describes its current attempt; this is the record of the earlier ones: how
-    each ended, at which step, where it ran, and where its central logs were moved.
+    Made with the job (attempt 1) and by each resume or retry (attempt N+1, lifecycle.requeue), never reset;
+    the job's `current` is the newest. Its ranks are its own (Rank.attempt), so an earlier attempt's tag,
+    nodes and processes stay readable after the next one starts.
     """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
-    number = models.PositiveIntegerField()
-    tag = models.CharField(max_length=100, blank=True)
-    state = models.CharField(max_length=10, help_text="How it ended (failed, cancelled).")
-    failure_kind = models.CharField(max_length=16, blank=True)
-    failure_reason = models.TextField(blank=True)
-    from_step = models.BigIntegerField(null=True, blank=True, help_text="The step it started from.")
-    last_step = models.BigIntegerField(null=True, blank=True, help_text="The last metric step it reached.")
-    nodes = models.JSONField(default=list, help_text="Node names in rank order.")
-    ranks = models.JSONField(default=list, help_text="Each rank's index, node, state, exit code, log size.")
-    logs_dir = models.CharField(max_length=1000, blank=True, help_text="Where its central logs were moved.")
+    number = models.PositiveIntegerField(default=1)
+    state = models.CharField(max_length=10, blank=True, help_text="How it ended (blank while it is the current one).")
+    tag = models.CharField(max_length=100, blank=True, help_text="Unique per attempt; marks every process.")
+    rdzv_endpoint = models.CharField(max_length=300, blank=True)
+    launch_spread_s = models.FloatField(null=True, blank=True, help_text="First to last rank start.")
+    launcher = models.CharField(max_length=100, blank=True, help_text="The process that started the ranks.")
+    follower = models.CharField(max_length=100, blank=True)
+    follower_until = models.DateTimeField(null=True, blank=True)
+    held_gpus = models.PositiveIntegerField(default=0, help_text="GPUs (or whole GPU-less nodes) it was given.")
     started_at = models.DateTimeField(null=True, blank=True)
+    running_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    failure_kind = models.CharField(max_length=16, blank=True, db_index=True)
+    failure_reason = models.TextField(blank=True, help_text="One line: kind, rank, exit code and the decisive line.")
+    failure_rank = models.IntegerField(null=True, blank=True, help_text="The first failing rank (node rank).")
+    failure_node = models.CharField(max_length=64, blank=True)
+    failure_exit_code = models.IntegerField(null=True, blank=True, help_text="The script's own exit code.")
+    failure_signal = models.IntegerField(null=True, blank=True)
+    failure_line = models.TextField(blank=True, help_text="The decisive line of the failing rank's output.")
+    resume_checkpoint = models.ForeignKey(
+        "Checkpoint", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="The checkpoint it starts from (blank: from scratch).",
+    )  # fmt: skip
+    resume_path = models.CharField(max_length=1000, blank=True, help_text="That checkpoint's path as rank 0 reads it.")
+    from_step = models.BigIntegerField(null=True, blank=True, help_text="The step it started from.")
+    retry_at = models.DateTimeField(null=True, blank=True, help_text="When the next automatic attempt starts.")
+    wait_nodes = models.JSONField(
+        default=list, blank=True, help_text="Lost nodes it waits for, queued: it starts only once they answer again "
+        "(a node-lost retry without --min-nodes; docs/recovery.md).",
+    )  # fmt: skip
+    recovery_note = models.TextField(blank=True, help_text="What recovery did or proposes, one line.")
+    last_step = models.BigIntegerField(null=True, blank=True, help_text="The last metric step it reached (ended).")
+    logs_dir = models.CharField(max_length=1000, blank=True, help_text="Where its central logs were moved (ended).")
     next_reason = models.CharField(max_length=300, blank=True, help_text="Why the next attempt was made.")
 
     class Meta:
@@ -353,6 +450,11 @@ class Attempt(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job.name} attempt {self.number}"
+
+    @property
+    def nodes(self) -> list[str]:
+        """Its node names in rank order."""
+        return [r.node.name for r in self.ranks.select_related("node").order_by("index")]
 
 
 class JobCode(models.Model):

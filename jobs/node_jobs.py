@@ -17,7 +17,7 @@ def node_jobs(nodes: list[Node]) -> dict[int, tuple[str | None, datetime | None]
     ids = [n.pk for n in nodes]
     running = dict(
         Rank.objects.filter(node_id__in=ids, active=True, job__state__in=Job.LIVE_STATES).values_list(
-            "node_id", "job__tag"
+            "node_id", "attempt__tag"
         )
     )
     last = dict(

@@ -368,11 +368,10 @@ def waiting_text(job: Job) -> str:
 
 def attempt_marks(job: Job) -> list[dict]:
     """Where each later attempt joined the job's curve (`{"attempt", "step"}`): the charts mark them."""
-    marks = [
+    return [
         {"attempt": n, "step": step or 0}
         for n, step in job.attempts.filter(number__gt=1).order_by("number").values_list("number", "from_step")
     ]
-    return marks + ([{"attempt": job.attempt, "step": job.resume_step or 0}] if job.attempt > 1 else [])
 
 
 def checkpoints(job: Job) -> list[Checkpoint]:
@@ -409,7 +408,7 @@ def results(job: Job) -> list[str]:
         step = str(c.step) if c.step is not None else "-"
         note = "" if c.ready else "  (being written or incomplete: not offered)"
         out.append(f"    {step:>8} {c.node.name[:12]:12} {c.size / 1e6:>7.1f} MB {age(c.mtime):>9}  {c.path}{note}")
-    for a in job.attempts.order_by("number"):
+    for a in job.earlier_attempts:
         out.append(
             f"  attempt {a.number}: {a.state}{' ' + a.failure_kind if a.failure_kind else ''} at step "
             f"{a.last_step if a.last_step is not None else '-'} (from step {a.from_step or 0}) on "
@@ -450,7 +449,7 @@ def results_record(job: Job) -> dict:
                 "nodes": a.nodes,
                 "then": a.next_reason,
             }
-            for a in job.attempts.order_by("number")
+            for a in job.earlier_attempts
         ],
     }
 

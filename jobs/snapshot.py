@@ -17,16 +17,16 @@ from django.utils import timezone
 from cluster.models import GPU, ClusterSettings, Node
 
 from .limits import typical_durations
-from .models import Allocation, Job, Sweep
+from .models import Allocation, Attempt, Job, Sweep
 from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decayed_usage, plan
 
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
 DEMAND_FIELDS = (
     "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
-    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "wait_nodes", "script",
+    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "current__wait_nodes", "script",
 )  # fmt: skip
 AFTER = DEMAND_FIELDS.index("after_id")
-JSON_LISTS = ("requested_nodes", "wait_nodes")  # read as text: the usual "[]" needs no decoding
+JSON_LISTS = ("requested_nodes", "current__wait_nodes")  # read as text: the usual "[]" needs no decoding
 
 
 def _json_list(value) -> list:
@@ -82,8 +82,8 @@ class Snapshot:
         # job -> (its script, when it started; now while it waits): the estimates look up earlier runs by it
         self.scripts: dict[int, tuple[str, float]] = {}
         allocations = Allocation.objects.filter(active=True).values_list(
-            "job_id", "job__name", "node_id", "gpu_index", "job__started_at", "job__time_limit_s", "job__owner_id",
-            "job__sweep_id", "job__script", "holder",
+            "job_id", "job__name", "node_id", "gpu_index", "job__current__started_at", "job__time_limit_s",
+            "job__owner_id", "job__sweep_id", "job__script", "holder",
         )  # fmt: skip
         services: dict[str, int] = {}
         for job_id, name, node_id, index, started, limit, owner, sweep, script, holder in allocations:
@@ -116,12 +116,13 @@ class Snapshot:
 
         half_life = max(self.cs.fair_share_half_life_h, 0.01) * 3600
         since = self.now_dt - timedelta(seconds=half_life * USAGE_HALF_LIVES)
-        used = Job.objects.filter(Q(finished_at__isnull=True) | Q(finished_at__gt=since), started_at__isnull=False)
+        # every attempt's use counts, a retried job's earlier ones too
+        used = Attempt.objects.filter(Q(finished_at__isnull=True) | Q(finished_at__gt=since), started_at__isnull=False)
         self.usage = decayed_usage(
             (
                 (owner, started.timestamp(), (finished or self.now_dt).timestamp(), held_gpus)
                 for owner, started, finished, held_gpus in used.values_list(
-                    "owner_id", "started_at", "finished_at", "held_gpus"
+                    "job__owner_id", "started_at", "finished_at", "held_gpus"
                 )
             ),
             self.now,
@@ -170,7 +171,8 @@ class Snapshot:
     def plan(self, extra: list[Job] = (), estimates: bool = True) -> list[Decision]:
         """The planner's decisions; extra: unsaved jobs to consider too (a dry run); estimates=False:
         only what starts now (and the reservations) is decided, as a scheduling pass needs."""
-        demands = self.demands + [self._demand(tuple(getattr(j, f) for f in DEMAND_FIELDS)) for j in extra]
+        unsaved = [tuple(getattr(j, f.removeprefix("current__")) for f in DEMAND_FIELDS) for j in extra]
+        demands = self.demands + [self._demand(row) for row in unsaved]
         if estimates:
             self._learn_durations(demands)
         return plan(self.now, self.nodes, self.running, demands, self.usage, self.limits, estimates)

@@ -237,7 +237,7 @@ def trial_rows(sweep: Sweep) -> list[TrialRow]:
     """Each trial with its params, final and best value of the sweep's metric, the best trial marked, in a
     fixed number of queries. Final: the last value rank 0 logged (else the lowest rank), as every page and
     command shows a run's final value (metrics/final.py); best: the lowest (mode min) or highest of any rank."""
-    jobs = list(sweep.trials.order_by("pk"))
+    jobs = list(sweep.trials.select_related("current").order_by("pk"))
     points = MetricPoint.objects.filter(job__in=jobs, name=sweep.metric)
     best_of = min if sweep.mode == "min" else max
     agg: dict[int, dict] = {}

@@ -79,7 +79,7 @@ def follow_jobs() -> None:
         FOLLOW_SECONDS, exit_when_idle=True, max_jobs=FOLLOW_JOBS_PER_TASK,
         more_wanted=lambda: send_task("jobs.tasks.follow_jobs"), stopping=_shutting_down.is_set,
     )  # fmt: skip
-    if Job.objects.filter(lifecycle.followable(), follower="").exists():
+    if Job.objects.filter(lifecycle.followable(), current__follower="").exists():
         # handed back at shutdown (for the next worker), or Redis away: no successor was queued
         # then; beat queues a follow task every few seconds anyway.
         send_task("jobs.tasks.follow_jobs")

@@ -68,7 +68,8 @@ def human_duration(seconds: float | None) -> str:
 
 
 def _with_ranks(qs):
-    return qs.prefetch_related(Prefetch("ranks", queryset=Rank.objects.select_related("node").order_by("index")))
+    ranks = Rank.objects.select_related("node").order_by("index")
+    return qs.select_related("current").prefetch_related(Prefetch("current__ranks", queryset=ranks))
 
 
 @require_GET
@@ -85,7 +86,7 @@ def board(request: HttpRequest) -> HttpResponse:
     for key, title, states in LANES:
         lane = _with_ranks(jobs.filter(state__in=states))
         if key == "done":
-            lane = lane.order_by("-finished_at", "-created_at")[:DONE_LIMIT]
+            lane = lane.order_by("-current__finished_at", "-created_at")[:DONE_LIMIT]
         elif key == "queued":
             lane = lane.order_by("-priority", "created_at")
         lane = list(lane)
@@ -105,7 +106,8 @@ def queue_page(request: HttpRequest) -> HttpResponse:
     snap = Snapshot()
     entries = queue(snap)
     gpus = []
-    running = {j.pk: j for j in Job.objects.filter(pk__in={h[0] for h in snap.holders.values()})}
+    holding = {h[0] for h in snap.holders.values()}
+    running = {j.pk: j for j in Job.objects.select_related("current").filter(pk__in=holding)}
     models = {(g.node_id, g.index): g for g in GPU.objects.all()}
     for n in snap.nodes:
         for slot in n.slots:
@@ -179,7 +181,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         checkpoints=ckpts,
         ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None],
         resumable=job.state in lifecycle.RESUMABLE_STATES and policy.allowed(request.user, "resume", job),
-        attempts=list(job.attempts.order_by("number")),
+        attempts=list(job.earlier_attempts),
         attempt_marks=marks,
         attempt_marks_json=json.dumps(marks),
         stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],

@@ -124,7 +124,7 @@ def adopt(job: Job, rank: Rank, entries: list[dict]) -> int:
         return 0
     taken = set(
         MetricFile.objects.filter(path__in=paths)
-        .filter(Q(job=job) | Q(job__finished_at__isnull=True))
+        .filter(Q(job=job) | Q(job__current__finished_at__isnull=True))
         .values_list("path", flat=True)
     )
     new = [p for p in paths if p not in taken]

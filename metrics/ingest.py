@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import NamedTuple
 
 from django.db import connection
+from django.db.models import F
 
 from .models import FinalMetric, JobMetrics, MetricFile, MetricPoint
 from .parsing import MAX_LINE_CHARS, LineParser, Point, compile_pattern
@@ -86,7 +87,11 @@ def configure(stream: RankStream, job_id: int, rank_index: int) -> None:
                 pass  # validated at launch; a pattern that broke since is no reason to stop following
         stream.progress_saved = (settings.step, settings.total_steps)
     parser.bar_metrics = not (settings and settings.files) and not MetricFile.objects.filter(job_id=job_id).exists()
-    rank = Rank.objects.select_related("job").filter(job_id=job_id, index=rank_index).first()
+    rank = (
+        Rank.objects.select_related("job", "attempt")
+        .filter(job_id=job_id, job__current=F("attempt"), index=rank_index)
+        .first()
+    )
     if rank is not None and rank.log_offset > 0:
         known_step = parser.last_step
         for line in _committed_tail(rank.local_log, rank.log_offset):

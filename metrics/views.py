@@ -102,7 +102,7 @@ def compare(request: HttpRequest) -> HttpResponse:
         if value.isdigit() and int(value) not in chosen_ids:
             chosen_ids.append(int(value))
     chosen_ids = chosen_ids[:COMPARE_MAX]
-    by_id = {j.pk: j for j in Job.objects.filter(pk__in=chosen_ids)}
+    by_id = {j.pk: j for j in Job.objects.select_related("current").filter(pk__in=chosen_ids)}
     chosen = [by_id[i] for i in chosen_ids if i in by_id]
     names = sorted({n for job in chosen for n in metric_names(job.pk)}, key=chart_order)
     metric = request.GET.get("metric", "")[:100]

@@ -19,8 +19,7 @@ from cluster.fanout import node_request
 from cluster.links import AgentRequestError, LinkError
 from jobs.checkpoints import ensure_on, target_path
 from jobs.follow import follower_id
-from jobs.models import Job, Rank
-from jobs.stop import stop_processes
+from jobs.stop import stop_tagged
 
 from .engines import EngineError, engine_argv
 from .models import Replica, Service
@@ -202,8 +201,7 @@ def _kill(replica: Replica) -> list[str]:
     """Stop the replica's processes (TERM, grace, KILL) on its node; what could not be confirmed."""
     if not replica.tag or replica.node is None:
         return []
-    ghost = Job(name=f"service {replica.service.name}", tag=replica.tag)
-    return stop_processes(ghost, [Rank(job=ghost, node=replica.node, index=replica.index)])
+    return stop_tagged(replica.tag, [replica.node], what=f"service {replica.service.name} replica {replica.index}")
 
 
 def restart(replica: Replica, why: str) -> None:

@@ -21,6 +21,7 @@ from cluster.models import Node
 from jobs.models import Job, Rank
 
 from .conftest import REPO, wait_for
+from .jobrows import update_jobs
 
 NO_DJANGO_PYTHON = "/usr/bin/python3"
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -138,7 +139,7 @@ def test_logs_follow_prints_each_line_once_until_the_job_ends(ugro_script, serve
         write(b"second\n<b>third</b>\n")
         wait_for(lambda: "third" in out_path.read_text(), timeout=20, what="followed lines")
         Rank.objects.filter(pk=rank.pk).update(state=Rank.State.EXITED, exit_code=0)
-        Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+        update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
         assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:

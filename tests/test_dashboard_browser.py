@@ -22,6 +22,7 @@ from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
 
 from .conftest import wait_for
+from .jobrows import update_jobs
 from .test_browser import ARTIFACTS, chromium, controller, log_in, new_page, web  # noqa: F401
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.no_test_worker]  # each test moves its jobs by hand
@@ -310,7 +311,7 @@ def test_live_page_drops_the_queued_banner_appends_points_and_shows_results_at_t
     node = Node.objects.order_by("name").first()
     now = timezone.now()
     Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.RUNNING, started_at=now, running_at=now)
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.RUNNING, started_at=now, running_at=now)
     send_job_event(job, "state", {"state": "running"})
     page.locator('.msg[data-tag="queued"]').wait_for(state="detached", timeout=10_000)
     page.wait_for_selector("#job-state.badge-running", timeout=10_000)
@@ -344,7 +345,7 @@ def test_live_page_drops_the_queued_banner_appends_points_and_shows_results_at_t
     MetricPoint.objects.create(job=job, rank=0, step=1, name="loss", value=2.0, time=timezone.now())
     Checkpoint.objects.create(job=job, node=node, path="/data/out/checkpoint_step11.pt", size=12_000_000, mtime=0)
     Rank.objects.filter(job=job).update(state=Rank.State.EXITED, exit_code=0, active=False)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
     send_job_event(job, "state", {"state": "succeeded"})
     page.locator("#final-loss", has_text="Final loss 0.181818 at step 11").wait_for(timeout=10_000)
     page.locator("#checkpoints", has_text="checkpoint_step11.pt").wait_for(timeout=10_000)

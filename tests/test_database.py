@@ -3,6 +3,7 @@ with the command that copies it over, and that command copies it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -144,3 +145,57 @@ def test_import_sqlite_copies_an_older_ugro_with_its_ids(tmp_path, controller_en
     bad = tmp_path / "bad"
     bad.write_text("hello")
     assert "is not a SQLite database" in manage(controller_env, "import_sqlite", str(bad)).stderr
+
+
+BEFORE_ATTEMPT_ROWS = """
+import json
+import django
+django.setup()
+from pathlib import Path
+from django.core.management import call_command
+from django.db import connections
+from django.db.migrations.loader import MigrationLoader
+from django.utils import timezone
+from jobs.management.commands.import_sqlite import sqlite_database
+from jobs.models import Job
+with sqlite_database(Path({path!r}), "old_ugro") as alias:
+    call_command("migrate", "jobs", "0011_allocation_holder", database=alias, verbosity=0)
+    old = MigrationLoader(connections[alias]).project_state(("jobs", "0011_allocation_holder")).apps
+    OldNode, OldJob, OldRank, OldAttempt = (old.get_model(*m) for m in (
+        ("cluster", "Node"), ("jobs", "Job"), ("jobs", "Rank"), ("jobs", "Attempt")))
+    gpu1 = OldNode.objects.using(alias).create(name="gpu1", address="10.0.0.2", role="worker")
+    # a job on its second attempt, running on gpu1, whose first attempt failed there
+    job = OldJob.objects.using(alias).create(name="exp", script="train.py", state="running", attempt=2,
+        tag="exp-two", started_at=timezone.now(), follower="w1", resume_step=40)
+    OldRank.objects.using(alias).create(job=job, node=gpu1, index=0, state="running", log_offset=7)
+    OldAttempt.objects.using(alias).create(job=job, number=1, tag="exp-one", state="failed", failure_kind="OOM",
+        last_step=55, nodes=["gpu1", "removed"], ranks=[
+            {{"index": 0, "node": "gpu1", "state": "exited", "exit_code": 1, "log_offset": 9, "log_lines": 2}},
+            {{"index": 1, "node": "removed", "state": "lost"}}])
+    call_command("migrate", database=alias, verbosity=0)
+    job = Job.objects.using(alias).get(name="exp")
+    first, second = job.attempts.order_by("number")
+    print(json.dumps({{
+        "current": [job.current_id == second.pk, job.attempt, job.tag, job.follower, job.resume_step],
+        "current_ranks": [(r.index, r.state, r.log_offset) for r in job.ranks.all()],
+        "first": [first.tag, first.state, first.failure_kind, first.last_step],
+        "first_ranks": [(r.index, r.node.name, r.exit_code, r.log_offset) for r in first.ranks.all()],
+    }}))
+"""
+
+
+def test_an_older_database_keeps_each_jobs_attempts_as_rows_with_their_ranks(tmp_path, controller_env):
+    # given a database from before attempts had rows of their own (migrated up to jobs 0011, on SQLite as an
+    # import does), holding a job on its second attempt and the record of its first
+    made = subprocess.run(
+        [sys.executable, "-c", BEFORE_ATTEMPT_ROWS.format(path=str(tmp_path / "old.sqlite3"))],
+        cwd=REPO, env=controller_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    seen = json.loads(made.stdout.strip().splitlines()[-1])
+    # then after the migration the job's current attempt is a row holding what the job's row held
+    assert seen["current"] == [True, 2, "exp-two", "w1", 40]
+    assert seen["current_ranks"] == [[0, "running", 7]]
+    # and the first attempt keeps its record, its rank a row of its own (that of a node since removed dropped)
+    assert seen["first"] == ["exp-one", "failed", "OOM", 55]
+    assert seen["first_ranks"] == [[0, "gpu1", 1, 9]]

@@ -17,6 +17,8 @@ from jobs.models import Checkpoint, Job, Rank
 from metrics import files
 from metrics.models import MetricFile
 
+from .jobrows import update_jobs
+
 
 @pytest.fixture
 def agent():
@@ -134,7 +136,7 @@ def test_found_metric_files_are_followed_once_and_another_running_jobs_are_left_
     mine = dict(MetricFile.objects.filter(job=rank.job).values_list("path", "kind"))
     assert mine == {found[0]["path"]: "csv", found[1]["path"]: "tfevents"}
     # and a finished job's file is no claim (a rerun rewrote it since this job started)
-    Job.objects.filter(pk=other.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=other.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
     assert files.adopt(rank.job, rank, found) == 1
 
 

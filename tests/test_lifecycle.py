@@ -36,6 +36,7 @@ from metrics.models import MetricPoint, MetricRollup, RollupMark
 from metrics.series import series
 
 from .conftest import REPO, wait_for
+from .jobrows import update_jobs
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -148,7 +149,7 @@ def test_a_job_failed_by_its_checks_leaves_its_name_free(local_node):
     again = create_job(LaunchRequest(name="again"))
     assert again.pk != job.pk and again.state == Job.State.QUEUED
     # but a name of a job that ran stays taken
-    Job.objects.filter(pk=again.pk).update(state=Job.State.FAILED, running_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=again.pk), state=Job.State.FAILED, running_at=timezone.now())
     with pytest.raises(LaunchError, match="already exists"):
         create_job(LaunchRequest(name="again"))
 
@@ -256,7 +257,9 @@ def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings
     assert claim(job.pk, "follower-a")
     assert a.step() == 4
     # when another follower takes the job over (A's lease ran out while it was slow)
-    Job.objects.filter(pk=job.pk).update(follower="follower-b", follower_until=timezone.now() + timedelta(seconds=60))
+    update_jobs(
+        Job.objects.filter(pk=job.pk), follower="follower-b", follower_until=timezone.now() + timedelta(seconds=60)
+    )
     write_log(job, b"two\n")
     # then A's next pass raises and writes nothing: the central log and the offset stay as they were
     with pytest.raises(LeaseLost):
@@ -461,7 +464,7 @@ def test_a_follower_with_a_job_cap_asks_for_another_follower_for_the_rest(local_
     assert sorted(copied) == [0, 6] and asked
     # and when every left-over job has a follower already, nobody else is asked for
     left = jobs[copied.index(0)]
-    Job.objects.filter(pk=left.pk).update(follower="other", follower_until=timezone.now() + timedelta(seconds=60))
+    update_jobs(Job.objects.filter(pk=left.pk), follower="other", follower_until=timezone.now() + timedelta(seconds=60))
     asked.clear()
     follow(1.0, max_jobs=1, more_wanted=lambda: asked.append(1))
     assert not asked
@@ -544,7 +547,10 @@ def test_a_pass_over_three_busy_ranks_sends_one_event_and_advances_them_in_one_s
     sql = [q["sql"] for q in queries.captured_queries]
     assert len(sql) == 5 and sql[1:2] == ["BEGIN"] and sql[-1] == "COMMIT", "\n".join(q[:120] for q in sql)
     assert sql[0].startswith('SELECT id FROM "jobs_rank"')  # which ranks run: their rows are not read again
-    assert sql[2].startswith('SET LOCAL synchronous_commit TO OFF; UPDATE "jobs_job"') and "RETURNING" in sql[2]
+    assert (
+        sql[2].startswith('SET LOCAL synchronous_commit TO OFF; WITH lease AS (UPDATE "jobs_attempt"')
+        and "RETURNING" in sql[2]
+    )
     assert sql[3].startswith('UPDATE "jobs_rank"')
     assert Job.objects.get(pk=job.pk).metrics_bytes == (job.job_dir / "metrics.jsonl").stat().st_size > 0
     assert MetricPoint.objects.filter(job=job).count() == 12
@@ -605,7 +611,9 @@ def test_a_follower_with_room_does_not_try_to_claim_jobs_others_hold(local_node,
     """With 10 jobs and two per follower, a follower with room tried to claim every job another one held,
     every round (an UPDATE each): the rows it just read say whose they are."""
     mine, theirs = running_job(local_node, "mine"), running_job(local_node, "theirs")
-    Job.objects.filter(pk=theirs.pk).update(follower="other", follower_until=timezone.now() + timedelta(seconds=60))
+    update_jobs(
+        Job.objects.filter(pk=theirs.pk), follower="other", follower_until=timezone.now() + timedelta(seconds=60)
+    )
     tried: list[int] = []
     real_claim = follow_module.claim
     monkeypatch.setattr(

@@ -14,6 +14,7 @@ from jobs.models import Allocation, Job, Rank
 from jobs.reconcile import reconcile
 
 from .fake_agent import FakeCluster
+from .jobrows import update_jobs
 
 pytestmark = pytest.mark.django_db
 
@@ -69,8 +70,10 @@ def test_a_launch_that_outlived_its_window_fails_as_a_timeout(nodes):
                              sync_window_s=30, started_at=long_ago, state_changed_at=long_ago)  # fmt: skip
     assert reconcile([job.pk]).timed_out == ["stuck"]
     job.refresh_from_db()
-    assert job.state == Job.State.FAILING and job.failure_kind == "TIMEOUT" and "did not finish within 90s" in (
-        job.failure_reason
+    assert (
+        job.state == Job.State.FAILING
+        and job.failure_kind == "TIMEOUT"
+        and "did not finish within 90s" in (job.failure_reason)
     )
 
 
@@ -91,7 +94,7 @@ def test_a_lost_teardown_is_run_again_and_kills_what_ignores_sigterm(nodes):
 def test_an_ended_job_still_holding_nodes_is_released(nodes):
     job = running("ended", nodes)
     Allocation.objects.create(job=job, node=Node.objects.get(name="n1"), gpu_index=0, active=True)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
     assert reconcile([job.pk]).released == ["ended"]
     assert not Rank.objects.filter(job=job, active=True).exists()
     assert not Allocation.objects.filter(job=job, active=True).exists()
@@ -99,7 +102,7 @@ def test_an_ended_job_still_holding_nodes_is_released(nodes):
 
 def test_processes_of_an_ended_job_are_killed_and_people_told_on_each_node(nodes):
     job = running("left", nodes)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.CANCELLED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.CANCELLED, finished_at=timezone.now())
     report = reconcile()
     assert sorted(report.orphans_killed) == ["n1:left", "n2:left"]
     assert nodes["n1"].tags == {} and nodes["n2"].tags == {}
@@ -112,7 +115,7 @@ def test_a_rule_that_raises_stops_neither_the_pass_nor_the_other_rules(nodes, mo
     from jobs.loops import starts
 
     job = running("ok", nodes)
-    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
 
     def broken(job_ids, *, wait):
         raise RuntimeError("boom")

@@ -19,6 +19,8 @@ from jobs.models import Job, Rank
 from metrics.ingest import POINT_COLUMNS, RankStream, Sample, parse_lines, save_points
 from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
+from .jobrows import update_jobs
+
 CORPUS = Path(__file__).parent / "data" / "frameworks"
 RECORDINGS = sorted(p.name for p in CORPUS.iterdir() if (p / "rank_0.log").exists())
 
@@ -81,7 +83,7 @@ def test_final_metrics_and_progress_are_stored_and_shown(rank):
     html = client.get(f"/jobs/{job.pk}/").content.decode()
     assert "step 30/30" in html and "100.0%" in html
     # and once the job ended, its page and `results` show the summary as final metrics
-    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
     html = client.get(f"/jobs/{job.pk}/").content.decode()
     assert 'id="final-metrics"' in html and "<td>train_runtime</td>" in html
     out = io.StringIO()

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from cluster.models import Alert, Node
 from jobs import lifecycle, recovery
-from jobs.follow import _Listed, follow
+from jobs.follow import LISTED, _Listed, follow
 from jobs.loops import running, starts
 from jobs.models import Job, Rank
 from jobs.reconcile import reconcile
@@ -21,6 +21,8 @@ from metrics import rollup
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricRollup
 from metrics.series import _rollup_rows
+
+from .jobrows import update_jobs
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -109,8 +111,10 @@ def test_the_hang_checks_newest_points_carry_aware_times(box):
 
 def test_the_follow_listing_reads_an_aware_lease_time(box):
     job = job_with_rank(box, "leased", Job.State.RUNNING, state=Rank.State.RUNNING)
-    Job.objects.filter(pk=job.pk).update(follower="someone-else", follower_until=timezone.now() + timedelta(minutes=1))
-    listing = Job.objects.filter(pk=job.pk).values_list(*_Listed._fields).query.sql_with_params()
+    update_jobs(
+        Job.objects.filter(pk=job.pk), follower="someone-else", follower_until=timezone.now() + timedelta(minutes=1)
+    )
+    listing = Job.objects.filter(pk=job.pk).values_list(*LISTED).query.sql_with_params()
     from django.db import connection
 
     with connection.cursor() as cursor:
@@ -143,7 +147,7 @@ def test_an_idle_follow_task_whose_job_ended_exits_and_lets_the_job_go(box, monk
     follow(60, owner="task-1", exit_when_idle=True, max_jobs=2, stopping=stopping)
     # then the task returned on the next round (its thread free for the next task), and no lease is left
     assert passes == ["short"] and len(rounds_after_end) <= 2
-    assert Job.objects.filter(pk=job.pk, follower="").exists()
+    assert Job.objects.filter(pk=job.pk, current__follower="").exists()
 
 
 def test_the_charts_rollup_times_are_aware(box):

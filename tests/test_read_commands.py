@@ -16,6 +16,8 @@ from cluster.models import Node
 from jobs.models import Job, Rank
 from metrics.models import JobMetrics, MetricPoint
 
+from .jobrows import update_jobs
+
 pytestmark = pytest.mark.django_db
 
 
@@ -79,7 +81,9 @@ def test_status_json_lists_jobs_and_details_one(jobs):
 
 
 def test_status_json_of_a_failed_job_still_exits_1_with_one_line(jobs):
-    Job.objects.filter(name="exp0").update(state=Job.State.FAILED, failure_kind="OOM", failure_reason="OOM on rank 0")
+    update_jobs(
+        Job.objects.filter(name="exp0"), state=Job.State.FAILED, failure_kind="OOM", failure_reason="OOM on rank 0"
+    )
     out = io.StringIO()
     with pytest.raises(CommandError, match="job exp0 failed: OOM on rank 0"):
         call_command("status", "exp0", "--json", stdout=out)

@@ -24,6 +24,8 @@ from jobs.models import Attempt, Checkpoint, Job, Rank
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint
 
+from .jobrows import update_jobs
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -115,8 +117,12 @@ def test_requeue_makes_the_next_attempt_once_and_keeps_the_last_ones_logs_and_cu
     # then there is one new attempt: QUEUED, attempt 2 from step 50, no ranks, the failure cleared
     assert (job.state, job.attempt, job.resume_step, job.failure_kind, job.tag) == ("queued", 2, 50, "", "")
     assert not job.ranks.exists()
-    a = Attempt.objects.get(job=job)
+    # a row of its own, the job's current: attempt 1's row is kept as it was, with its rank, not reset
+    assert list(job.attempts.values_list("number", flat=True)) == [1, 2] and job.current.number == 2
+    a = Attempt.objects.get(job=job, number=1)
     assert (a.number, a.state, a.last_step, a.tag, a.nodes) == (1, "failed", 60, "f1-t1", ["box"])
+    assert (a.failure_kind, a.failure_node, a.finished_at is not None) == ("SCRIPT_ERROR", "box", True)
+    assert [(r.index, r.exit_code, r.log_offset) for r in a.ranks.all()] == [(0, 1, 6)]
     # attempt 1's log moved (not copied) where `logs --attempt 1` reads it; nothing is left to write over
     assert (job.logs_dir / "attempt_1" / "rank_0.log").read_bytes() == b"hello\n"
     assert not (job.logs_dir / "rank_0.log").exists()
@@ -144,7 +150,7 @@ def test_the_policy_retries_listed_kinds_with_backoff_and_stops_on_a_crash_loop(
     job.refresh_from_db()
     points(job, 2, [30])
     job.ranks.all().delete()
-    Job.objects.filter(pk=job.pk).update(state=Job.State.FAILED, failure_kind="SCRIPT_ERROR", failure_node="box")
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.FAILED, failure_kind="SCRIPT_ERROR", failure_node="box")
     job.refresh_from_db()
     nxt, note = recovery.decide(job)
     assert nxt is None and "crash loop, attempts 1 and 2 both failed at step 30" in note
@@ -300,7 +306,7 @@ def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_start
     gone = Node.objects.create(name="gone", address="127.0.0.1", ssh_port=1, role="worker", status="down",
                                workdir="/nonexistent")  # fmt: skip
     job = failed_job(node, name="w1", kind="NODE_LOST", retry_on=["NODE_LOST"], max_attempts=2)
-    Job.objects.filter(pk=job.pk).update(failure_node="gone")
+    update_jobs(Job.objects.filter(pk=job.pk), failure_node="gone")
     Rank.objects.create(job=job, node=gone, index=1, state=Rank.State.LOST, active=False, lost_reason="gone")
     job.refresh_from_db()
     points(job, 1, [10, 20, 30])
@@ -340,7 +346,7 @@ def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_start
 
     # and the attempts count: attempt 2 of 2 lost a node again -> the policy gives up, nothing is queued
     Rank.objects.filter(job=job).update(state=Rank.State.LOST, active=False)
-    Job.objects.filter(pk=job.pk).update(state="failed", failure_kind="NODE_LOST", failure_node="gone")
+    update_jobs(Job.objects.filter(pk=job.pk), state="failed", failure_kind="NODE_LOST", failure_node="gone")
     job.refresh_from_db()
     nxt, note = recovery.decide(job)
     assert nxt is None and "gave up after 2 attempts (NODE_LOST on gone)" in note
@@ -349,7 +355,7 @@ def test_a_node_lost_retry_without_min_nodes_waits_queued_for_the_node_and_start
 def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_waits_for_nothing(node):
     gone = Node.objects.create(name="gone", address="127.0.0.1", ssh_port=1, role="worker", workdir="/x")
     job = failed_job(node, name="m1", kind="NODE_LOST", retry_on=["NODE_LOST"], min_nodes=1)
-    Job.objects.filter(pk=job.pk).update(failure_node="gone")
+    update_jobs(Job.objects.filter(pk=job.pk), failure_node="gone")
     Rank.objects.create(job=job, node=gone, index=1, state=Rank.State.LOST, active=False)
     job.refresh_from_db()
     ckpt(job, gone, 30)  # on the lost node: not usable without it

@@ -208,7 +208,7 @@ def test_resume_refuses_a_running_or_unknown_job_with_one_line_and_changes_nothi
     with pytest.raises(CommandError, match="not an enabled node"):
         run("resume", "live", "--from", "scratch", "--nodes", "node9")
     job.refresh_from_db()
-    assert job.state == Job.State.CANCELLED and job.attempt == 1 and not job.attempts.exists()
+    assert job.state == Job.State.CANCELLED and job.attempt == 1 and not job.earlier_attempts.exists()
 
 
 # -- the retry policy -----------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        drive(job, lambda: Job.objects.filter(pk=job.pk, state=Job.State.QUEUED, attempt=2).exists(),
+        drive(job, lambda: Job.objects.filter(pk=job.pk, state=Job.State.QUEUED, current__number=2).exists(),
               what="the retry to wait in the queue")  # fmt: skip
         queued = time.monotonic() - t0
         job.refresh_from_db()

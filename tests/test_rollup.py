@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from types import SimpleNamespace
 from urllib.parse import quote
 
 import pytest
@@ -27,6 +28,8 @@ from metrics import rollup
 from metrics.ingest import Sample, save_points
 from metrics.models import MetricPoint, MetricRollup, RollupMark
 from metrics.series import _bucketed, metric_names, series
+
+from .jobrows import update_jobs
 
 STEPS = 3000
 START = timezone.now() - timedelta(hours=1)  # step s is stored as logged at START + s seconds
@@ -532,7 +535,7 @@ def test_the_migration_marks_every_job_with_points_as_folded():
     job, empty = make_job(), make_job("empty")
     ingest(job, range(100))
     RollupMark.objects.all().delete()
-    migration.mark_folded(django_apps, None)
+    migration.mark_folded(django_apps, SimpleNamespace(connection=connection))
     assert mark(job) == last_id(job) and mark(empty) is None
 
 
@@ -587,7 +590,7 @@ def test_the_reconciler_folds_what_a_killed_follower_left_of_a_recently_ended_jo
     # given two ended jobs whose followers died before their last fold: one just ended, one long ago
     recent, old = make_job("ended-now"), make_job("ended-long-ago")
     for job, ended in ((recent, timezone.now()), (old, timezone.now() - timedelta(hours=2))):
-        Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=ended)
+        update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=ended)
         ingest(job, range(1, 201), fold_every=None)
     # when the reconciler passes
     report = reconcile([recent.pk, old.pk], orphans=False)

@@ -13,6 +13,8 @@ from jobs.models import Job
 from metrics.models import JobMetrics, MetricPoint
 from metrics.parsing import LineParser
 
+from .jobrows import update_jobs
+
 
 @pytest.fixture
 def browser(db):
@@ -79,7 +81,7 @@ def test_results_region_is_always_on_the_page_and_filled_once_the_job_ended(brow
     html = browser.get(f"/jobs/{job.pk}/").content.decode()
     # (the checkpoints table is there all along: the follower records them while the job runs)
     assert 'data-region="results"' in html and 'id="results"' not in html
-    Job.objects.filter(pk=job.pk).update(state=Job.State.SUCCEEDED, finished_at=now)
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=now)
     html = browser.get(f"/jobs/{job.pk}/").content.decode()
     assert 'data-region="results"' in html and 'id="results"' in html
 

@@ -22,6 +22,8 @@ from jobs.loops.starts import stop_overdue
 from jobs.models import Allocation, Job, Rank
 from jobs.scheduler import place_queued, queue
 
+from .jobrows import update_jobs
+
 pytestmark = pytest.mark.django_db
 
 
@@ -113,7 +115,7 @@ def test_two_schedulers_racing_for_one_gpu_never_both_get_it():
             connections.close_all()
 
     for _ in range(5):  # a few rounds: the interleaving differs each time
-        Job.objects.filter(pk__in=[j.pk for j in jobs]).update(state=Job.State.QUEUED, started_at=None)
+        update_jobs(Job.objects.filter(pk__in=[j.pk for j in jobs]), state=Job.State.QUEUED, started_at=None)
         Allocation.objects.all().delete()
         Rank.objects.filter(job__in=jobs).delete()
         threads = [threading.Thread(target=scheduler, args=(j,)) for j in jobs]
@@ -194,7 +196,7 @@ def test_a_job_behind_one_with_no_time_limit_is_estimated_from_earlier_runs_of_i
     quick = create_job(LaunchRequest(name="quick", gpus=1, script="fast.py"))
     place_queued()
     started = timezone.now() - timedelta(seconds=10)
-    Job.objects.filter(pk=quick.pk).update(started_at=started)
+    update_jobs(Job.objects.filter(pk=quick.pk), started_at=started)
     create_job(LaunchRequest(name="next", gpus=1, script="fast.py"))
     # when fast.py never ran to the end before: the estimate is unknown, never the default limit
     (entry,) = queue()
@@ -224,9 +226,11 @@ def test_a_job_past_its_time_limit_is_stopped_with_kind_timeout():
     lab_nodes((8,))
     job = create_job(LaunchRequest(name="long", gpus=1, time_limit_s=60))
     place_queued()
-    Job.objects.filter(pk=job.pk).update(state=Job.State.RUNNING, started_at=timezone.now() - timedelta(seconds=59))
+    update_jobs(
+        Job.objects.filter(pk=job.pk), state=Job.State.RUNNING, started_at=timezone.now() - timedelta(seconds=59)
+    )
     assert stop_overdue() == []
-    Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(seconds=61))
+    update_jobs(Job.objects.filter(pk=job.pk), started_at=timezone.now() - timedelta(seconds=61))
     assert stop_overdue() == ["long"]
     job.refresh_from_db()
     assert job.state == Job.State.FAILING and job.failure_kind == "TIMEOUT"
@@ -240,7 +244,9 @@ def test_the_cluster_default_time_limit_applies_to_jobs_that_name_none():
     cs.save()
     job = create_job(LaunchRequest(name="dflt", gpus=1))
     place_queued()
-    Job.objects.filter(pk=job.pk).update(state=Job.State.RUNNING, started_at=timezone.now() - timedelta(seconds=121))
+    update_jobs(
+        Job.objects.filter(pk=job.pk), state=Job.State.RUNNING, started_at=timezone.now() - timedelta(seconds=121)
+    )
     assert stop_overdue() == ["dflt"]
 
 
@@ -284,7 +290,9 @@ def test_vram_is_learned_from_the_peak_of_an_earlier_run_of_the_same_script():
     old = create_job(LaunchRequest(name="old", gpus=1, script="train/big.py", min_vram_mb=10 * 1024))
     place_queued()
     started = timezone.now() - timedelta(minutes=10)
-    Job.objects.filter(pk=old.pk).update(state=Job.State.SUCCEEDED, running_at=started, finished_at=timezone.now())
+    update_jobs(
+        Job.objects.filter(pk=old.pk), state=Job.State.SUCCEEDED, running_at=started, finished_at=timezone.now()
+    )
     for minutes, used in ((9, 4000), (5, 9216), (2, 8000)):
         HealthSample.objects.create(node=nodes[0], time=started + timedelta(minutes=minutes),
                                     gpus=[{"index": 0, "mem_used_mb": used, "mem_total_mb": 12288}])  # fmt: skip

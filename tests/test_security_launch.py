@@ -100,8 +100,8 @@ def test_configured_script_roots_replace_the_default(nodes):
 
 def test_the_path_in_the_rank_command_is_the_path_preflight_checks(nodes):
     job = create_job(LaunchRequest(name="same", script="./train//train_production.py", nodes=["gpu1"]))
-    job.tag, job.rdzv_endpoint = "same-1", "127.0.0.3:29500"
-    rank = Rank(job=job, node=nodes[1], index=0)
+    job.current.tag, job.current.rdzv_endpoint = "same-1", "127.0.0.3:29500"
+    rank = Rank(job=job, attempt=job.current, node=nodes[1], index=0)
     argv = rank_command(job, rank, 1, job.rdzv_endpoint)
     checked = script_path(nodes[1], job.script)
     assert checked == "/srv/w1/train/train_production.py"

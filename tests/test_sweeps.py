@@ -18,6 +18,8 @@ from jobs.scheduler import place_queued, queue
 from jobs.sweeps import trial_rows
 from metrics.models import MetricPoint
 
+from .jobrows import update_jobs
+
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("worker_heartbeat")]
 
 
@@ -102,7 +104,7 @@ def test_cancelling_a_sweep_cancels_every_trial_not_yet_ended(four_gpus, test_wo
     sweep("c1", "--grid", "lr=1,2,3", "--gpus", "1")
     trials = list(Job.objects.filter(sweep__name="c1").order_by("name"))
     Job.objects.filter(pk=trials[0].pk).update(state=Job.State.SUCCEEDED)
-    Job.objects.filter(pk=trials[1].pk).update(state=Job.State.RUNNING, started_at=timezone.now())
+    update_jobs(Job.objects.filter(pk=trials[1].pk), state=Job.State.RUNNING, started_at=timezone.now())
     out = io.StringIO()
     call_command("sweep", "c1", "--cancel", stdout=out)
     states = dict(Job.objects.filter(sweep__name="c1").values_list("name", "state"))
@@ -167,7 +169,9 @@ def test_the_median_rule_stops_a_trial_worse_than_the_others_at_the_same_step(fo
     sweep("m0", "--grid", "lr=1,2,3,4", "--gpus", "1")  # the rule is off by default
     for name in ("m1", "m0"):
         trials = list(Job.objects.filter(sweep__name=name).order_by("name"))
-        Job.objects.filter(pk__in=[t.pk for t in trials]).update(state=Job.State.RUNNING, started_at=timezone.now())
+        update_jobs(
+            Job.objects.filter(pk__in=[t.pk for t in trials]), state=Job.State.RUNNING, started_at=timezone.now()
+        )
         for t in trials[:3]:
             add_points(t, [3.0 - 0.2 * s for s in range(10)])  # down to 1.2
         add_points(trials[3], [3.0] * 10)  # stuck at 3.0

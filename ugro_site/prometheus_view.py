@@ -104,7 +104,9 @@ class ClusterCollector:
             labels=["job", "kind", "rank", "node", "exit_code", "line"],
         )  # fmt: skip
         since = now - timedelta(hours=24)
-        for job in Job.objects.filter(state=Job.State.FAILED, finished_at__gte=since).order_by("-finished_at")[:100]:
+        failed_since = Job.objects.filter(state=Job.State.FAILED, current__finished_at__gte=since)
+        failed_since = failed_since.select_related("current").order_by("-current__finished_at")
+        for job in failed_since[:100]:
             failed.add_metric(
                 [job.name, job.failure_kind or "UNKNOWN", "" if job.failure_rank is None else str(job.failure_rank),
                  job.failure_node, "" if job.failure_exit_code is None else str(job.failure_exit_code),

@@ -8,9 +8,10 @@ def gpu_rows(apps, schema_editor):
     """One GPU row per declared device of every existing node."""
     Node = apps.get_model("cluster", "Node")
     GPU = apps.get_model("cluster", "GPU")
-    GPU.objects.bulk_create(
+    db = schema_editor.connection.alias  # the database being migrated (an import's SQLite one too)
+    GPU.objects.using(db).bulk_create(
         GPU(node=n, index=i, model=n.gpu_model, vram_mb=float(n.gpu_vram_gb or 0) * 1024)
-        for n in Node.objects.all()
+        for n in Node.objects.using(db).all()
         for i in range(n.gpu_count)
     )
 

@@ -41,11 +41,11 @@ def release_ended(job_ids: list[int] | None = None, *, wait: bool = True) -> lis
     """An ended job that still holds nodes (a crash between its end and the release): released."""
 
     def act(job: Job) -> str:
-        job.ranks.filter(active=True).update(active=False)
+        job.all_ranks.filter(active=True).update(active=False)
         job.allocations.filter(active=True).update(active=False)
         return job.name
 
-    holding = Q(ranks__active=True) | Q(allocations__active=True)
+    holding = Q(all_ranks__active=True) | Q(allocations__active=True)
     ended = scope(job_ids).filter(holding, state__in=Job.ENDED_STATES).distinct()
     return each_claimed(locks.ENDED, ended, act, wait=wait)
 
@@ -53,8 +53,8 @@ def release_ended(job_ids: list[int] | None = None, *, wait: bool = True) -> lis
 def recover_lost_output(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:
     """A lost rank of a recently ended job whose node answers again: the rest of its output is fetched."""
     cutoff = timezone.now() - timedelta(days=LOST_OUTPUT_DAYS)
-    lost_left = scope(job_ids).filter(state__in=Job.ENDED_STATES, finished_at__gt=cutoff)
-    lost_left = lost_left.filter(ranks__state=Rank.State.LOST, ranks__drained=False).distinct()
+    lost_left = scope(job_ids).filter(state__in=Job.ENDED_STATES, current__finished_at__gt=cutoff)
+    lost_left = lost_left.filter(current__ranks__state=Rank.State.LOST, current__ranks__drained=False).distinct()
     owner = follower_id() + ":reconcile"
     return each_claimed(locks.ENDED, lost_left, lambda job: job.name if recover_output(job, owner) else None,
                         wait=wait)  # fmt: skip
@@ -65,7 +65,9 @@ def fold_leftovers(job_ids: list[int] | None = None, *, wait: bool = True) -> li
     before its last fold leaves them, and an ended job is not followed again (the charts fold such
     points themselves meanwhile, at a cost on every read)."""
     now = timezone.now()
-    recent = scope(job_ids).filter(state__in=Job.ENDED_STATES, finished_at__gt=now - timedelta(seconds=LEFTOVERS_S))
+    recent = scope(job_ids).filter(
+        state__in=Job.ENDED_STATES, current__finished_at__gt=now - timedelta(seconds=LEFTOVERS_S)
+    )
     behind = recent.annotate(upto=Coalesce("rollup_mark__upto", 0)).filter(
         Exists(MetricPoint.objects.filter(job=OuterRef("pk"), id__gt=OuterRef("upto")))
     )

@@ -11,13 +11,15 @@ Batch: the enabled nodes not DOWN, claimed together under locks.ORPHANS (keyed b
 
 from __future__ import annotations
 
+from django.db.models import F
+
 from cluster.alerts import record_event
 from cluster.fanout import node_request, on_each
 from cluster.models import Alert, Node
 
 from .. import locks
-from ..models import Attempt, Job, Rank
-from ..stop import stop_processes
+from ..models import Attempt, Job
+from ..stop import stop_processes, stop_tagged
 from . import Report, run_rule
 
 TAGGED_TIMEOUT_S = 5.0
@@ -45,7 +47,7 @@ def _kill_orphans(nodes: list[Node]) -> list[str]:
         tags = result.get("tags") or {}
         if not tags:
             continue
-        ended = Job.objects.filter(tag__in=list(tags), state__in=Job.ENDED_STATES)
+        ended = Job.objects.filter(current__tag__in=list(tags), state__in=Job.ENDED_STATES)
         for job in ended:
             rank = job.ranks.filter(node=node).select_related("node").first()
             if rank is None:
@@ -59,9 +61,9 @@ def _kill_orphans(nodes: list[Node]) -> list[str]:
             record_event(node, f"orphans:{job.name}", message, job_name=job.name, severity=Alert.Severity.WARNING)
             killed.append(f"{node.name}:{job.name}")
         # an earlier attempt's processes (its tag is no longer the job's): e.g. on a node that was cut off
-        for attempt in Attempt.objects.filter(tag__in=list(tags)).select_related("job"):
-            ghost = Job(pk=attempt.job.pk, name=attempt.job.name, tag=attempt.tag)
-            unclean = stop_processes(ghost, [Rank(job=ghost, node=node, index=0)], grace=0)
+        earlier = Attempt.objects.filter(tag__in=list(tags)).exclude(job__current=F("pk")).select_related("job")
+        for attempt in earlier:
+            unclean = stop_tagged(attempt.tag, [node], grace=0, what=str(attempt))
             pids = tags.get(attempt.tag) or []
             message = (
                 f"{len(pids)} process(es) of attempt {attempt.number} of job {attempt.job.name} were still running "

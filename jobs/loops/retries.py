@@ -26,8 +26,8 @@ from cluster.models import Alert, Node
 from cluster.monitor import poll_once
 
 from .. import lifecycle, locks, recovery
-from ..models import Job, Rank
-from ..stop import stop_processes
+from ..models import Attempt, Job
+from ..stop import stop_tagged
 from . import Report, each_claimed, run_rule, scope
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def retry_pass(job_ids: list[int] | None = None, *, wait: bool = True) -> list[s
     """Decide about newly FAILED jobs, and start the retries whose backoff is over; the names requeued."""
     now = timezone.now()
     # jobs with a policy that failed lately (turning a cluster default on does not wake old failures)
-    jobs = scope(job_ids).filter(state=Job.State.FAILED, finished_at__gte=now - timedelta(days=1))
+    jobs = scope(job_ids).filter(state=Job.State.FAILED, current__finished_at__gte=now - timedelta(days=1))
     if not recovery.RETRY_ON:
         jobs = jobs.exclude(retry_on=[])
 
@@ -62,13 +62,14 @@ def retry_pass(job_ids: list[int] | None = None, *, wait: bool = True) -> list[s
         # one waiting for a lost node stays QUEUED until it answers
         return job.name if lifecycle.requeue(job, nxt) else None
 
-    return each_claimed(locks.RETRIES, jobs.filter(Q(recovery_note="") | Q(retry_at__lte=now)), act, wait=wait)
+    due = jobs.filter(Q(current__recovery_note="") | Q(current__retry_at__lte=now))
+    return each_claimed(locks.RETRIES, due, act, wait=wait)
 
 
 def _decide(job: Job) -> None:
     """The policy's decision about a newly failed job, recorded once (note, retry time) and told in an alert."""
     nxt, note = recovery.decide(job)
-    if not Job.objects.filter(pk=job.pk, state=Job.State.FAILED, recovery_note="").update(
+    if not Attempt.objects.filter(pk=job.current_id, job__state=Job.State.FAILED, recovery_note="").update(
         recovery_note=note[:2000], retry_at=nxt.retry_at if nxt else None
     ):
         return  # it moved on meanwhile (a resume by hand)
@@ -82,7 +83,7 @@ def release_waits(job_ids: list[int] | None = None, *, wait: bool = True) -> lis
     the job's earlier attempts on it stopped (it may have trained on, cut off), is probed by the health
     monitor at once if it is DOWN (so the scheduler may use it now, not after the monitor's backoff), and
     the attempt stops waiting for it. Returns "job:node" for each node released."""
-    waiting = scope(job_ids).filter(state=Job.State.QUEUED).exclude(wait_nodes=[])
+    waiting = scope(job_ids).filter(state=Job.State.QUEUED).exclude(current__wait_nodes=[])
     with locks.held_each(locks.RETRIES, waiting.values_list("pk", flat=True), wait=wait) as mine:
         return _release_waits({job: list(job.wait_nodes) for job in waiting.filter(pk__in=mine)})
 
@@ -115,9 +116,6 @@ def _stop_earlier_attempts(job: Job, node: Node) -> list[str]:
     """Stop every process of the job's earlier attempts on a node that was cut off (they carry their
     attempt's tag); what could not be confirmed stopped."""
     unclean = []
-    for attempt in job.attempts.exclude(tag=""):
-        if node.name not in (attempt.nodes or []):
-            continue
-        ghost = Job(pk=job.pk, name=job.name, tag=attempt.tag)
-        unclean += stop_processes(ghost, [Rank(job=ghost, node=node, index=0)], grace=0)
+    for attempt in job.earlier_attempts.exclude(tag="").filter(ranks__node=node):
+        unclean += stop_tagged(attempt.tag, [node], grace=0, what=str(attempt))
     return unclean

@@ -66,7 +66,7 @@ def stop_overdue(job_ids: list[int] | None = None, *, wait: bool = True) -> list
         failure = Failure(kind=FailureKind.TIMEOUT, rank=None, node=None, exit_code=None, signal=None, line=line)
         return job.name if lifecycle.fail(job, failure) else None
 
-    live = scope(job_ids).filter(state__in=Job.LIVE_STATES, started_at__isnull=False)
+    live = scope(job_ids).filter(state__in=Job.LIVE_STATES, current__started_at__isnull=False)
     return each_claimed(locks.STARTS, live, act, wait=wait)
 
 

@@ -12,12 +12,13 @@ def allocations_of_live_jobs(apps, schema_editor):
     """Jobs holding nodes when this runs keep them: every GPU of each node (the node itself without GPUs)."""
     Rank = apps.get_model("jobs", "Rank")
     Allocation = apps.get_model("jobs", "Allocation")
+    db = schema_editor.connection.alias  # the database being migrated (an import's SQLite one too)
     rows = []
-    for rank in Rank.objects.filter(active=True).select_related("node"):
+    for rank in Rank.objects.using(db).filter(active=True).select_related("node"):
         indices = list(range(rank.node.gpu_count)) or [-1]
-        Rank.objects.filter(pk=rank.pk).update(gpu_indices=[i for i in indices if i >= 0])
+        Rank.objects.using(db).filter(pk=rank.pk).update(gpu_indices=[i for i in indices if i >= 0])
         rows += [Allocation(job_id=rank.job_id, node_id=rank.node_id, gpu_index=i) for i in indices]
-    Allocation.objects.bulk_create(rows)
+    Allocation.objects.using(db).bulk_create(rows)
 
 
 class Migration(migrations.Migration):

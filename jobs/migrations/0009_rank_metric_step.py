@@ -7,15 +7,16 @@ def fill_followed_ranks(apps, schema_editor):
     """Ranks still followed when this runs get the step of their newest point, as followers now record it."""
     Rank = apps.get_model("jobs", "Rank")
     MetricPoint = apps.get_model("metrics", "MetricPoint")
-    for rank in Rank.objects.filter(drained=False).select_related("job"):
+    db = schema_editor.connection.alias  # the database being migrated (an import's SQLite one too)
+    for rank in Rank.objects.using(db).filter(drained=False).select_related("job"):
         step = (
-            MetricPoint.objects.filter(job_id=rank.job_id, rank=rank.index, attempt=rank.job.attempt)
+            MetricPoint.objects.using(db).filter(job_id=rank.job_id, rank=rank.index, attempt=rank.job.attempt)
             .order_by("-id")
             .values_list("step", flat=True)
             .first()
         )
         if step is not None:
-            Rank.objects.filter(pk=rank.pk).update(metric_step=step)
+            Rank.objects.using(db).filter(pk=rank.pk).update(metric_step=step)
 
 
 class Migration(migrations.Migration):

@@ -9,8 +9,10 @@ def mark_folded(apps, schema_editor):
     job with points is complete up to its last point."""
     MetricPoint = apps.get_model("metrics", "MetricPoint")
     RollupMark = apps.get_model("metrics", "RollupMark")
-    tops = MetricPoint.objects.order_by().values("job_id").annotate(top=models.Max("id")).values_list("job_id", "top")
-    RollupMark.objects.bulk_create([RollupMark(job_id=job_id, upto=top) for job_id, top in tops], batch_size=1000)
+    db = schema_editor.connection.alias  # the database being migrated (an import's SQLite one too)
+    points = MetricPoint.objects.using(db).order_by()
+    tops = points.values("job_id").annotate(top=models.Max("id")).values_list("job_id", "top")
+    RollupMark.objects.using(db).bulk_create([RollupMark(job_id=job_id, upto=top) for job_id, top in tops], batch_size=1000)
 
 
 class Migration(migrations.Migration):

@@ -33,7 +33,7 @@ class Command(UserCommand):
                 raise CommandError("--exit-code needs a job name")
             if limit < 1:
                 raise CommandError("--limit must be at least 1")
-            jobs = list(Job.objects.select_related("owner").prefetch_related("ranks__node")[:limit])
+            jobs = list(Job.objects.select_related("owner", "current").prefetch_related("current__ranks__node")[:limit])
             prog = {job.pk: job_progress(job) for job in jobs}
             if as_json:
                 self.stdout.write(json.dumps({"jobs": [job_summary(j, prog[j.pk]) for j in jobs]}, indent=2))
