@@ -196,9 +196,10 @@ def resume_args(job: Job) -> list[str]:
 
 def batch_args(job: Job) -> list[str]:
     """The batch arguments from the job's batch template, e.g. --batch-size 8 --grad-accum 2 (none if unset)."""
-    if not job.batch_template or not job.batch:
+    batch = job.current.batch if job.current else job.batch  # a dry run's job has no attempt yet
+    if not job.batch_template or not batch:
         return []
-    values = {"batch": str(job.batch.get("batch")), "accum": str(job.batch.get("accum", 1))}
+    values = {"batch": str(batch.get("batch")), "accum": str(batch.get("accum", 1))}
     out = []
     for item in job.batch_template.split():
         for key, value in values.items():

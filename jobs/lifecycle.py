@@ -348,19 +348,17 @@ def _next_attempt(job: Job, nxt: NextAttempt, moved) -> None:
         follower="", follower_until=None,
     )  # fmt: skip
     from_step = nxt.checkpoint.step if nxt.checkpoint is not None else None
+    where = {"requested_nodes": ended.requested_nodes, "requested_count": ended.requested_count}
+    if nxt.nodes is not None:
+        where = {"requested_nodes": list(nxt.nodes), "requested_count": None}
+    elif nxt.count is not None:
+        where = {"requested_nodes": [], "requested_count": nxt.count}
     following = Attempt.objects.create(
         job=job, number=ended.number + 1, resume_checkpoint=nxt.checkpoint, resume_path=nxt.resume_path,
         from_step=from_step, retry_at=nxt.retry_at, recovery_note=nxt.reason[:2000],
-        wait_nodes=list(nxt.wait_nodes or []),
+        wait_nodes=list(nxt.wait_nodes or []), batch=nxt.batch if nxt.batch is not None else ended.batch, **where,
     )  # fmt: skip
-    fields = {"current": following}
-    if nxt.nodes is not None:
-        fields.update(requested_nodes=list(nxt.nodes), requested_count=None)
-    elif nxt.count is not None:
-        fields.update(requested_nodes=[], requested_count=nxt.count)
-    if nxt.batch is not None:
-        fields["batch"] = nxt.batch
-    if not _move(job, [job.state], Job.State.QUEUED, **fields):
+    if not _move(job, [job.state], Job.State.QUEUED, current=following):
         raise RuntimeError(f"job {job.name} left {job.state} while its row was locked")
     cut = MetricPoint.objects.filter(job=job, superseded=False)
     (cut.filter(step__gt=from_step) if from_step is not None else cut).update(superseded=True)

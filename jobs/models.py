@@ -36,7 +36,7 @@ class JobManager(models.Manager):
         with transaction.atomic(using=self.db):
             jobs = super().bulk_create(objs, *args, **kwargs)
             firsts = Attempt.objects.using(self.db).bulk_create(
-                Attempt(job=job, **{"number": 1, **job.__dict__.pop("_first_attempt", {})}) for job in jobs
+                Attempt(job=job, **job.first_attempt_fields()) for job in jobs
             )
             for job, first in zip(jobs, firsts, strict=True):
                 job.current = first
@@ -77,7 +77,7 @@ class Job(models.Model):
     script_args = models.JSONField(default=list, help_text="The script's arguments, exactly as passed (argv).")
     params = models.JSONField(default=dict, help_text="What the user asked for: model, dataset, epochs, lr, extra.")
     requested_nodes = models.JSONField(default=list, blank=True, help_text="Node names asked for, if any.")
-    requested_count = models.PositiveIntegerField(null=True, blank=True)
+    requested_count = models.PositiveIntegerField(null=True, blank=True, help_text="A node count asked for.")
     nproc_per_node = models.PositiveIntegerField(
         null=True, blank=True, help_text="Blank: the GPUs the job holds on each node (1 on a node without GPUs)."
     )
@@ -171,12 +171,18 @@ class Job(models.Model):
         if not self._state.adding or self.current_id is not None:
             super().save(*args, **kwargs)
             return
-        first = self.__dict__.pop("_first_attempt", {})
+        first = self.first_attempt_fields()
         with transaction.atomic(using=kwargs.get("using")):
             super().save(*args, **kwargs)
             db = self._state.db
-            self.current = Attempt.objects.using(db).create(job=self, **{"number": 1, **first})
+            self.current = Attempt.objects.using(db).create(job=self, **first)
             Job.objects.using(db).filter(pk=self.pk).update(current=self.current)
+
+    def first_attempt_fields(self) -> dict:
+        """Attempt 1 of a new job: on what the job asked, with the attempt keywords the job was made with."""
+        asked = {"requested_nodes": list(self.requested_nodes or []), "requested_count": self.requested_count,
+                 "batch": dict(self.batch or {})}  # fmt: skip
+        return {"number": 1, **asked, **self.__dict__.pop("_first_attempt", {})}
 
     @property
     def ranks(self):
@@ -434,6 +440,11 @@ class Attempt(models.Model):
     )  # fmt: skip
     resume_path = models.CharField(max_length=1000, blank=True, help_text="That checkpoint's path as rank 0 reads it.")
     from_step = models.BigIntegerField(null=True, blank=True, help_text="The step it started from.")
+    # where and how it may run: the job's request for attempt 1, what a retry chose for a later one (fewer nodes,
+    # a halved batch after an OOM); the job's own fields keep what was asked
+    requested_nodes = models.JSONField(default=list, blank=True, help_text="Node names it may run on, if named.")
+    requested_count = models.PositiveIntegerField(null=True, blank=True, help_text="The node count it runs on.")
+    batch = models.JSONField(default=dict, blank=True, help_text='{"batch": B, "accum": A} for batch_template.')
     retry_at = models.DateTimeField(null=True, blank=True, help_text="When the next automatic attempt starts.")
     wait_nodes = models.JSONField(
         default=list, blank=True, help_text="Lost nodes it waits for, queued: it starts only once they answer again "

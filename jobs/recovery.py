@@ -180,7 +180,7 @@ def decide(job: Job) -> tuple[lifecycle.NextAttempt | None, str]:
         )
     batch = None
     if kind == FailureKind.OOM.value:
-        b = job.batch or {}
+        b = job.current.batch or {}
         if not (job.batch_template and int(b.get("batch") or 0) > 1):
             return None, _oom_proposal(job)
         batch = {"batch": int(b["batch"]) // 2, "accum": int(b.get("accum") or 1) * 2}

@@ -22,11 +22,11 @@ from .placement import Decision, Demand, Limits, NodeView, Running, Slot, decaye
 
 USAGE_HALF_LIVES = 6  # older use weighs under 2 %: not read at all
 DEMAND_FIELDS = (
-    "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "requested_count", "requested_nodes",
-    "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "current__wait_nodes", "script",
+    "pk", "priority", "owner_id", "created_at", "time_limit_s", "gpus", "current__requested_count",
+    "current__requested_nodes", "gpus_per_node", "min_vram_mb", "sweep_id", "after_id", "current__wait_nodes", "script",
 )  # fmt: skip
 AFTER = DEMAND_FIELDS.index("after_id")
-JSON_LISTS = ("requested_nodes", "current__wait_nodes")  # read as text: the usual "[]" needs no decoding
+JSON_LISTS = ("current__requested_nodes", "current__wait_nodes")  # read as text: the usual "[]" needs no decoding
 
 
 def _json_list(value) -> list:

@@ -176,6 +176,7 @@ def test_an_oom_without_a_batch_template_is_proposed_with_its_line_and_the_nodes
     assert "set --batch-template" in note and "to resume from step 40: ugro resume f1" in note
     # with a template: half the batch, twice the accumulation
     Job.objects.filter(pk=job.pk).update(batch_template="--bs {batch} --ga {accum}", batch={"batch": 8, "accum": 1})
+    Attempt.objects.filter(pk=job.current_id).update(batch={"batch": 8, "accum": 1})  # the failed attempt's batch
     job.refresh_from_db()
     nxt, note = recovery.decide(job)
     assert nxt.batch == {"batch": 4, "accum": 2} and "batch 4 x accum 2" in note

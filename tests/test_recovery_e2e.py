@@ -238,7 +238,8 @@ def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_t
     first = Attempt.objects.get(job=job, number=1)
     assert first.failure_kind == "OOM" and "batch 2 x accum 2" in first.next_reason, first.next_reason
     assert job.state == Job.State.SUCCEEDED and job.resume_step == 20, job.failure_reason
-    assert job.batch == {"batch": 2, "accum": 2}
+    # the job keeps what was asked; each attempt its own batch
+    assert job.current.batch == {"batch": 2, "accum": 2} and first.batch == job.batch and job.batch["batch"] == 4
     config = json.loads((job.job_dir / "config.json").read_text())
     command = config["ranks"][0]["command"]
     # the batch arguments after the user's (the last value wins), then the resume argument

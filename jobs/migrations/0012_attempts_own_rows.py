@@ -19,8 +19,11 @@ def split_attempts(apps, schema_editor):
     db = schema_editor.connection.alias
     nodes = dict(Node.objects.using(db).values_list("name", "pk"))
     for job in Job.objects.using(db).iterator():
+        # where and how each attempt runs: what the job's row says now (a retry rewrote it there until now)
+        placed = {"requested_nodes": job.requested_nodes, "requested_count": job.requested_count, "batch": job.batch}
+        Attempt.objects.using(db).filter(job=job).update(**placed)
         current = Attempt.objects.using(db).create(
-            job=job, number=job.attempt, from_step=job.resume_step, **{f: getattr(job, f) for f in MOVED}
+            job=job, number=job.attempt, from_step=job.resume_step, **placed, **{f: getattr(job, f) for f in MOVED}
         )
         Job.objects.using(db).filter(pk=job.pk).update(current=current)
         Rank.objects.using(db).filter(job=job).update(attempt=current)
@@ -206,6 +209,26 @@ class Migration(migrations.Migration):
             model_name="attempt",
             name="tag",
             field=models.CharField(blank=True, help_text="Unique per attempt; marks every process.", max_length=100),
+        ),
+        migrations.AddField(
+            model_name="attempt",
+            name="batch",
+            field=models.JSONField(blank=True, default=dict, help_text='{"batch": B, "accum": A} for batch_template.'),
+        ),
+        migrations.AddField(
+            model_name="attempt",
+            name="requested_count",
+            field=models.PositiveIntegerField(blank=True, help_text="The node count it runs on.", null=True),
+        ),
+        migrations.AddField(
+            model_name="attempt",
+            name="requested_nodes",
+            field=models.JSONField(blank=True, default=list, help_text="Node names it may run on, if named."),
+        ),
+        migrations.AlterField(
+            model_name="job",
+            name="requested_count",
+            field=models.PositiveIntegerField(blank=True, help_text="A node count asked for.", null=True),
         ),
         migrations.RunPython(split_attempts, migrations.RunPython.noop),
         migrations.AlterField(
