@@ -87,7 +87,7 @@ def _job(name: str) -> Job:
 def job_summary(job: Job, prog: dict | None = None) -> dict:
     """A job as the API lists it; `prog` is jobs.report.job_progress's answer (None: not asked, or none)."""
     ranks = list(job.ranks.all())
-    nodes = [r.node.name for r in sorted(ranks, key=lambda r: r.index)] or list(job.requested_nodes or [])
+    nodes = [r.node.name for r in sorted(ranks, key=lambda r: r.index)] or job.nodes_asked
     pct = prog["percent"] if prog else (100.0 if job.state == Job.State.SUCCEEDED else None)
     return {
         "id": job.pk,

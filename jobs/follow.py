@@ -122,8 +122,8 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
     transaction commits without waiting for its WAL to reach the disk (PostgreSQL's synchronous_commit off,
     set in the same round trip). A database crash may then lose the last fraction of a second of commits,
     never corrupt them; and what it loses is taken again: the central files are cut back to the offsets the
-    database kept before anything is appended (see above). One statement where a pass made three: each was
-    a round trip and a fiftieth of a pass's CPU in the worker."""
+    database kept before anything is appended (see above). One statement, since every pass of every followed
+    job makes it: a round trip each for the lease, the size and the commit mode would cost the worker more."""
     now = timezone.now()
     jobs, attempts = (connection.ops.quote_name(m._meta.db_table) for m in (Job, Attempt))
     sql = (

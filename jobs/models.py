@@ -185,6 +185,16 @@ class Job(models.Model):
         return {"number": 1, **asked, **self.__dict__.pop("_first_attempt", {})}
 
     @property
+    def nodes_asked(self) -> list[str]:
+        """The node names its current attempt asks for (the job's request, or what a retry chose)."""
+        return list((self.current or self).requested_nodes or [])
+
+    @property
+    def count_asked(self) -> int | None:
+        """The node count its current attempt asks for."""
+        return (self.current or self).requested_count
+
+    @property
     def ranks(self):
         """The current attempt's ranks (every attempt keeps its own: Attempt.ranks, Rank.job's all_ranks)."""
         if self.current_id is None:

@@ -47,11 +47,11 @@ def human_age(seconds: float) -> str:
 
 def node_names(job: Job) -> list[str]:
     """The nodes a job runs on, or (while queued) the ones it asked for."""
-    return [r.node.name for r in job.ranks.all()] or list(job.requested_nodes)
+    return [r.node.name for r in job.ranks.all()] or job.nodes_asked
 
 
 def _nodes_text(job: Job) -> str:
-    return ",".join(node_names(job)) or f"{job.requested_count or '?'} nodes"
+    return ",".join(node_names(job)) or f"{job.count_asked or '?'} nodes"
 
 
 def jobs_table(jobs: list[Job], progress: dict[int, dict | None] | None = None) -> list[str]:
@@ -147,7 +147,7 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "step": prog["step"] if prog else None,
         "max_steps": prog["max_steps"] if prog else None,
         "nodes": node_names(job),
-        "requested_count": job.requested_count,
+        "requested_count": job.count_asked,
         "owner": job.owner.get_username() if job.owner_id else None,
         "created_at": _when(job.created_at),
         "started_at": _when(job.started_at),
@@ -458,12 +458,12 @@ def asks_text(job: Job) -> str:
     """What a job asks for, in a few words: 2 GPUs, 2x4 GPUs, 3 nodes, node1+node2; VRAM and time limit."""
     if job.gpus:
         what = f"{job.gpus} GPU{'s' if job.gpus > 1 else ''}"
-    elif job.requested_nodes:
-        what = "+".join(job.requested_nodes) + (f" x{job.gpus_per_node} GPUs" if job.gpus_per_node else "")
+    elif job.nodes_asked:
+        what = "+".join(job.nodes_asked) + (f" x{job.gpus_per_node} GPUs" if job.gpus_per_node else "")
     elif job.gpus_per_node:
-        what = f"{job.requested_count or 1}x{job.gpus_per_node} GPUs"
+        what = f"{job.count_asked or 1}x{job.gpus_per_node} GPUs"
     else:
-        what = f"{job.requested_count or 1} node{'s' if (job.requested_count or 1) > 1 else ''}"
+        what = f"{job.count_asked or 1} node{'s' if (job.count_asked or 1) > 1 else ''}"
     if job.min_vram_mb:
         what += f" >={job.min_vram_mb / 1024:.0f}G"
     return what

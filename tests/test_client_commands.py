@@ -59,7 +59,8 @@ def test_resume_takes_comma_separated_nodes_and_detach(ugro_script, server):  # 
     assert done.returncode == 0, done.stderr
     job.refresh_from_db()
     assert job.state == Job.State.QUEUED and job.attempt == 2 and json.loads(done.stdout)["attempt"] == 2
-    assert job.requested_nodes == ["n1", "n2"]
+    # on the nodes asked for: the new attempt's, the job keeps what its launch asked
+    assert job.current.requested_nodes == ["n1", "n2"] and job.nodes_asked == ["n1", "n2"] and job.requested_nodes == []
 
 
 def test_logs_attempt_reads_an_earlier_attempt_or_says_there_is_none(ugro_script, server):  # noqa: F811
