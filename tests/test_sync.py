@@ -181,10 +181,15 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     flipped[at_big + 1000] ^= 1
     bad_header = bytearray(whole)
     bad_header[1024 + 10] ^= 1  # inside big's name: its header checksum no longer holds
+    signed = bytearray(whole)  # big's size made "-1" (int() would take it), its checksum made to hold
+    signed[1024 + 124 : 1024 + 136] = b"-0000000001\0"
+    signed[1024 + 148 : 1024 + 156] = b" " * 8
+    signed[1024 + 148 : 1024 + 156] = b"%06o\0 " % sum(signed[1024 : 1024 + 512])
     for data, count, why in (
         (whole[: at_big + 4096], 2, f"the stream ended inside object {sha(big)[:12]}"),
         (bytes(flipped), 2, f"object {sha(big)[:12]} has sha256 "),
         (bytes(bad_header), 2, "a bad tar header after 1 objects (bad checksum)"),
+        (bytes(signed), 2, "a bad tar header after 1 objects (not an octal number)"),
         (whole[: at_big - 512], 2, "the stream ended after 1 objects, before its end"),
         (tar_of({sha(first): first, "../escape": b"x"}), 2, "not an object of the store: '../escape'"),
         (whole, 3, "the stream held 2 objects, not 3"),  # these two: each object is right, and kept

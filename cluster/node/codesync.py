@@ -139,33 +139,55 @@ def _sync_read(stream, size, what):
     return data
 
 
+_SYNC_END = bytes(512)  # a tar's end: a block of zeros (two, and more may follow)
+_SYNC_OCTAL = frozenset(b"01234567")
+
+
+def _sync_octal(field):
+    """A tar header's number: octal digits only (int() alone would take a sign, '0o' or '_')."""
+    digits = field.strip(b" \0")
+    if not digits or not _SYNC_OCTAL.issuperset(digits):
+        raise ValueError(field)
+    return int(digits, 8)
+
+
+def _sync_header(head, kept):
+    """(sha256, size) of a tar header that is jobs/sync.py tar_header's, or tarfile's for a regular member
+    named by its sha256 alone; None at the archive's end; _SyncRefused for anything else. Read here, not by
+    tarfile: its general parser costs about 25 us of CPU a member (50 ms for a tree of 2,000 files)."""
+    if head == _SYNC_END:
+        return None
+    try:
+        checksum, size = _sync_octal(head[148:156]), _sync_octal(head[124:136])
+    except ValueError:
+        raise _SyncRefused("a bad tar header after %d objects (not an octal number)" % kept)
+    if checksum != sum(head) - sum(head[148:156]) + 8 * 32:  # summed with its own field as spaces
+        raise _SyncRefused("a bad tar header after %d objects (bad checksum)" % kept)
+    name, kind = head[:100].rstrip(b"\0").decode("utf-8", "replace"), head[156:157]
+    if kind not in (b"0", b"\0") or len(name) != 64 or not _SYNC_HEX.issuperset(name) or head[345:500].strip(b"\0"):
+        raise _SyncRefused("not an object of the store: %r (type %r)" % (name[:80], kind))
+    return name, size
+
+
 def _sync_receive(store, staging, count, stream):
     """Keep the objects of a tar stream (jobs/sync.py TarStream: one regular member per object, named by its
     sha256) in one pass: each written to a read-only file in the staging directory while it is hashed, and
     moved into the store only when its bytes are its name. Returns how many were kept; _SyncRefused at the
     first bad header, short object or wrong checksum (what was kept before it stays: each object was checked),
     the staging directory removed either way."""
-    import tarfile  # here, not at the top: only this process needs it, not every agent's start
-
     staging = _sync_staging(store, staging)
     root = os.path.expanduser(store)
     kept, made = 0, set()
     try:
         while True:
-            head = _sync_read(stream, tarfile.BLOCKSIZE, "after %d objects, before its end" % kept)
-            try:  # tarfile parses and checks the header (checksum, octal fields, ustar prefix)
-                info = tarfile.TarInfo.frombuf(head, "utf-8", "strict")
-            except tarfile.EOFHeaderError:  # a block of zeros: the archive's end
+            header = _sync_header(_sync_read(stream, 512, "after %d objects, before its end" % kept), kept)
+            if header is None:
                 break
-            except (tarfile.HeaderError, UnicodeDecodeError) as exc:
-                raise _SyncRefused("a bad tar header after %d objects (%s)" % (kept, exc))
-            sha = info.name
-            if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or len(sha) != 64 or not _SYNC_HEX.issuperset(sha):
-                raise _SyncRefused("not an object of the store: %r (type %r)" % (sha[:80], info.type))
+            sha, size = header
             part = os.path.join(staging, sha)
             # created read-only: the store's objects are, and no chmod is needed once it is written
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-            h, left = hashlib.sha256(), info.size
+            h, left = hashlib.sha256(), size
             try:
                 while left:
                     data = stream.read(min(left, 1 << 20))
@@ -180,7 +202,7 @@ def _sync_receive(store, staging, count, stream):
                 os.close(fd)
             if h.hexdigest() != sha:
                 raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-            _sync_read(stream, -info.size % tarfile.BLOCKSIZE, "inside object %s" % sha[:12])
+            _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
             target = os.path.join(root, sha[:2], sha)
             _sync_makedirs(os.path.dirname(target), made)
             os.rename(part, target)
