@@ -2,8 +2,10 @@
 # copy made from it. Sent after probe.py and before agent.py, exec'd together: stdlib only, Python >= 3.8,
 # no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
 #
-# The store (<workdir>/.ugro/objects/<sha256[:2]>/<sha256>) keeps every file once, read-only, whatever
-# directory or job it came from: a file unchanged since the node's last copy is never sent again. A job's
+# The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
+# it came from: a file unchanged since the node's last copy is never sent again. One flat directory: a new
+# directory costs a cold copy as much as a new file (an inode), and 256 <sha256[:2]> ones would be an eighth
+# more than the files of a 2,000-file tree; ext4, xfs and btrfs index big directories. A job's
 # copy is built beside its place from hard links into the store (a copy where links cannot be made), and
 # moved into place only once whole, so a rank never starts in a partial tree.
 import base64
@@ -33,17 +35,34 @@ def _sync_makedirs(path, made):
 
 
 def _sync_object(store, sha):
-    return os.path.join(os.path.expanduser(store), sha[:2], _sync_sha(sha))
+    return os.path.join(os.path.expanduser(store), _sync_sha(sha))
+
+
+def _sync_flatten(store):
+    """Bring a store of the earlier layout (<sha256[:2]>/<sha256>) to this one once, a rename per object (no
+    byte copied, nothing sent again); '.flat' in the store says it is done (a fresh store: at once)."""
+    root = os.path.expanduser(store)
+    marker = os.path.join(root, ".flat")
+    if os.path.exists(marker):
+        return
+    os.makedirs(root, exist_ok=True)
+    for entry in os.scandir(root):
+        if len(entry.name) == 2 and _SYNC_HEX.issuperset(entry.name) and entry.is_dir(follow_symlinks=False):
+            for obj in os.scandir(entry.path):
+                if len(obj.name) == 64 and _SYNC_HEX.issuperset(obj.name) and obj.is_file(follow_symlinks=False):
+                    os.replace(obj.path, os.path.join(root, obj.name))
+            shutil.rmtree(entry.path, ignore_errors=True)  # what is left: a killed sync_put's part file
+    with open(marker, "w"):
+        pass
 
 
 def _sync_manifest_path(store, digest):
     return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
 
 
-def _sync_keep(store, sha, path, made=None):
+def _sync_keep(store, sha, path):
     """Move a checked file into the store as object sha, read-only."""
     target = _sync_object(store, sha)
-    _sync_makedirs(os.path.dirname(target), set() if made is None else made)
     os.chmod(path, 0o444)
     os.replace(path, target)
 
@@ -74,6 +93,7 @@ def op_sync_have(req):
     store = req["store"]
     digest = req.get("digest")
     manifest = req.get("manifest")
+    _sync_flatten(store)
     if manifest is None and digest:
         try:
             with open(_sync_manifest_path(store, digest)) as fh:
@@ -177,7 +197,7 @@ def _sync_receive(store, staging, count, stream):
     the staging directory removed either way."""
     staging = _sync_staging(store, staging)
     root = os.path.expanduser(store)
-    kept, made = 0, set()
+    kept = 0
     try:
         while True:
             header = _sync_header(_sync_read(stream, 512, "after %d objects, before its end" % kept), kept)
@@ -203,9 +223,7 @@ def _sync_receive(store, staging, count, stream):
             if h.hexdigest() != sha:
                 raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
             _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
-            target = os.path.join(root, sha[:2], sha)
-            _sync_makedirs(os.path.dirname(target), made)
-            os.rename(part, target)
+            os.rename(part, os.path.join(root, sha))
             kept += 1
         if stream.read().strip(b"\0"):
             raise _SyncRefused("data after the stream's end")
