@@ -274,7 +274,7 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int], str
     argv = [node.agent_python, "-c", RECEIVE_BOOTSTRAP, store, staging, str(len(missing))]
     try:
         rc, err = node.link().run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
-    except (LinkError, SyncError):
+    except (LinkError, SyncError, OSError):  # OSError: the stream's file could not be read
         _unstage(node, store, staging)
         raise
     if rc != 0:

@@ -50,7 +50,10 @@ def _sync_flatten(store):
         if len(entry.name) == 2 and _SYNC_HEX.issuperset(entry.name) and entry.is_dir(follow_symlinks=False):
             for obj in os.scandir(entry.path):
                 if len(obj.name) == 64 and _SYNC_HEX.issuperset(obj.name) and obj.is_file(follow_symlinks=False):
-                    os.replace(obj.path, os.path.join(root, obj.name))
+                    try:
+                        os.replace(obj.path, os.path.join(root, obj.name))
+                    except FileNotFoundError:  # another agent on this store moved it first
+                        pass
             shutil.rmtree(entry.path, ignore_errors=True)  # what is left: a killed sync_put's part file
     with open(marker, "w"):
         pass
