@@ -234,7 +234,7 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
             if tuple(missing) not in streams and sum(sizes[sha] for sha in missing) > INLINE_BYTES:
                 try:
                     streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=_receiver_source()))
-                except OSError as exc:  # an object gone from the store, or no room for the stream
+                except (OSError, SyncError) as exc:  # an object gone or cut short in the store, or no room
                     raise SyncError(f"code sync failed: the stream could not be built: {exc}") from None
         results = on_each(nodes, deliver)
     finally:
