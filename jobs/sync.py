@@ -271,7 +271,8 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int], str
         node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
         return total
     staging = node_request(node, "sync_stage", timeout=REQUEST_TIMEOUT_S, store=store)["dir"]
-    argv = [node.agent_python, "-c", RECEIVE_BOOTSTRAP, store, staging, str(len(missing))]
+    # -S: no site (site-packages, .pth files, sitecustomize): the stdlib-only receiver starts in about 6 ms less
+    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, staging, str(len(missing))]
     try:
         rc, err = node.link().run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
     except (LinkError, SyncError, OSError):  # OSError: the stream's file could not be read

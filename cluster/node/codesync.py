@@ -3,19 +3,20 @@
 # no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
 #
 # The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
-# it came from: a file unchanged since the node's last copy is never sent again. One flat directory: a new
-# directory costs a cold copy as much as a new file (an inode), and 256 <sha256[:2]> ones would be an eighth
-# more than the files of a 2,000-file tree; ext4, xfs and btrfs index big directories. A job's
+# it came from: a file unchanged since the node's last copy is never sent again. Flat: 256 <sha256[:2]>
+# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). A job's
 # copy is built beside its place from hard links into the store (a copy where links cannot be made), and
 # moved into place only once whole, so a rank never starts in a partial tree.
-import base64
 import hashlib
-import json
 import os
-import shutil
 import sys
-import tempfile
-import time
+
+if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver would spend 12 ms importing them
+    import base64
+    import json
+    import shutil
+    import tempfile
+    import time
 
 
 _SYNC_HEX = frozenset("0123456789abcdef")
@@ -39,8 +40,7 @@ def _sync_object(store, sha):
 
 
 def _sync_flatten(store):
-    """Bring a store of the earlier layout (<sha256[:2]>/<sha256>) to this one once, a rename per object (no
-    byte copied, nothing sent again); '.flat' in the store says it is done (a fresh store: at once)."""
+    """Move a store of the earlier layout (<sha256[:2]>/<sha256>) to this one, once ('.flat' says done)."""
     root = os.path.expanduser(store)
     marker = os.path.join(root, ".flat")
     if os.path.exists(marker):
@@ -52,9 +52,9 @@ def _sync_flatten(store):
                 if len(obj.name) == 64 and _SYNC_HEX.issuperset(obj.name) and obj.is_file(follow_symlinks=False):
                     try:
                         os.replace(obj.path, os.path.join(root, obj.name))
-                    except FileNotFoundError:  # another agent on this store moved it first
+                    except FileNotFoundError:  # another agent moved it first
                         pass
-            shutil.rmtree(entry.path, ignore_errors=True)  # what is left: a killed sync_put's part file
+            shutil.rmtree(entry.path, ignore_errors=True)
     with open(marker, "w"):
         pass
 
@@ -167,7 +167,7 @@ _SYNC_OCTAL = frozenset(b"01234567")
 
 
 def _sync_octal(field):
-    """A tar header's number: octal digits only (int() alone would take a sign, '0o' or '_')."""
+    """Octal digits only (int() would take a sign, '0o' or '_')."""
     digits = field.strip(b" \0")
     if not digits or not _SYNC_OCTAL.issuperset(digits):
         raise ValueError(field)
@@ -175,9 +175,8 @@ def _sync_octal(field):
 
 
 def _sync_header(head, kept):
-    """(sha256, size) of a tar header that is jobs/sync.py tar_header's, or tarfile's for a regular member
-    named by its sha256 alone; None at the archive's end; _SyncRefused for anything else. Read here, not by
-    tarfile: its general parser costs about 25 us of CPU a member (50 ms for a tree of 2,000 files)."""
+    """(sha256, size) of a regular member's tar header, None at the end, else _SyncRefused. Not tarfile's
+    parser: it costs 25 us a member."""
     if head == _SYNC_END:
         return None
     try:
@@ -233,7 +232,12 @@ def _sync_receive(store, staging, count, stream):
         if kept != count:
             raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
     finally:  # empty once every object moved; else it holds the one that failed
-        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            for name in os.listdir(staging):
+                os.unlink(os.path.join(staging, name))
+            os.rmdir(staging)
+        except OSError:  # left for sync_unstage
+            pass
     return kept
 
 
