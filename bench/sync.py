@@ -39,8 +39,10 @@ previous trial's 16 x 50 MB, nor the discards of the removed copies, land in it:
 each cold trial every node's copy is checked (file count and bytes). Results: medians (and minimums) of
 the repeats in seconds, UGRO's bytes sent (Pushed.sent_bytes), rsync's (its --stats), CPU seconds over
 each trial (the whole machine's, other work included; the sending side's: UGRO's process, all threads,
-or the rsync and ssh client processes), and snapshot times (paid once at launch, not per node);
-bench/results/sync.json (overwritten). SIGTERM stops it cleanly (nodes stopped, temp dir and DB removed).
+or the rsync and ssh client processes; the nodes' side: each node's sshd and all it ran, without other
+work on the machine; "own": sending side plus nodes' side, the figure to compare on a shared machine),
+and snapshot times (paid once at launch, not per node); bench/results/sync.json (overwritten). SIGTERM
+stops it cleanly (nodes stopped, temp dir and DB removed).
 """
 
 from __future__ import annotations
@@ -125,6 +127,30 @@ def machine_cpu_s() -> float:
     with open("/proc/stat") as fh:
         fields = [int(x) for x in fh.readline().split()[1:]]
     return (sum(fields) - fields[3] - fields[4]) / HZ
+
+
+def nodes_cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by the given node sshds and everything they ran (sessions, shells, agents,
+    receivers, rsync servers): each one's own and reaped children's time, and every live descendant's. Other
+    work on the machine (another user's tests) is not in it, as it is in machine_cpu_s."""
+    parent: dict[int, list[int]] = {}
+    times: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    total, todo = 0, list(pids)
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0)
+        todo.extend(parent.get(pid, []))
+    return total / HZ
 
 
 def children_cpu_s() -> float:
@@ -260,17 +286,22 @@ def settle_disk(path: Path, timeout: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
-def timed(fn, args: argparse.Namespace) -> dict:
+def timed(fn, args: argparse.Namespace, node_pids: list[int]) -> dict:
     settle = settle_disk(args.tmp)
     busy = wait_quiet(args.max_busy, args.quiet_wait)
+    n0 = nodes_cpu_s(node_pids)
     m0, s0, c0 = machine_cpu_s(), self_cpu_s(), children_cpu_s()
     out = fn()
+    controller = self_cpu_s() - s0 + children_cpu_s() - c0
+    nodes = nodes_cpu_s(node_pids) - n0
     out.update(
         busy_before=round(busy, 2),
         disk_settle_s=round(settle, 2),
         load1=round(os.getloadavg()[0], 2),
         machine_cpu_s=round(machine_cpu_s() - m0, 3),
-        controller_cpu_s=round(self_cpu_s() - s0 + children_cpu_s() - c0, 3),
+        controller_cpu_s=round(controller, 3),
+        nodes_cpu_s=round(nodes, 3),
+        own_cpu_s=round(controller + nodes, 3),
     )
     out["seconds"] = round(out["seconds"], 4)
     if "push_inner_s" in out:
@@ -297,6 +328,7 @@ def one_size(ugro: Ugro, cluster, size: int, rep: int, tree: Path, base: tuple[s
     from jobs import sync
 
     rows, nodes = ugro.rows[:size], cluster.nodes[:size]
+    pids = [n.proc.pid for n in nodes]
     digest, listing = base
     row: dict = {"nodes": size, "repeat": rep, "rsync_first": rep % 2 == 0}
 
@@ -307,7 +339,7 @@ def one_size(ugro: Ugro, cluster, size: int, rep: int, tree: Path, base: tuple[s
     def ugro_cell(name: str, job) -> None:
         t0 = time.monotonic()
         try:
-            row[name] = timed(lambda: ugro.push(job, rows), args)
+            row[name] = timed(lambda: ugro.push(job, rows), args, pids)
         except sync.SyncError as exc:  # kept as a result: a push that fails is a finding, not a crash
             row[f"{name}_failed"] = {"after_s": round(time.monotonic() - t0, 2), "error": str(exc)[:1000]}
             print(f"{name} at {size} nodes failed: {exc}", flush=True)
@@ -315,7 +347,7 @@ def one_size(ugro: Ugro, cluster, size: int, rep: int, tree: Path, base: tuple[s
         check_copies([Path(sync.code_dir_on(job, r)) for r in rows], listing if "changed" not in name else None)
 
     def rsync_cell(name: str) -> None:
-        row[name] = timed(lambda: rsync_all(cluster, nodes, tree), args)
+        row[name] = timed(lambda: rsync_all(cluster, nodes, tree), args, pids)
         check_copies([n.workdir / RSYNC_DEST for n in nodes], listing if "changed" not in name else None)
 
     def with_one_changed(fn) -> None:
@@ -382,6 +414,10 @@ def summarise(rows: list[dict], sizes: list[int]) -> list[dict]:
                 "rsync_machine_cpu_s": med(f"rsync_{cell}", "machine_cpu_s"),
                 "ugro_controller_cpu_s": med(f"ugro_{cell}", "controller_cpu_s"),
                 "rsync_client_cpu_s": med(f"rsync_{cell}", "controller_cpu_s"),
+                "ugro_nodes_cpu_s": med(f"ugro_{cell}", "nodes_cpu_s"),
+                "rsync_nodes_cpu_s": med(f"rsync_{cell}", "nodes_cpu_s"),
+                "ugro_own_cpu_s": med(f"ugro_{cell}", "own_cpu_s"),
+                "rsync_own_cpu_s": med(f"rsync_{cell}", "own_cpu_s"),
             }
         entry["cold"]["ugro_cold_links_s"] = med("ugro_cold_links_cold")
         entry["unchanged"]["ugro_cold_links_s"] = med("ugro_cold_links_unchanged")
@@ -405,6 +441,16 @@ def print_table(summary: list[dict]) -> None:
             ugro_s, rsync_s = (f"{v:.3f}" if v is not None else "-" for v in (c["ugro_s"], c["rsync_s"]))
             print(f"{entry['nodes']:>5} {cell:<12} {ugro_s:>8} {rsync_s:>8} {shown_ratio:>10} "
                   f"{shown_links:>17} {ugro_mb:>12.2f} {rsync_mb:>13.2f}")  # fmt: skip
+    print(f"{'nodes':>5} {'cell':<12} {'CPU s (medians):':<17} {'ugro own':>8} {'rsync own':>9} {'ugro ctl':>8} "
+          f"{'rsync ctl':>9} {'ugro nodes':>10} {'rsync nodes':>11} {'ugro mach':>9} {'rsync mach':>10}")  # fmt: skip
+    for entry in summary:
+        for cell in CELLS:
+            c = entry[cell]
+            keys = ("ugro_own_cpu_s", "rsync_own_cpu_s", "ugro_controller_cpu_s", "rsync_client_cpu_s",
+                    "ugro_nodes_cpu_s", "rsync_nodes_cpu_s", "ugro_machine_cpu_s", "rsync_machine_cpu_s")  # fmt: skip
+            shown = ["-" if c[k] is None else f"{c[k]:.2f}" for k in keys]
+            print(f"{entry['nodes']:>5} {cell:<12} {'':<17} {shown[0]:>8} {shown[1]:>9} {shown[2]:>8} {shown[3]:>9} "
+                  f"{shown[4]:>10} {shown[5]:>11} {shown[6]:>9} {shown[7]:>10}")  # fmt: skip
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ def test_a_stream_goes_through_the_openssh_client_holding_the_node_to_its_checke
     assert len(calls) == 1 and "StrictHostKeyChecking=yes" in calls[0] and "ControlPath=none" in calls[0]
     assert "HostKeyAlias=ugro-node" in calls[0] and "GlobalKnownHostsFile=/dev/null" in calls[0]
     assert "Ciphers=aes128-gcm@openssh.com," in calls[0]  # the cheaper cipher first, OpenSSH's defaults after it
+    assert "KexAlgorithms=-sntrup761x25519-sha512," in calls[0]  # OpenSSH's defaults less the costly sntrup761
 
 
 def test_a_node_offering_the_openssh_client_another_key_is_refused_in_one_line(link, loopback, tmp_path):
@@ -94,3 +95,41 @@ def test_an_openssh_client_that_cannot_log_in_hands_the_stream_to_the_links_conn
     finally:
         fresh.close()
     assert rc == 255 and "Permission denied" in err and not (tmp_path / "third.bin").exists()
+
+
+class _File:
+    """A stream held in a file, as jobs.sync.StreamFile is: a fileno() and, iterated, its bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.fh = path.open("rb")
+
+    def fileno(self) -> int:
+        return self.fh.fileno()
+
+    def __iter__(self):
+        self.fh.seek(0)
+        return iter(lambda: self.fh.read(1 << 16), b"")
+
+
+@pytest.mark.parametrize("sendfile", ["kernel", "refused"])
+def test_a_stream_held_in_a_file_arrives_whole_through_the_openssh_client(link, tmp_path, monkeypatch, sendfile):
+    # given a node the link has met, 3 MB in a file, and (or not) a kernel that copies a file into a pipe
+    link.request("hello")
+    path, notes = client(tmp_path, f'exec {links.SSH_CLIENT} "$@"')
+    monkeypatch.setattr(links, "SSH_CLIENT", path)
+    if sendfile == "refused":
+
+        def no_sendfile(*args):
+            raise OSError(22, "Invalid argument")
+
+        monkeypatch.setattr(links.os, "sendfile", no_sendfile)
+    source = tmp_path / "stream.bin"
+    source.write_bytes(os.urandom(3 * (1 << 20) + 12345))
+    stream = _File(source)
+    # when it is sent twice (the file is read from its start each time)
+    for name in ("first.bin", "second.bin"):
+        rc, err = link.run_with_input([*WRITE_TO, str(tmp_path / name)], stream, timeout=30)
+        # then every byte arrived, through the OpenSSH client
+        assert rc == 0, err
+        assert (tmp_path / name).read_bytes() == source.read_bytes()
+    assert len(notes.read_text().splitlines()) == 2

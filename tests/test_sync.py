@@ -181,10 +181,15 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     flipped[at_big + 1000] ^= 1
     bad_header = bytearray(whole)
     bad_header[1024 + 10] ^= 1  # inside big's name: its header checksum no longer holds
+    signed = bytearray(whole)  # big's size made "-1" (int() would take it), its checksum made to hold
+    signed[1024 + 124 : 1024 + 136] = b"-0000000001\0"
+    signed[1024 + 148 : 1024 + 156] = b" " * 8
+    signed[1024 + 148 : 1024 + 156] = b"%06o\0 " % sum(signed[1024 : 1024 + 512])
     for data, count, why in (
         (whole[: at_big + 4096], 2, f"the stream ended inside object {sha(big)[:12]}"),
         (bytes(flipped), 2, f"object {sha(big)[:12]} has sha256 "),
         (bytes(bad_header), 2, "a bad tar header after 1 objects (bad checksum)"),
+        (bytes(signed), 2, "a bad tar header after 1 objects (not an octal number)"),
         (whole[: at_big - 512], 2, "the stream ended after 1 objects, before its end"),
         (tar_of({sha(first): first, "../escape": b"x"}), 2, "not an object of the store: '../escape'"),
         (whole, 3, "the stream held 2 objects, not 3"),  # these two: each object is right, and kept
@@ -202,7 +207,23 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     link = tarfile.TarInfo(sha(b"elsewhere"))
     link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
     rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1)
-    assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")[:2]).exists()
+    assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")).exists()
+
+
+def test_a_store_of_the_earlier_layout_is_moved_to_the_flat_one_once_and_nothing_is_sent_again(agent, tmp_path):
+    # given a node's store as the earlier code left it: <sha[:2]>/<sha>, and a killed put's part file
+    store, data = tmp_path / "store", b"print('kept')\n"
+    old = store / sha(data)[:2] / sha(data)
+    old.parent.mkdir(parents=True)
+    old.write_bytes(data)
+    (old.parent / f"{sha(data)}.123.ugro-part").write_bytes(b"half")
+    listing = {"files": [{"path": "train.py", "sha256": sha(data), "size": len(data), "mode": 0o644}]}
+    # when the node is asked what it lacks, it lacks nothing: the object moved, the old directory is gone
+    assert agent.request("sync_have", store=str(store), manifest=listing)["missing"] == []
+    assert (store / sha(data)).read_bytes() == data and not old.parent.exists() and (store / ".flat").exists()
+    # and the copy is built from it
+    done = agent.request("sync_apply", store=str(store), manifest=listing, dest=str(tmp_path / "code"))
+    assert done["files"] == 1 and (tmp_path / "code" / "train.py").read_bytes() == data
 
 
 def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_was(agent, tmp_path):

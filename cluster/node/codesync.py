@@ -2,18 +2,21 @@
 # copy made from it. Sent after probe.py and before agent.py, exec'd together: stdlib only, Python >= 3.8,
 # no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
 #
-# The store (<workdir>/.ugro/objects/<sha256[:2]>/<sha256>) keeps every file once, read-only, whatever
-# directory or job it came from: a file unchanged since the node's last copy is never sent again. A job's
+# The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
+# it came from: a file unchanged since the node's last copy is never sent again. Flat: 256 <sha256[:2]>
+# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). A job's
 # copy is built beside its place from hard links into the store (a copy where links cannot be made), and
 # moved into place only once whole, so a rank never starts in a partial tree.
-import base64
 import hashlib
-import json
 import os
-import shutil
 import sys
-import tempfile
-import time
+
+if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver would spend 12 ms importing them
+    import base64
+    import json
+    import shutil
+    import tempfile
+    import time
 
 
 _SYNC_HEX = frozenset("0123456789abcdef")
@@ -33,17 +36,36 @@ def _sync_makedirs(path, made):
 
 
 def _sync_object(store, sha):
-    return os.path.join(os.path.expanduser(store), sha[:2], _sync_sha(sha))
+    return os.path.join(os.path.expanduser(store), _sync_sha(sha))
+
+
+def _sync_flatten(store):
+    """Move a store of the earlier layout (<sha256[:2]>/<sha256>) to this one, once ('.flat' says done)."""
+    root = os.path.expanduser(store)
+    marker = os.path.join(root, ".flat")
+    if os.path.exists(marker):
+        return
+    os.makedirs(root, exist_ok=True)
+    for entry in os.scandir(root):
+        if len(entry.name) == 2 and _SYNC_HEX.issuperset(entry.name) and entry.is_dir(follow_symlinks=False):
+            for obj in os.scandir(entry.path):
+                if len(obj.name) == 64 and _SYNC_HEX.issuperset(obj.name) and obj.is_file(follow_symlinks=False):
+                    try:
+                        os.replace(obj.path, os.path.join(root, obj.name))
+                    except FileNotFoundError:  # another agent moved it first
+                        pass
+            shutil.rmtree(entry.path, ignore_errors=True)
+    with open(marker, "w"):
+        pass
 
 
 def _sync_manifest_path(store, digest):
     return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
 
 
-def _sync_keep(store, sha, path, made=None):
+def _sync_keep(store, sha, path):
     """Move a checked file into the store as object sha, read-only."""
     target = _sync_object(store, sha)
-    _sync_makedirs(os.path.dirname(target), set() if made is None else made)
     os.chmod(path, 0o444)
     os.replace(path, target)
 
@@ -74,6 +96,7 @@ def op_sync_have(req):
     store = req["store"]
     digest = req.get("digest")
     manifest = req.get("manifest")
+    _sync_flatten(store)
     if manifest is None and digest:
         try:
             with open(_sync_manifest_path(store, digest)) as fh:
@@ -139,33 +162,54 @@ def _sync_read(stream, size, what):
     return data
 
 
+_SYNC_END = bytes(512)  # a tar's end: a block of zeros (two, and more may follow)
+_SYNC_OCTAL = frozenset(b"01234567")
+
+
+def _sync_octal(field):
+    """Octal digits only (int() would take a sign, '0o' or '_')."""
+    digits = field.strip(b" \0")
+    if not digits or not _SYNC_OCTAL.issuperset(digits):
+        raise ValueError(field)
+    return int(digits, 8)
+
+
+def _sync_header(head, kept):
+    """(sha256, size) of a regular member's tar header, None at the end, else _SyncRefused. Not tarfile's
+    parser: it costs 25 us a member."""
+    if head == _SYNC_END:
+        return None
+    try:
+        checksum, size = _sync_octal(head[148:156]), _sync_octal(head[124:136])
+    except ValueError:
+        raise _SyncRefused("a bad tar header after %d objects (not an octal number)" % kept)
+    if checksum != sum(head) - sum(head[148:156]) + 8 * 32:  # summed with its own field as spaces
+        raise _SyncRefused("a bad tar header after %d objects (bad checksum)" % kept)
+    name, kind = head[:100].rstrip(b"\0").decode("utf-8", "replace"), head[156:157]
+    if kind not in (b"0", b"\0") or len(name) != 64 or not _SYNC_HEX.issuperset(name) or head[345:500].strip(b"\0"):
+        raise _SyncRefused("not an object of the store: %r (type %r)" % (name[:80], kind))
+    return name, size
+
+
 def _sync_receive(store, staging, count, stream):
     """Keep the objects of a tar stream (jobs/sync.py TarStream: one regular member per object, named by its
     sha256) in one pass: each written to a read-only file in the staging directory while it is hashed, and
     moved into the store only when its bytes are its name. Returns how many were kept; _SyncRefused at the
     first bad header, short object or wrong checksum (what was kept before it stays: each object was checked),
     the staging directory removed either way."""
-    import tarfile  # here, not at the top: only this process needs it, not every agent's start
-
     staging = _sync_staging(store, staging)
     root = os.path.expanduser(store)
-    kept, made = 0, set()
+    kept = 0
     try:
         while True:
-            head = _sync_read(stream, tarfile.BLOCKSIZE, "after %d objects, before its end" % kept)
-            try:  # tarfile parses and checks the header (checksum, octal fields, ustar prefix)
-                info = tarfile.TarInfo.frombuf(head, "utf-8", "strict")
-            except tarfile.EOFHeaderError:  # a block of zeros: the archive's end
+            header = _sync_header(_sync_read(stream, 512, "after %d objects, before its end" % kept), kept)
+            if header is None:
                 break
-            except (tarfile.HeaderError, UnicodeDecodeError) as exc:
-                raise _SyncRefused("a bad tar header after %d objects (%s)" % (kept, exc))
-            sha = info.name
-            if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or len(sha) != 64 or not _SYNC_HEX.issuperset(sha):
-                raise _SyncRefused("not an object of the store: %r (type %r)" % (sha[:80], info.type))
+            sha, size = header
             part = os.path.join(staging, sha)
             # created read-only: the store's objects are, and no chmod is needed once it is written
             fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-            h, left = hashlib.sha256(), info.size
+            h, left = hashlib.sha256(), size
             try:
                 while left:
                     data = stream.read(min(left, 1 << 20))
@@ -180,17 +224,20 @@ def _sync_receive(store, staging, count, stream):
                 os.close(fd)
             if h.hexdigest() != sha:
                 raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-            _sync_read(stream, -info.size % tarfile.BLOCKSIZE, "inside object %s" % sha[:12])
-            target = os.path.join(root, sha[:2], sha)
-            _sync_makedirs(os.path.dirname(target), made)
-            os.rename(part, target)
+            _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
+            os.rename(part, os.path.join(root, sha))
             kept += 1
         if stream.read().strip(b"\0"):
             raise _SyncRefused("data after the stream's end")
         if kept != count:
             raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
     finally:  # empty once every object moved; else it holds the one that failed
-        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            for name in os.listdir(staging):
+                os.unlink(os.path.join(staging, name))
+            os.rmdir(staging)
+        except OSError:  # left for sync_unstage
+            pass
     return kept
 
 
