@@ -49,11 +49,6 @@ HOST_ALIAS = "ugro-node"  # the one name in a bulk stream's own known_hosts file
 # defaults, so that a node whose sshd allows only those still takes the stream.
 STREAM_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
                   "aes128-ctr,aes192-ctr,aes256-ctr")  # fmt: skip
-# A bulk stream's key exchange: OpenSSH's defaults less sntrup761, whose key generation costs the client about
-# 80 ms of CPU per connection (one per node per sync; all else in it takes about 11 ms). ML-KEM (OpenSSH 9.9+)
-# stays; the link's own paramiko connection never offers sntrup761. A "-" list is not checked against the
-# client's names: one it does not know is skipped.
-STREAM_KEX = "-sntrup761x25519-sha512,sntrup761x25519-sha512@openssh.com,sntrup4591761x25519-sha512@tinyssh.org"
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -424,7 +419,6 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
             "BatchMode": "yes", "ControlMaster": "no", "ControlPath": "none", "ClearAllForwardings": "yes",
             "PermitLocalCommand": "no", "ConnectTimeout": str(max(1, round(connect_timeout))),
             "ServerAliveInterval": "15", "LogLevel": "ERROR", "Ciphers": STREAM_CIPHERS,
-            "KexAlgorithms": STREAM_KEX,
         }  # fmt: skip
         cmd = [SSH_CLIENT, "-T", "-x", "-a", "-p", str(ep.port), *who, *key,
                *(arg for name, value in options.items() for arg in ("-o", f"{name}={value}")),
