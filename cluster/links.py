@@ -12,6 +12,7 @@ import base64
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import itertools
 import json
@@ -49,6 +50,7 @@ HOST_ALIAS = "ugro-node"  # the one name in a bulk stream's own known_hosts file
 # defaults, so that a node whose sshd allows only those still takes the stream.
 STREAM_CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
                   "aes128-ctr,aes192-ctr,aes256-ctr")  # fmt: skip
+LOCAL_PIPE_BYTES = 1 << 20  # Linux's default pipe-max-size for an unprivileged process
 BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());g={'__name__':'__ugro_agent__'};"
     "exec(compile(b.read(n),'ugro-agent','exec'),g)"
@@ -174,6 +176,11 @@ def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
+    try:  # the agent's source (about 64 KiB) goes in one write before any answer: room for all of it, so that a
+        # local python that never reads (hung) is found silent by the connect's timeout, not blocked on a full pipe
+        fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, LOCAL_PIPE_BYTES)
+    except (OSError, AttributeError):  # not Linux, or above the system's pipe-max-size
+        pass
 
     def send(data: bytes) -> None:
         proc.stdin.write(data)

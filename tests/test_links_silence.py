@@ -176,3 +176,19 @@ def test_a_probe_that_finds_the_link_busy_is_no_failure_towards_down(monkeypatch
     sample, _, error, went_down = monitor.probe_node(object(), breaker, time.time())
     assert sample is None and "busy" in error and not went_down
     assert breaker.failures == 0
+
+
+def test_a_local_node_that_never_reads_its_agent_is_silent_within_the_timeout_however_long_the_agent(tmp_path):
+    # given a local node's python that never reads, and an agent's source past a pipe's default 64 KiB
+    fake, attempts = fake_python(tmp_path, "mute", "exec sleep 30")
+    padding = b"#" + b"x" * (200 * 1024) + b"\n"
+    link = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=str(fake)), 1.0,
+                    extra_source=padding)  # fmt: skip
+    try:
+        # when a request is made, the connect does not block on the full pipe: it fails as silence
+        caught, out = in_thread(lambda: link.request("hello", timeout=1))
+        caught.join(timeout=20)
+        assert not caught.is_alive() and isinstance(out.get("error"), LinkError), out
+        assert tries(attempts) == 1
+    finally:
+        link.close()
