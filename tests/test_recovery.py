@@ -376,3 +376,14 @@ def test_a_node_lost_retry_with_enough_nodes_left_runs_without_the_node_and_wait
     Rank.objects.filter(job=job).update(state=Rank.State.PENDING)
     nxt, note = recovery.decide(job)
     assert nxt.wait_nodes == ["gone"] and "once gone is back" in note
+
+
+def test_a_job_with_earlier_attempts_is_deleted_whole(node):
+    # given a job on its second attempt, started from a checkpoint, its first attempt's rank kept
+    job = failed_job(node)
+    c = ckpt(job, node, 50)
+    assert lifecycle.requeue(job, lifecycle.NextAttempt(reason="test", checkpoint=c, resume_path="x.pt"))
+    assert Attempt.objects.filter(job=job).count() == 2 and Rank.objects.filter(job=job).count() == 1
+    # when it is deleted (the admin can), its attempts, ranks and checkpoints go with it
+    Job.objects.filter(pk=job.pk).delete()
+    assert not Attempt.objects.exists() and not Rank.objects.exists() and not Checkpoint.objects.exists()
