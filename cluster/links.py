@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -134,13 +135,18 @@ class Endpoint:
         return f"{self.name} ({who}{self.address}:{self.port})"
 
 
+@functools.cache
+def node_file(name: str) -> bytes | None:
+    """A file of the code UGRO runs on nodes, as it was when this process first read it: what a process sends
+    its nodes (the agent, the code-sync receiver) matches its own code, even after UGRO was updated on disk
+    and before the process was restarted."""
+    path = NODE_CODE_DIR / name
+    return path.read_bytes() if path.exists() else None
+
+
 def agent_source(extra: bytes = b"") -> bytes:
     """The agent's files in order, with `extra` source placed just before the last (serving) one."""
-    parts = []
-    for name in AGENT_FILES:
-        path = NODE_CODE_DIR / name
-        if path.exists():
-            parts.append(path.read_bytes())
+    parts = [src for src in map(node_file, AGENT_FILES) if src is not None]
     if extra:
         parts.insert(len(parts) - 1, extra)
     return b"\n\n".join(parts)

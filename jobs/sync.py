@@ -30,7 +30,7 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
-from cluster.links import NODE_CODE_DIR, AgentRequestError, LinkError
+from cluster.links import AgentRequestError, LinkError, node_file
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
@@ -300,7 +300,7 @@ RECEIVE_BOOTSTRAP = (
 
 
 def _receiver_source() -> bytes:
-    src = (NODE_CODE_DIR / "codesync.py").read_bytes()
+    src = node_file("codesync.py")
     return b"%d\n" % len(src) + src
 
 

@@ -178,3 +178,21 @@ def test_a_warm_link_from_the_pool_takes_the_connect_timeout_its_caller_passes_n
     # then it is the same link, and its next connection waits the new timeout, not the first caller's
     assert again is first and again.connect_timeout == 1.5
     pool.close_all()
+
+
+def test_a_process_sends_its_nodes_the_node_code_it_started_with(tmp_path, monkeypatch):
+    from cluster import links
+
+    # given node code as it was when this process first read it
+    for name in links.AGENT_FILES:
+        (tmp_path / name).write_bytes((links.NODE_CODE_DIR / name).read_bytes())
+    monkeypatch.setattr(links, "NODE_CODE_DIR", tmp_path)
+    links.node_file.cache_clear()
+    try:
+        before = agent_source()
+        # when UGRO is updated on disk (a git pull) while the process runs on
+        (tmp_path / "codesync.py").write_bytes(b"# a newer receiver and store layout\n")
+        # then the agent and the code-sync receiver it sends are still its own version, not a mix
+        assert agent_source() == before and links.node_file("codesync.py") != b"# a newer receiver and store layout\n"
+    finally:
+        links.node_file.cache_clear()
