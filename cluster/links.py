@@ -449,9 +449,7 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
             threading.Thread(target=watch, daemon=True).start()
             try:
                 try:
-                    if hasattr(chunks, "fileno"):
-                        _send_file(chunks.fileno(), proc.stdin, last)
-                    else:
+                    if not (hasattr(chunks, "fileno") and _send_file(chunks.fileno(), proc.stdin, last)):
                         for chunk in chunks:
                             proc.stdin.write(chunk)
                             last[0] = time.monotonic()
@@ -482,9 +480,10 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
     return rc, tail[-2000:]
 
 
-def _send_file(fd: int, out, last: list[float]) -> None:
-    """A file's bytes from its start to its end into `out` (a pipe), in pieces, noting the time of each in
-    last[0]: through os.sendfile where the kernel copies file to pipe (Linux), no byte passing through Python."""
+def _send_file(fd: int, out, last: list[float]) -> bool:
+    """A file's bytes from its start to its end into `out` (a pipe) through os.sendfile, the kernel copying
+    file to pipe (Linux) with no byte passing through Python, noting the time of each piece in last[0]. False,
+    nothing sent, where the kernel cannot (the caller then iterates the stream itself)."""
     size, offset, piece = os.fstat(fd).st_size, 0, 1 << 20
     out.flush()
     while offset < size:
@@ -493,18 +492,12 @@ def _send_file(fd: int, out, last: list[float]) -> None:
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSOCK, errno.EOPNOTSUPP) or offset:
                 raise
-            break  # no file-to-pipe sendfile here: read and write instead
+            return False
         if sent == 0:
             raise OSError(errno.EIO, "the stream's file ended before its size")
         offset += sent
         last[0] = time.monotonic()
-    while offset < size:
-        block = os.pread(fd, min(piece, size - offset), offset)
-        if not block:
-            raise OSError(errno.EIO, "the stream's file ended before its size")
-        out.write(block)
-        offset += len(block)
-        last[0] = time.monotonic()
+    return True
 
 
 def fetch_host_key(ep: Endpoint, timeout: float = 10.0) -> str:
