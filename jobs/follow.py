@@ -1,8 +1,8 @@
 """Following a job: copy each rank's log from its node, ingest metrics, notice how the ranks ended.
 
-One follower per job, by a lease in the row of its current attempt. The follower owns what it writes: a round of node
-reads starts with at least 7/8 of the lease left (renewed first unless that is so), no round may outlast
-3/4 of it, and every write
+One follower per job, by a lease in the row of its current attempt. The follower owns what it writes: a
+round of node reads starts with at least 7/8 of the lease left (renewed first unless that is so), no round
+may outlast 3/4 of it, and every write
 (central log, arrival times, metrics.jsonl, metric rows, offsets) happens inside a transaction that
 first renews the lease with an UPDATE (a row lock), so a follower that lost its lease writes nothing
 and a new one waits for the old one's last commit.

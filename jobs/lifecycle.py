@@ -41,7 +41,7 @@ from . import locks
 from .events import publish_job
 from .failure import Failure, FailureKind, RankFacts, explain_now
 from .logs import archive_logs, restore_logs, tail_lines
-from .models import Allocation, Attempt, Checkpoint, Job, Rank
+from .models import ATTEMPT_FIELDS, Allocation, Attempt, Checkpoint, Job, Rank
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,6 @@ def _now() -> datetime:
     return timezone.now()
 
 
-# what _move writes on the current attempt's row: its fields that the job has none of
-_ATTEMPT_FIELDS = frozenset(f.name for f in Attempt._meta.concrete_fields) - {f.name for f in Job._meta.concrete_fields}
-_ATTEMPT_FIELDS -= {"job", "number"}
-
-
 def _move(job: Job, sources: Iterable[str], target: str, **fields) -> bool:
     """The one way a job changes state: UPDATE ... WHERE state IN sources, and in the same transaction the
     fields given of its current attempt (tag, times, failure, ...) on that attempt's row. True if this call
@@ -72,7 +67,7 @@ def _move(job: Job, sources: Iterable[str], target: str, **fields) -> bool:
     of_job = {"state": target, "state_changed_at": _now()}
     of_attempt = {}
     for key, value in fields.items():
-        (of_attempt if key in _ATTEMPT_FIELDS else of_job)[key] = value
+        (of_attempt if key in ATTEMPT_FIELDS else of_job)[key] = value
     with transaction.atomic():
         updated = Job.objects.filter(pk=job.pk, state__in=list(sources)).update(**of_job)
         if updated and of_attempt:

@@ -478,6 +478,15 @@ class Attempt(models.Model):
         return [r.node.name for r in self.ranks.select_related("node").order_by("index")]
 
 
+# An attempt's own fields, those the job has none of (not its job nor its number): what changes with a try and is
+# written on the attempt's row (lifecycle._move)
+ATTEMPT_FIELDS = (
+    frozenset(f.name for f in Attempt._meta.concrete_fields)
+    - {f.name for f in Job._meta.concrete_fields}
+    - {"job", "number"}
+)
+
+
 class JobCode(models.Model):
     """What a job runs: the directory synced to its nodes (docs/sync.md), and per node the code and
     environment each attempt found there (the script's sha256, Python, torch, CUDA, NCCL, driver, GPU,

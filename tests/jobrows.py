@@ -3,10 +3,9 @@ its current attempt (times, failure, lease...) on the attempt's row, as jobs/lif
 
 from __future__ import annotations
 
-from jobs.models import Attempt, Job
+from jobs.models import ATTEMPT_FIELDS, Attempt, Job
 
-_JOB = frozenset(f.name for f in Job._meta.concrete_fields)
-_ATTEMPT = frozenset(f.name for f in Attempt._meta.concrete_fields) - _JOB - {"job"}
+_ATTEMPT = ATTEMPT_FIELDS | {"number"}
 _RENAMED = {"resume_step": "from_step", "attempt": "number"}
 
 
