@@ -387,3 +387,26 @@ def test_a_job_with_earlier_attempts_is_deleted_whole(node):
     # when it is deleted (the admin can), its attempts, ranks and checkpoints go with it
     Job.objects.filter(pk=job.pk).delete()
     assert not Attempt.objects.exists() and not Rank.objects.exists() and not Checkpoint.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_decision_whose_alert_could_not_be_opened_is_not_kept_and_is_made_again(node, monkeypatch):
+    from cluster.models import Alert
+
+    # given a newly failed job whose policy would retry it
+    job = failed_job(node, retry_on=["SCRIPT_ERROR"], max_attempts=3)
+    opened = retries.open_alert
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("the worker died here")
+
+    # when the worker dies after deciding, before the alert is opened
+    monkeypatch.setattr(retries, "open_alert", dies)
+    with pytest.raises(RuntimeError):
+        retries._decide(Job.objects.get(pk=job.pk))
+    # then the decision was not kept either, so the next pass makes it again, and tells it
+    assert Job.objects.get(pk=job.pk).recovery_note == ""
+    monkeypatch.setattr(retries, "open_alert", opened)
+    retries._decide(Job.objects.get(pk=job.pk))
+    assert "retry" in Job.objects.get(pk=job.pk).recovery_note
+    assert Alert.objects.filter(key="recovery:f1", resolved_at__isnull=True).exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -69,13 +70,16 @@ def retry_pass(job_ids: list[int] | None = None, *, wait: bool = True) -> list[s
 def _decide(job: Job) -> None:
     """The policy's decision about a newly failed job, recorded once (note, retry time) and told in an alert."""
     nxt, note = recovery.decide(job)
-    if not Attempt.objects.filter(pk=job.current_id, job__state=Job.State.FAILED, recovery_note="").update(
-        recovery_note=note[:2000], retry_at=nxt.retry_at if nxt else None
-    ):
-        return  # it moved on meanwhile (a resume by hand)
     severity = Alert.Severity.WARNING if nxt else Alert.Severity.CRITICAL
     node = Node.objects.filter(name=job.failure_node).first() if job.failure_node else None
-    open_alert(node, f"recovery:{job.name}", severity, f"job {job.name}: {note}", job_name=job.name)
+    # the note and its alert commit together: once the note is set the decision is never made again, so a
+    # worker that died between the two would leave it untold, and a reader would see the note before the alert
+    with transaction.atomic():
+        if not Attempt.objects.filter(pk=job.current_id, job__state=Job.State.FAILED, recovery_note="").update(
+            recovery_note=note[:2000], retry_at=nxt.retry_at if nxt else None
+        ):
+            return  # it moved on meanwhile (a resume by hand)
+        open_alert(node, f"recovery:{job.name}", severity, f"job {job.name}: {note}", job_name=job.name)
 
 
 def release_waits(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:
