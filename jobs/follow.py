@@ -126,14 +126,19 @@ def renew(job_id: int, owner: str, *, grow: int = 0, relaxed: bool = False) -> i
     job makes it: a round trip each for the lease, the size and the commit mode would cost the worker more."""
     now = timezone.now()
     jobs, attempts = (connection.ops.quote_name(m._meta.db_table) for m in (Job, Attempt))
+    # The job's row is locked first, then its attempt's: the order every lifecycle move takes (_move updates
+    # the job, then the attempt). The other order deadlocked a follower's pass against a job failing at the
+    # same moment. The lease is checked again on the attempt's row once it is locked (a follower that took it
+    # meanwhile wins: no row, LeaseLost, and the caller's rollback undoes the job's bump).
     sql = (
-        f"WITH lease AS (UPDATE {attempts} AS a SET follower_until = %s FROM {jobs} AS j"
+        f"WITH bump AS (UPDATE {jobs} AS j SET metrics_bytes = j.metrics_bytes + %s FROM {attempts} AS a"
         " WHERE j.id = %s AND a.id = j.current_id AND a.follower = %s AND a.follower_until > %s"
-        " RETURNING a.job_id)"
-        f" UPDATE {jobs} SET metrics_bytes = metrics_bytes + %s WHERE id IN (SELECT job_id FROM lease)"
-        " RETURNING metrics_bytes - %s"
+        " RETURNING j.current_id, j.metrics_bytes - %s AS committed)"
+        f" UPDATE {attempts} AS a SET follower_until = %s FROM bump"
+        " WHERE a.id = bump.current_id AND a.follower = %s AND a.follower_until > %s"
+        " RETURNING bump.committed"
     )
-    params = [now + timedelta(seconds=FOLLOW_LEASE_S), job_id, owner, now, grow, grow]
+    params = [grow, job_id, owner, now, grow, now + timedelta(seconds=FOLLOW_LEASE_S), owner, now]
     with connection.cursor() as cursor:
         cursor.execute(f"{RELAXED_COMMIT}; {sql}" if relaxed else sql, params)
         if relaxed:

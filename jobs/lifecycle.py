@@ -137,9 +137,10 @@ def ranks_started(job: Job, started: list[Started], spread: float | None) -> boo
     """Record the started ranks and move STARTING -> RUNNING; False if the job left STARTING meanwhile
     (cancelled, or timed out by the reconciler): whoever moved it stops the processes."""
     now = _now()
-    with transaction.atomic():
-        _record_started(started, now)
-        return _move(job, [Job.State.STARTING], Job.State.RUNNING, running_at=now, launch_spread_s=spread)
+    with transaction.atomic():  # the job's row, then its attempt's, then its ranks': a follower's order too
+        moved = _move(job, [Job.State.STARTING], Job.State.RUNNING, running_at=now, launch_spread_s=spread)
+        _record_started(started, now)  # either way: whoever stops them needs their pids
+    return moved
 
 
 def ranks_started_partly(job: Job, started: list[Started], spread: float | None) -> None:

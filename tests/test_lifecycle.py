@@ -548,7 +548,7 @@ def test_a_pass_over_three_busy_ranks_sends_one_event_and_advances_them_in_one_s
     assert len(sql) == 5 and sql[1:2] == ["BEGIN"] and sql[-1] == "COMMIT", "\n".join(q[:120] for q in sql)
     assert sql[0].startswith('SELECT id FROM "jobs_rank"')  # which ranks run: their rows are not read again
     assert (
-        sql[2].startswith('SET LOCAL synchronous_commit TO OFF; WITH lease AS (UPDATE "jobs_attempt"')
+        sql[2].startswith('SET LOCAL synchronous_commit TO OFF; WITH bump AS (UPDATE "jobs_job"')
         and "RETURNING" in sql[2]
     )
     assert sql[3].startswith('UPDATE "jobs_rank"')

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 from datetime import timedelta
 
 import pytest
-from django.db import connections
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
 from cluster.models import Node
@@ -18,6 +18,7 @@ from jobs.loops import orphans, retries, stopping
 from jobs.models import Job, Rank
 from jobs.reconcile import LOOPS, PASSES_AT_ONCE, reconcile
 
+from .conftest import wait_for
 from .fake_agent import FakeCluster
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -123,6 +124,45 @@ def test_a_teardown_under_way_elsewhere_is_left_to_finish_and_one_after_it_runs(
     # once that one let go (here: without finishing), a teardown runs and makes the end final
     assert lifecycle.teardown(job) is True
     assert stopped == ["t1"] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
+
+
+def test_a_followers_lease_renewal_and_a_job_changing_state_at_once_do_not_deadlock():
+    from jobs.follow import claim, renew
+
+    job = Job.objects.create(name="f1", script="x.py", tag="f1-abc", state=Job.State.RUNNING)
+    assert claim(job.pk, "follower-a", any_state=True)
+    locked, waiting = threading.Event(), threading.Event()
+
+    def change_state() -> bool:
+        # a lifecycle move as requeue makes it: the job's row locked first, then its attempt's row written
+        with transaction.atomic():
+            Job.objects.select_for_update().get(pk=job.pk)
+            locked.set()
+            waiting.wait(10)  # the follower's renewal is waiting for the job's row now
+            return lifecycle._move(job, [Job.State.RUNNING], Job.State.FAILING, failure_reason="lost")
+
+    def renewal() -> int:
+        with transaction.atomic():
+            return renew(job.pk, "follower-a", grow=10, relaxed=True)
+
+    # given a job changing state (its row locked) while its follower renews the lease in a pass
+    mover = Worker(change_state, name="mover")
+    assert locked.wait(10)
+    follower = Worker(renewal, name="follower")
+    wait_for(lambda: blocked_backends() >= 1, timeout=10, what="the renewal to wait for the job's row")
+    waiting.set()
+    # then both go through, one after the other (the other lock order made PostgreSQL kill one as a deadlock)
+    assert mover.join() is True and follower.join() == 0
+    job.refresh_from_db()
+    assert job.state == Job.State.FAILING and job.failure_reason == "lost" and job.metrics_bytes == 10
+
+
+def blocked_backends() -> int:
+    """Sessions of this database waiting for a row lock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                       " AND wait_event_type = 'Lock'")  # fmt: skip
+        return cursor.fetchone()[0]
 
 
 def test_two_workers_run_the_same_loop_side_by_side_on_different_jobs(slow_teardowns):
