@@ -29,7 +29,7 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, lifecycle, sync
+from . import checkpoints, lifecycle, locks, sync
 from .batches import split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
@@ -723,7 +723,19 @@ def launch(job: Job) -> Job:
 
     Nothing started (unreachable node, pre-flight): FAILED at once, nodes freed. A rank that did not
     start, or a start past the sync window: FAILING, and the teardown stops whatever did start.
+    Cancelled meanwhile: nothing more is started, and the teardown waits for this launch to let go of the
+    job (locks.LAUNCH), so that what it did start is there to be stopped.
     """
+    with locks.held(locks.LAUNCH, job.pk, wait=True):
+        return _launch(job)
+
+
+def _still_starting(job: Job) -> bool:
+    """Whether the job is still STARTING (not cancelled or timed out since it was claimed)."""
+    return Job.objects.filter(pk=job.pk, state=Job.State.STARTING).exists()
+
+
+def _launch(job: Job) -> Job:
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
     assign_batches(job, ranks)
     Rank.objects.bulk_update(ranks, ["batch_weight"])
@@ -745,6 +757,8 @@ def launch(job: Job) -> Job:
         return job
     boot_ids = {r.pk: (hello or {}).get("boot_id") or "" for r, hello, _ in reached}
 
+    if not _still_starting(job):
+        return job
     if sync.job_sync_digest(job):
         try:  # every node gets the job's code before anything else runs there
             pushed = sync.push(job, [r.node for r in ranks])
@@ -772,6 +786,8 @@ def launch(job: Job) -> Job:
     commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint, bases[r.node_id])
                 for r in ranks}  # fmt: skip
     envs = {r.pk: rank_env(job, r) for r in ranks}
+    if not _still_starting(job):  # stopped meanwhile: its teardown waits for this launch, and finds nothing
+        return job
     t0 = time.monotonic()  # the sync window is for starting ranks; checks before it do not count
 
     def start(rank: Rank) -> float:

@@ -46,6 +46,8 @@ from .stop import stop_processes
 
 log = logging.getLogger(__name__)
 
+# STARTING may last the sync window plus this (connect, code sync, pre-flight) before it is a dead launch
+STARTING_GRACE_S = 60.0
 STOPPING_RETRY_S = 15.0  # a teardown not done by the kill grace plus this was lost with its worker: run it again
 
 ERROR_FILE_MAX_BYTES = 256 * 1024
@@ -265,12 +267,20 @@ def teardown(job: Job) -> bool:
         job.refresh_from_db()
         if not job.is_stopping:
             return False
+        # a launch still starting ranks (a cancel during the start): its processes exist only once it is done
+        if not locks.wait_free(locks.LAUNCH, job.pk, launch_limit_s(job)):
+            log.warning("teardown of %s: its launch is still under way; stopping what it started so far", job.name)
         grace = None
         if job.failure_kind == FailureKind.NODE_LOST:
             # the others are stuck in a collective with the lost node's ranks: nothing to wait for
             grace = min(settings.UGRO["KILL_GRACE_S"], LOST_PEER_GRACE_S)
         unclean = stop_processes(job, grace=grace)
         return finalize(job, unclean)
+
+
+def launch_limit_s(job: Job) -> float:
+    """How long a launch may take before it is taken for dead (its launcher gone or hung)."""
+    return job.sync_window_s + STARTING_GRACE_S
 
 
 def _after_commit_stopping(job: Job) -> None:

@@ -6,6 +6,7 @@ still safe to repeat afterwards."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -22,6 +23,9 @@ ENDED = 14
 RETRIES = 15
 ORPHANS = 16  # keyed by the node: one orphan scan of a node at a time
 SWEEP = 17  # keyed by the sweep: one median-stop judgment of a sweep at a time
+# Held by the launcher of a job while it starts the job's ranks: a teardown (a cancel during the start) waits
+# for it to let go, so that it stops every process the launch started, not those started before it looked
+LAUNCH = 18
 
 
 @contextmanager
@@ -42,6 +46,19 @@ def held(kind: int, key: int = 0, wait: bool = False) -> Iterator[bool]:
         if got:
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_unlock(%s, %s)", args)
+
+
+def wait_free(kind: int, key: int, timeout: float, poll: float = 0.05) -> bool:
+    """Wait (up to timeout) until nobody holds the (kind, key) lock; True if nobody did by then. Not taken:
+    only waited for, and bounded, since its holder may be busy for long (unlike pg_advisory_lock)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with held(kind, key) as got:
+            if got:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
 
 
 @contextmanager

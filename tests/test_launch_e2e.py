@@ -101,6 +101,89 @@ def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
         call_command("cancel", "long1")
 
 
+@pytest.mark.parametrize("during", ["pre-flight", "the starts"])
+def test_a_cancel_while_the_job_starts_ends_it_only_once_what_its_launch_started_is_stopped(lab, monkeypatch, during):
+    import threading
+    import time
+
+    from django.db import connection
+
+    from jobs import launch as launching
+
+    entered = threading.Event()
+    starts: list[tuple[str, float]] = []  # (node, when its start was answered)
+
+    def cancel_gets_as_far_as_it_can(job_id: int) -> None:
+        """Hold the launch until the job is being cancelled, and then until the cancel has gone as far as it
+        goes without this launch (the job final: what the launch starts now is left running; or 3 s)."""
+        entered.set()
+        try:
+            wait_for(lambda: Job.objects.get(pk=job_id).state != Job.State.STARTING, timeout=30, interval=0.05,
+                     what="the cancel")  # fmt: skip
+            deadline = time.monotonic() + 3
+            while not Job.objects.get(pk=job_id).is_ended and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            connection.close()  # this thread's own
+
+    # given a launch held up in its pre-flight checks, or in the middle of starting its ranks (node2's rank
+    # is started only then; node1's and node3's are up)
+    checks, request = launching.run_preflight, launching.node_request
+
+    def preflight(job, ranks, bases):
+        if during == "pre-flight":
+            cancel_gets_as_far_as_it_can(job.pk)
+        return checks(job, ranks, bases)
+
+    def node_request(node, op, /, **fields):
+        if op == "start" and during == "the starts" and node.name == "node2":
+            cancel_gets_as_far_as_it_can(Rank.objects.get(start_record=fields["record"]).job_id)
+        answer = request(node, op, **fields)
+        if op == "start":
+            starts.append((node.name, time.time()))
+        return answer
+
+    monkeypatch.setattr(launching, "run_preflight", preflight)
+    monkeypatch.setattr(launching, "node_request", node_request)
+    launched = threading.Event()
+
+    def launch_job(job):
+        try:
+            return launching.launch(job)
+        finally:
+            launched.set()
+
+    monkeypatch.setattr("jobs.scheduler.launch", launch_job)
+
+    def launching_command() -> None:  # it waits while the job starts: in a terminal of its own
+        try:
+            launch("--name", "racer", "--detach", "--", *SLOW_TRAIN)
+        except CommandError:
+            pass  # it says the job was cancelled
+        finally:
+            connection.close()
+
+    command = threading.Thread(target=launching_command)
+    command.start()
+    assert entered.wait(60)
+    # when it is cancelled then
+    out = io.StringIO()
+    call_command("cancel", "racer", stdout=out)
+    job = Job.objects.get(name="racer")
+    # then the command says no process is left, and none is
+    assert "no process of it remains" in out.getvalue()
+    assert job.state == Job.State.CANCELLED and job_pids(job.tag) == []
+    # because the job was ended only after its launch was done: no rank started after (to be left running)
+    assert launched.wait(30)
+    if during == "pre-flight":
+        assert starts == []  # and a launch cancelled before its starts started nothing
+    else:
+        assert sorted(node for node, _ in starts) == ["node1", "node2", "node3"]
+        assert max(when for _, when in starts) < job.finished_at.timestamp()
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    command.join(30)
+
+
 def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
     launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("killme")

@@ -158,7 +158,7 @@ def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_f
     assert job.state == Job.State.STARTING
     wait_for(lambda: len(job_pids(job.tag)) >= 6, timeout=30, what="the orphaned ranks to run")
     # when its STARTING window has passed and the reconciler runs
-    monkeypatch.setattr("jobs.loops.starts.STARTING_GRACE_S", 1.0)
+    monkeypatch.setattr("jobs.lifecycle.STARTING_GRACE_S", 1.0)
     monkeypatch.setattr("jobs.lifecycle.STOPPING_RETRY_S", 1.0)
     Job.objects.filter(pk=job.pk).update(sync_window_s=1.0)
     time.sleep(2.1)

@@ -126,6 +126,34 @@ def test_a_teardown_under_way_elsewhere_is_left_to_finish_and_one_after_it_runs(
     assert stopped == ["t1"] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
 
 
+def test_a_teardown_waits_for_the_launch_still_starting_the_jobs_ranks_then_stops_them(monkeypatch):
+    stopped = []
+    monkeypatch.setattr(lifecycle, "stop_processes", lambda job, grace=None: stopped.append(job.name) or [])
+    job = Job.objects.create(name="s1", script="x.py", state=Job.State.CANCELLING, tag="s1-abc")
+    # given a launch of the job still starting its ranks (cancelled meanwhile): its processes are not all up
+    with Holder(locks.LAUNCH, job.pk) as launcher:
+        # when the teardown runs: it stops nothing, and ends nothing, while the launch holds the job
+        teardown = Worker(lambda: lifecycle.teardown(job), name="teardown")
+        assert not teardown.done.wait(0.5)
+        assert stopped == [] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLING
+        # then once the launch lets go, it stops what was started and makes the end final
+        launcher.release.set()
+        assert teardown.join() is True
+    assert stopped == ["s1"] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
+
+
+def test_a_teardown_does_not_wait_for_a_launch_past_its_limit(monkeypatch):
+    stopped = []
+    monkeypatch.setattr(lifecycle, "stop_processes", lambda job, grace=None: stopped.append(job.name) or [])
+    monkeypatch.setattr(lifecycle, "STARTING_GRACE_S", 0.0)
+    job = Job.objects.create(name="s2", script="x.py", state=Job.State.CANCELLING, tag="s2-abc", sync_window_s=0.3)
+    # given a launch that holds the job past the time a launch may take (a launcher hung on a node)
+    with Holder(locks.LAUNCH, job.pk):
+        # then the teardown stops what is there without it (the launch stops what it starts after)
+        assert lifecycle.teardown(job) is True
+    assert stopped == ["s2"] and Job.objects.get(pk=job.pk).state == Job.State.CANCELLED
+
+
 def test_a_followers_lease_renewal_and_a_job_changing_state_at_once_do_not_deadlock():
     from jobs.follow import claim, renew
 

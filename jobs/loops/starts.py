@@ -1,6 +1,6 @@
 """The starts loop: a job that started must get going, and stop when its time is up.
 
-- STARTING past its window (the sync window + STARTING_GRACE_S): the launcher died or hung -> FAILING
+- STARTING past its window (lifecycle.launch_limit_s: the sync window + a grace): the launcher died or hung -> FAILING
   (TIMEOUT); the teardown stops whatever it started.
 - A live job past its time limit (the job's own, else the cluster default): FAILING with kind TIMEOUT; the
   teardown sends SIGTERM, then SIGKILL after the kill grace (time for a last checkpoint).
@@ -25,8 +25,6 @@ from ..snapshot import time_limit_s
 from ..sweeps import median_stop, median_stopping
 from . import Report, each_claimed, run_rule, scope
 
-STARTING_GRACE_S = 60.0  # STARTING may last the sync window plus this (connect, pre-flight) before it is a dead launch
-
 
 def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     """One pass of the loop over every job (job_ids None) or the given ones."""
@@ -42,7 +40,7 @@ def fail_overdue_starts(job_ids: list[int] | None = None, *, wait: bool = True) 
 
     def act(job: Job) -> str | None:
         since = job.state_changed_at or job.started_at or now
-        limit = job.sync_window_s + STARTING_GRACE_S
+        limit = lifecycle.launch_limit_s(job)
         if (now - since).total_seconds() <= limit:
             return None
         line = f"the launch did not finish within {limit:g}s (launcher {job.launcher or 'unknown'} gone?)"
