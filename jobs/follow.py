@@ -325,22 +325,27 @@ class JobFollower:
             for rank, item in zip(group, result["files"], strict=True):
                 self.seen[rank.pk] = item.get("size") or 0
                 answered.append((rank, item, False))
-        got = self._take_all(answered, now) if answered else {}
+        # The discovery walks and the metric files (metrics.csv, TensorBoard files the job named or a walk found)
+        # before the lines and exits commit: once a rank's exit commits, the reconciler may judge the job ended at
+        # once, and an ended job's output must all be in (a framework writes its files' last rows on its way out).
+        # A rank whose exit this pass saw is walked and read as ended (once more, whatever the interval).
+        ending = {rank.pk: lifecycle.as_exited(rank) for rank, item, _ in answered
+                  if item["exit"] is not None and item["eof"]}  # fmt: skip
         for rank, _, _ in answered:
-            if got.get(rank.pk):
-                self.hot_node = rank.node_id
-            self._scan_checkpoints(rank)
-        taken = sum(got.values())
-        # metrics.csv / TensorBoard files the job named or a discovery walk found, written under the same lease
-        # as the logs (whether there are any is read once, then known from what discovery adopts)
+            self._scan_checkpoints(ending.get(rank.pk, rank))
+        # whether there are metric files is read once, then known from what discovery adopts
         if self.metric_files is None:
             named = JobMetrics.objects.filter(job=job).values_list("files", flat=True).first()
             self.metric_files = bool(named) or MetricFile.objects.filter(job=job).exists()
         if self.metric_files:
             self._files_win()
-            if follow_metric_files(job, ranks, node_request, guard=self.renew):
+            if follow_metric_files(job, [ending.get(r.pk, r) for r in ranks], node_request, guard=self.renew):
                 self.unfolded = True
-        return taken
+        got = self._take_all(answered, now) if answered else {}
+        for rank, _, _ in answered:
+            if got.get(rank.pk):
+                self.hot_node = rank.node_id
+        return sum(got.values())
 
     def fold(self, *, now: bool = False) -> None:
         """Fold the points stored since the last fold into the charts' rollup: at most every

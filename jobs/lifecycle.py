@@ -17,6 +17,7 @@ repeat any of them after a crash at any point. docs/lifecycle.md draws the machi
 from __future__ import annotations
 
 import base64
+import copy
 import logging
 import time
 import uuid
@@ -441,6 +442,14 @@ def rank_progress(rank: Rank, old_offset: int, fields: dict, exit_info: dict | N
         for key, value in fields.items():
             setattr(rank, key, value)
     return bool(updated)
+
+
+def as_exited(rank: Rank) -> Rank:
+    """The rank as it will be once rank_progress() takes its exit (EXITED), for what reads it just before: a
+    copy in memory; its row is not touched."""
+    view = copy.copy(rank)
+    view.state = Rank.State.EXITED
+    return view
 
 
 # the fields a follower's pass advances on a running rank: what ranks_progress() writes in one statement

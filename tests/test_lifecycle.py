@@ -268,6 +268,34 @@ def test_a_follower_that_lost_its_lease_writes_nothing(local_node, fast_settings
     assert rank.log_offset == 4 and rank.local_log.read_bytes() == b"one\n"
 
 
+def test_a_ranks_exit_commits_only_after_its_metric_files_last_rows_are_in(local_node, fast_settings, monkeypatch):
+    from metrics.models import JobMetrics
+
+    # given a running job whose metrics.csv (named at launch) got its last rows as the rank exited
+    job = running_job(local_node)
+    JobMetrics.objects.create(job=job, files=["logs_{job}"])
+    csv_file = Path(local_node.workdir) / "logs_j1" / "version_0" / "metrics.csv"
+    csv_file.parent.mkdir(parents=True)
+    csv_file.write_bytes(b"epoch,step,train_loss\n0,4,0.75\n0,9,0.5\n")
+    write_log(job, b"done\n", rc=0)
+    at_exit = []
+    progress = lifecycle.ranks_progress
+
+    def ranks_progress(moves):
+        if any(exit_info is not None for *_, exit_info in moves):
+            steps = MetricPoint.objects.filter(job=job, name="train_loss").values_list("step", flat=True)
+            at_exit.append(sorted(steps))
+        return progress(moves)
+
+    monkeypatch.setattr(lifecycle, "ranks_progress", ranks_progress)
+    # when the follower's pass takes the exit (the moment the job may be judged ended)
+    assert claim(job.pk, "f")
+    JobFollower(job, "f").step()
+    # then the file's rows were stored before it: a job that ended has all of its curve
+    assert at_exit == [[4, 9]]
+    assert job.ranks.get().state == Rank.State.EXITED and lifecycle.judge(Job.objects.get(pk=job.pk))
+
+
 def test_the_follower_folds_the_rollup_outside_its_lease_at_most_every_interval_and_after_the_end(
     local_node, fast_settings, monkeypatch
 ):
