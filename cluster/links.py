@@ -41,6 +41,7 @@ AGENT_FILES = ("probe.py", "codesync.py", "agent.py")
 # and a silent node must fail a probe, a pre-flight or a follower's read fast
 CONNECT_TIMEOUT_S = 5.0
 EXEC_TIMEOUT_FACTOR = 3  # x the connect timeout: how long starting the agent in a new session may take
+READ_RECHECK_S = 0.25  # a wait for an answer looks at the channel's buffer at least this often (see _readline)
 LOCK_POLL_S = 0.2  # how often a request waiting for a taken link looks whether its node went silent
 # The OpenSSH client, when installed: bulk streams to an SSH node go through it, one process per stream, instead
 # of through this process's paramiko (Python packetizing every byte under one GIL). None: paramiko only.
@@ -163,9 +164,13 @@ class _Pipe:
         # run_with_input(argv, chunks, timeout) -> (exit code, stderr tail): a command beside the agent on the
         # same connection, its stdin the chunks as raw bytes (bulk data without the requests' JSON framing)
         self.run_with_input = run_with_input
-        # After select() says readable: whether recv() has something (or the end) to return now.
-        self.pending = pending or (lambda: True)
+        # Whether recv() has something (or the end) to return now, without blocking; by default, whether the read
+        # side is readable (a plain pipe's is exactly that).
+        self.pending = pending or self._readable
         self.host_key, self.host_key_source = host_key, host_key_source
+
+    def _readable(self) -> bool:
+        return bool(select.select([self.fileno()], [], [], 0)[0])
 
     def close(self) -> None:
         try:
@@ -653,8 +658,11 @@ class NodeLink:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _NoAnswer("no answer in time")
-            ready, _, _ = select.select([self._pipe.fileno()], [], [], left)
-            if not ready or not self._pipe.pending():
+            # Bounded, and pending() asked even when select() says nothing: paramiko's channel signals stdout and
+            # stderr through one pipe, and a stderr read that clears it while an answer is being fed in (the
+            # feed signals before it appends) leaves that answer in the buffer with the pipe silent.
+            select.select([self._pipe.fileno()], [], [], min(left, READ_RECHECK_S))
+            if not self._pipe.pending():
                 continue
             try:
                 chunk = self._pipe.recv(1 << 20)

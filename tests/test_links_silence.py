@@ -192,3 +192,32 @@ def test_a_local_node_that_never_reads_its_agent_is_silent_within_the_timeout_ho
         assert tries(attempts) == 1
     finally:
         link.close()
+
+
+def test_an_answer_buffered_after_the_channels_signal_was_cleared_is_still_read():
+    """paramiko signals a channel's stdout and stderr through one pipe: a stderr read that clears it while an
+    answer is being fed in (the feed signals before it appends) leaves the answer buffered, the pipe silent."""
+    import json
+    import os
+
+    from cluster.links import _Pipe
+
+    quiet_r, quiet_w = os.pipe()  # the channel's signal: never readable again
+    answer = json.dumps({"id": 7, "ok": True, "result": {"answered": True}}).encode() + b"\n"
+    buffered = threading.Event()
+    threading.Timer(0.3, buffered.set).start()  # the answer lands in the buffer after the signal was cleared
+
+    def recv(n: int) -> bytes:
+        assert buffered.is_set()
+        return answer
+
+    link = NodeLink(Endpoint(name="box", address="127.0.0.1", transport="local", python=sys.executable))
+    link._pipe = _Pipe(lambda data: None, recv, lambda: quiet_r, lambda: None, lambda: "", lambda: True,
+                       pending=buffered.is_set)  # fmt: skip
+    try:
+        # then the wait for the answer finds it (before, it waited for the pipe until its deadline: _NoAnswer)
+        assert link._answer(7, timeout=20) == {"answered": True}
+    finally:
+        link._pipe = None
+        os.close(quiet_r)
+        os.close(quiet_w)
