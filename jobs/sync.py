@@ -17,7 +17,6 @@ attempt before a rank starts.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
-from cluster.links import AgentRequestError, LinkError, node_file
+from cluster.links import AgentRequestError, node_file
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
@@ -270,24 +269,14 @@ def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int], str
         blobs = [{"sha256": sha, "data": base64.b64encode(_object(sha).read_bytes()).decode()} for sha in missing]
         node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
         return total
-    staging = node_request(node, "sync_stage", timeout=REQUEST_TIMEOUT_S, store=store)["dir"]
-    # -S: no site (site-packages, .pth files, sitecustomize): the stdlib-only receiver starts in about 6 ms less
-    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, staging, str(len(missing))]
-    try:
-        rc, err = node.link().run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
-    except (LinkError, SyncError, OSError):  # OSError: the stream's file could not be read
-        _unstage(node, store, staging)
-        raise
+    # -S: no site (site-packages, .pth files, sitecustomize): the stdlib-only receiver starts in about 6 ms less.
+    # A receiver that fails or is killed leaves nothing in the store (codesync.py: unnamed files until checked).
+    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, str(len(missing))]
+    rc, err = node.link().run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
     if rc != 0:
-        _unstage(node, store, staging)  # a receiver that was killed could not remove it itself
         detail = (err.strip().splitlines() or ["no output"])[-1]
         raise SyncError(f"receiving the code there failed (exit {rc}): {detail}")
     return total
-
-
-def _unstage(node: Node, store: str, staging: str) -> None:
-    with contextlib.suppress(LinkError, AgentRequestError):  # the stream's own error says why it failed
-        node_request(node, "sync_unstage", timeout=REQUEST_TIMEOUT_S, store=store, staging=staging)
 
 
 # The node's receiver is codesync.py run alone (its __name__ says so) by the python the agent runs on, its source

@@ -117,16 +117,15 @@ def tar_of(objects: dict[str, bytes]) -> bytes:
 
 
 def stream(agent, store: str, data: bytes, count: int) -> tuple[int, str]:
-    """Send a tar to the agent's store as UGRO does (a staging directory, then the node's receiver beside the
-    agent, its stdin the tar); (exit code, stderr). The staging directory is gone after, whatever happened."""
+    """Send a tar to the agent's store as UGRO does (the node's receiver beside the agent, its stdin the tar);
+    (exit code, stderr). Nothing but whole objects is left in the store after, whatever happened."""
     from jobs.sync import RECEIVE_BOOTSTRAP, _receiver_source
 
-    staging = agent.request("sync_stage", store=store)["dir"]
-    argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, staging, str(count)]
+    argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, str(count)]
     try:
         return agent.run_with_input(argv, [_receiver_source(), data], 30)
     finally:
-        assert not os.path.exists(staging)
+        assert not [name for name in os.listdir(store) if name.startswith(".part-")]
 
 
 def send(agent, store: str, objects: dict[str, bytes]) -> None:
@@ -171,7 +170,20 @@ def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, t
     assert agent.request("sync_have", store=store, digest=digest)["known"] is True
 
 
-def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(agent, tmp_path):
+@pytest.fixture(params=["unnamed files", "named part files"])
+def receiver_files(request, monkeypatch):
+    """The receiver as it runs on a filesystem with unnamed files (O_TMPFILE), and on one without (NFS)."""
+    if request.param == "named part files":
+        from cluster.links import node_file
+
+        src = b"import os\nif hasattr(os, 'O_TMPFILE'):\n    del os.O_TMPFILE\n" + node_file("codesync.py")
+        monkeypatch.setattr("jobs.sync._receiver_source", lambda: b"%d\n" % len(src) + src)
+    return request.param
+
+
+def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(
+    agent, tmp_path, receiver_files
+):
     store = str(tmp_path / "store")
     first, big = b"checked before the fault\n", os.urandom(300_000)
     objects = {sha(first): first, sha(big): big}
@@ -198,16 +210,48 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
         # when the receiver is sent a stream that is not whole and right, it refuses it in one line
         rc, err = stream(agent, store, data, count)
         assert rc == 1 and why in err and len(err.strip().splitlines()) == 1, (why, err)
-        # and keeps only the objects it checked: nothing unfinished, no staging directory (stream() checks)
+        # and keeps only the objects it checked: nothing unfinished (stream() checks)
         kept = store_files(store)
         assert sha(first) in kept and kept <= set(objects)
         assert (sha(big) in kept) == why.startswith(("the stream held", "data after")), why
-    assert not (tmp_path / "escape").exists() and not any(Path(store).glob(".stage-*"))
+    assert not (tmp_path / "escape").exists()
     # a symlink or directory member is not an object either
     link = tarfile.TarInfo(sha(b"elsewhere"))
     link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
     rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1)
     assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")).exists()
+
+
+def test_what_killed_receivers_left_in_a_store_is_removed_before_the_next_objects_come(agent, tmp_path):
+    import subprocess
+    import time
+
+    store, data = tmp_path / "store", b"print('kept')\n"
+    store.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+        # given a named part file of a receiver killed meanwhile, one of a receiver still writing, one of another
+        # node's receiver, and the earlier code's staging directories: one left an hour ago, one in use
+        host = os.uname().nodename
+        (store / f".part-{host}-{gone.pid}-{sha(data)}").write_bytes(b"half")
+        (store / f".part-{host}-{running.pid}-{sha(data)}").write_bytes(b"being written")
+        (store / f".part-othernode-{gone.pid}-{sha(data)}").write_bytes(b"another node's (a shared store)")
+        for name, age in ((".stage-old", 2 * 3600), (".stage-new", 0)):
+            (store / name).mkdir()
+            (store / name / "obj").write_bytes(b"x")
+            os.utime(store / name, (time.time() - age, time.time() - age))
+        listing = {"files": [{"path": "train.py", "sha256": sha(data), "size": len(data), "mode": 0o644}]}
+        # when the node is asked what it lacks for a copy
+        assert agent.request("sync_have", store=str(store), manifest=listing)["missing"] == [sha(data)]
+        # then only what nobody writes any more is gone
+        left = {p.name for p in store.iterdir() if p.name.startswith(".")}
+        assert left == {".flat", f".part-{host}-{running.pid}-{sha(data)}", f".part-othernode-{gone.pid}-{sha(data)}",
+                        ".stage-new"}  # fmt: skip
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_a_store_of_the_earlier_layout_is_moved_to_the_flat_one_once_and_nothing_is_sent_again(agent, tmp_path):

@@ -183,13 +183,13 @@ def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whol
     run("launch", "--name", "big", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
     job = finish(Job.objects.get(name="big"))
     assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    # then every byte arrived on both nodes, checked, and the nodes' stores hold no staging left over
+    # then every byte arrived on both nodes, checked, and the nodes' stores hold no part file left over
     total = sum(f["size"] for f in manifest.build(str(project)).files)  # less what earlier tests' runs left there
     assert 2 * len(weights) <= JobCode.objects.get(job=job).sync_sent_bytes <= 2 * total
     for rank in job.ranks.select_related("node"):
         copy = Path(rank.node.workdir) / "outputs" / "big" / "code"
         assert (copy / "assets" / "vocab.bin").read_bytes() == weights and (copy / "configs" / "c39.yaml").exists()
-        assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".stage-*"))
+        assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".part-*"))
 
 
 def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_keeps_nothing(project, lab, tmp_path,
@@ -212,7 +212,7 @@ def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_kee
     assert "code sync failed on node2: node2 (" in message and "host key changed" in message and "\n" not in message
     job = Job.objects.get(name="wrongkey")
     assert job.state == Job.State.FAILED and not job.ranks.exclude(pid=None).exists()
-    # and node2 kept no staging directory, nor the job's copy
+    # and node2 kept no part file, nor the job's copy
     node2 = Path(lab.nodes[1].workdir)
-    assert not list((node2 / ".ugro" / "objects").glob(".stage-*"))
+    assert not list((node2 / ".ugro" / "objects").glob(".part-*"))
     assert not (node2 / "outputs" / "wrongkey" / "code").exists()

@@ -4,9 +4,12 @@
 #
 # The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
 # it came from: a file unchanged since the node's last copy is never sent again. Flat: 256 <sha256[:2]>
-# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). A job's
-# copy is built beside its place from hard links into the store (a copy where links cannot be made), and
-# moved into place only once whole, so a rank never starts in a partial tree.
+# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). An object is
+# written to an unnamed file in the store (O_TMPFILE) and linked in under its name once its bytes are checked:
+# in the store whole or not at all, and nothing left behind by a receiver that fails or is killed (a named
+# part file, renamed, where the filesystem has no unnamed files: NFS). A job's copy is built beside its place
+# from hard links into the store (a copy where links cannot be made), and moved into place only once whole,
+# so a rank never starts in a partial tree.
 import hashlib
 import os
 import sys
@@ -15,7 +18,6 @@ if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver wou
     import base64
     import json
     import shutil
-    import tempfile
     import time
 
 
@@ -63,11 +65,98 @@ def _sync_manifest_path(store, digest):
     return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
 
 
-def _sync_keep(store, sha, path):
-    """Move a checked file into the store as object sha, read-only."""
-    target = _sync_object(store, sha)
-    os.chmod(path, 0o444)
-    os.replace(path, target)
+# a named part file, where unnamed files cannot be made: .part-<host>-<pid>-<sha256> (a store on a shared
+# filesystem may be written from several nodes: only this host's processes are known here)
+_SYNC_PART = ".part-"
+
+
+def _sync_part_name(sha):
+    return "%s%s-%d-%s" % (_SYNC_PART, os.uname().nodename, os.getpid(), sha)
+
+
+class _SyncWriter:
+    """Writes objects into a store: each to a new file, then kept under its name or dropped (see the top)."""
+
+    def __init__(self, store):
+        root = os.path.expanduser(store)
+        os.makedirs(root, exist_ok=True)
+        self.dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # an unnamed file is named through /proc: linkat(AT_FDCWD, "/proc/self/fd/N", ..., AT_SYMLINK_FOLLOW)
+        self.unnamed = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+
+    def new(self, sha):
+        """(fd, part name or None) of a new read-only file for object sha."""
+        if self.unnamed:
+            try:
+                return os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=self.dirfd), None
+            except OSError:  # EOPNOTSUPP (NFS), EISDIR (a kernel before 3.11): named part files from here on
+                self.unnamed = False
+        part = _sync_part_name(sha)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        return os.open(part, flags, 0o444, dir_fd=self.dirfd), part
+
+    def keep(self, fd, part, sha, size):
+        """Name a written, checked file as object sha; an object already there whole is left as it is."""
+        if part is not None:
+            os.replace(part, sha, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            return
+        src = "/proc/self/fd/%d" % fd
+        try:
+            os.link(src, sha, dst_dir_fd=self.dirfd)  # with a dir fd: linkat, following the /proc link
+        except FileExistsError:
+            if os.stat(sha, dir_fd=self.dirfd).st_size == size:
+                return  # another stream kept it first
+            part = _sync_part_name(sha)  # a bad one (cut short): replaced
+            os.link(src, part, dst_dir_fd=self.dirfd)
+            os.replace(part, sha, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+
+    def drop(self, part):
+        if part is not None:
+            try:
+                os.unlink(part, dir_fd=self.dirfd)
+            except OSError:
+                pass
+
+    def put(self, sha, data):
+        """Keep one object given whole (checked by the caller)."""
+        fd, part = self.new(sha)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            self.keep(fd, part, sha, len(data))
+            part = None
+        finally:
+            os.close(fd)
+            self.drop(part)
+
+    def close(self):
+        os.close(self.dirfd)
+
+
+def _sync_sweep(store):
+    """Remove what receivers killed meanwhile left: named part files of this host's processes gone, and the
+    staging directories of the earlier code's receivers (an hour old: none of those still writes)."""
+    root = os.path.expanduser(store)
+    old = time.time() - 3600
+    mine = "%s%s-" % (_SYNC_PART, os.uname().nodename)
+    for entry in os.scandir(root):
+        name = entry.name
+        if name.startswith(mine):
+            try:
+                os.kill(int(name[len(mine) :].split("-", 1)[0]), 0)
+                continue  # its receiver still runs
+            except ProcessLookupError:
+                pass
+            except (ValueError, OSError):
+                continue
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
+        elif name.startswith(".stage-") and entry.is_dir(follow_symlinks=False):
+            if entry.stat(follow_symlinks=False).st_mtime < old:
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _sync_have_object(store, sha, size):
@@ -103,6 +192,8 @@ def op_sync_have(req):
                 manifest = json.load(fh)
         except (OSError, ValueError):
             return {"known": False, "missing": None}
+    if req.get("manifest") is not None:  # objects will be sent: clear what killed receivers left first
+        _sync_sweep(store)
     missing, seen = [], set()
     for f in manifest["files"]:
         sha = f["sha256"]
@@ -125,34 +216,8 @@ def _sync_save_manifest(store, digest, manifest):
     os.replace(tmp, path)
 
 
-def op_sync_stage(req):
-    """A fresh directory inside the store for one stream of objects (_sync_receive writes each there first);
-    the receiver removes it when done, sync_unstage when the receiver could not (it was killed)."""
-    store = os.path.expanduser(req["store"])
-    os.makedirs(store, exist_ok=True)
-    return {"dir": tempfile.mkdtemp(prefix=".stage-", dir=store)}
-
-
 class _SyncRefused(Exception):
     """A stream of objects that is not what UGRO sends, or an object whose bytes are not its name."""
-
-
-def _sync_staging(store, staging):
-    """A staging directory of this store (sync_stage made it), checked: nothing else is ever removed."""
-    real = os.path.realpath(os.path.expanduser(staging))
-    if not real.startswith(os.path.realpath(os.path.expanduser(store)) + "/.stage-"):
-        raise _SyncRefused("not a staging directory of this store: %s" % staging)
-    return real
-
-
-def op_sync_unstage(req):
-    """Remove what a stream that failed left in its staging directory, and the directory."""
-    try:
-        staging = _sync_staging(req["store"], req["staging"])
-    except _SyncRefused as exc:
-        raise AgentError(str(exc))
-    shutil.rmtree(staging, ignore_errors=True)
-    return {}
 
 
 def _sync_read(stream, size, what):
@@ -191,14 +256,12 @@ def _sync_header(head, kept):
     return name, size
 
 
-def _sync_receive(store, staging, count, stream):
+def _sync_receive(store, count, stream):
     """Keep the objects of a tar stream (jobs/sync.py TarStream: one regular member per object, named by its
-    sha256) in one pass: each written to a read-only file in the staging directory while it is hashed, and
-    moved into the store only when its bytes are its name. Returns how many were kept; _SyncRefused at the
-    first bad header, short object or wrong checksum (what was kept before it stays: each object was checked),
-    the staging directory removed either way."""
-    staging = _sync_staging(store, staging)
-    root = os.path.expanduser(store)
+    sha256) in one pass: each written to a new file in the store while it is hashed, and kept under its name
+    only when its bytes are its name. Returns how many were kept; _SyncRefused at the first bad header, short
+    object or wrong checksum (what was kept before it stays: each object was checked)."""
+    writer = _SyncWriter(store)
     kept = 0
     try:
         while True:
@@ -206,11 +269,9 @@ def _sync_receive(store, staging, count, stream):
             if header is None:
                 break
             sha, size = header
-            part = os.path.join(staging, sha)
-            # created read-only: the store's objects are, and no chmod is needed once it is written
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-            h, left = hashlib.sha256(), size
+            fd, part = writer.new(sha)
             try:
+                h, left = hashlib.sha256(), size
                 while left:
                     data = stream.read(min(left, 1 << 20))
                     if not data:
@@ -220,24 +281,21 @@ def _sync_receive(store, staging, count, stream):
                     while view:
                         view = view[os.write(fd, view) :]
                     left -= len(data)
+                if h.hexdigest() != sha:
+                    raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
+                _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
+                writer.keep(fd, part, sha, size)
+                part = None
             finally:
                 os.close(fd)
-            if h.hexdigest() != sha:
-                raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-            _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
-            os.rename(part, os.path.join(root, sha))
+                writer.drop(part)
             kept += 1
         if stream.read().strip(b"\0"):
             raise _SyncRefused("data after the stream's end")
         if kept != count:
             raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
-    finally:  # empty once every object moved; else it holds the one that failed
-        try:
-            for name in os.listdir(staging):
-                os.unlink(os.path.join(staging, name))
-            os.rmdir(staging)
-        except OSError:  # left for sync_unstage
-            pass
+    finally:
+        writer.close()
     return kept
 
 
@@ -309,28 +367,27 @@ def op_sync_put(req):
     """Keep a few small objects sent inside the request (a change of a file or two costs no second channel),
     each checked against its sha256 first."""
     written = 0
-    for blob in req["blobs"]:
-        data = base64.b64decode(blob["data"])
-        sha = blob["sha256"]
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise AgentError("checksum mismatch for object %s" % sha[:12])
-        tmp = "%s.%d.ugro-part" % (_sync_object(req["store"], sha), os.getpid())
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        _sync_keep(req["store"], sha, tmp)
-        written += len(data)
+    writer = _SyncWriter(req["store"])
+    try:
+        for blob in req["blobs"]:
+            data = base64.b64decode(blob["data"])
+            sha = _sync_sha(blob["sha256"])
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise AgentError("checksum mismatch for object %s" % sha[:12])
+            writer.put(sha, data)
+            written += len(data)
+    finally:
+        writer.close()
     return {"written": written}
 
 
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
-EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_stage": op_sync_stage,
-                  "sync_unstage": op_sync_unstage, "sync_apply": op_sync_apply})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_apply": op_sync_apply})
 
 
 if __name__ == "__ugro_sync_receive__":  # run alone beside the agent, its stdin the stream (jobs/sync.py _send)
     try:
-        _sync_receive(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin.buffer)
+        _sync_receive(sys.argv[1], int(sys.argv[2]), sys.stdin.buffer)
     except (_SyncRefused, OSError) as exc:
         sys.stderr.write("%s\n" % exc)
         sys.exit(1)
