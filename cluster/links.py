@@ -403,6 +403,9 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
                 side.shutdown_write()
             except OSError:  # the command ended early (its exit code and stderr say why), or the channel closed
                 pass
+            except BaseException:  # the chunks' own error (a stream that could not be built): the command ends
+                side.close()
+                raise
             if not side.status_event.wait(timeout):  # set by the exit status, or by the channel closing
                 side.close()
                 return -1, f"no exit status within {timeout:g} s"

@@ -22,6 +22,7 @@ import json
 import os
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,16 +230,17 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
         return sent
 
     try:
+        # written on threads of their own while the nodes' connections for them are made
         for missing in lacking.values():
             if tuple(missing) not in streams and sum(sizes[sha] for sha in missing) > INLINE_BYTES:
-                try:
-                    streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=_receiver_source()))
-                except (OSError, SyncError) as exc:  # an object gone or cut short in the store, or no room
-                    raise SyncError(f"code sync failed: the stream could not be built: {exc}") from None
+                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=_receiver_source()))
         results = on_each(nodes, deliver)
     finally:
         for stream in streams.values():
             stream.close()
+    for stream in streams.values():  # one line for all the nodes it failed (an object gone or cut short, no room)
+        if stream.error is not None:
+            raise SyncError(f"code sync failed: the stream could not be built: {stream.error}")
     failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
     if failed:
         raise SyncError("code sync failed on " + "; ".join(failed))
@@ -331,24 +333,43 @@ class TarStream:
 class StreamFile:
     """A stream written once to an unnamed file beside the store, then sent to as many nodes as take it: it has
     a fileno() (NodeLink.run_with_input's OpenSSH path hands it to the kernel), and as an iterable it yields
-    its bytes from the start in pieces of STREAM_PIECE bytes, each time it is iterated."""
+    its bytes from the start in pieces of STREAM_PIECE bytes, each time it is iterated.
+
+    Written on a thread of its own, from the start: the nodes' connections (an SSH handshake and a Python start
+    each) are made meanwhile, and each waits for the file whole. A stream that could not be written (an object
+    gone or cut short in the store, no room) raises SyncError to each reader; `error` says why."""
 
     def __init__(self, chunks) -> None:
         store_dir().mkdir(parents=True, exist_ok=True)
         self.file = tempfile.TemporaryFile(dir=store_dir())
+        self.size = 0
+        self.error: BaseException | None = None
+        self._written = threading.Event()
+        threading.Thread(target=self._write, args=(chunks,), name="ugro-sync-stream", daemon=True).start()
+
+    def _write(self, chunks) -> None:
         try:
             for chunk in chunks:
                 self.file.write(chunk)
             self.file.flush()
-        except BaseException:
-            self.file.close()
-            raise
-        self.size = self.file.tell()
+            self.size = self.file.tell()
+        except BaseException as exc:  # told to every reader
+            self.error = exc
+        finally:
+            self._written.set()
+
+    def wait(self) -> None:
+        """Until the file is whole; SyncError if it could not be written."""
+        self._written.wait()
+        if self.error is not None:
+            raise SyncError(f"the stream could not be built: {self.error}")
 
     def fileno(self) -> int:
+        self.wait()
         return self.file.fileno()
 
     def __iter__(self):
+        self.wait()
         fd, offset = self.file.fileno(), 0
         while offset < self.size:
             block = os.pread(fd, min(STREAM_PIECE, self.size - offset), offset)
@@ -358,6 +379,7 @@ class StreamFile:
             yield block
 
     def close(self) -> None:
+        self._written.wait()  # its thread writes to the file until then
         self.file.close()
 
 

@@ -222,6 +222,29 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")).exists()
 
 
+def test_a_stream_whose_object_is_cut_short_in_the_controllers_store_fails_every_reader_in_one_line(
+    settings, tmp_path
+):
+    from jobs.sync import StreamFile, SyncError, TarStream, _object, _receiver_source
+
+    settings.DATA_DIR = tmp_path
+    whole, cut = b"a" * 5000, b"b" * 5000
+    for data in (whole, cut):
+        _object(sha(data)).parent.mkdir(parents=True, exist_ok=True)
+        _object(sha(data)).write_bytes(data)
+    _object(sha(cut)).write_bytes(cut[:100])  # the store's copy lost its end
+    # when the stream of both is written (on its own thread) and its readers wait for it
+    stream = StreamFile(TarStream([sha(whole), sha(cut)], {sha(whole): 5000, sha(cut): 5000}, _receiver_source()))
+    try:
+        # then each of them is told why in one line, whether it reads the file itself or its bytes
+        for read in (stream.fileno, lambda: list(stream)):
+            with pytest.raises(SyncError, match=f"the stream could not be built: object {sha(cut)[:12]} in the "
+                                                "controller's store is shorter than recorded"):  # fmt: skip
+                read()
+    finally:
+        stream.close()
+
+
 def test_what_killed_receivers_left_in_a_store_is_removed_before_the_next_objects_come(agent, tmp_path):
     import subprocess
     import time
