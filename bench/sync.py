@@ -55,6 +55,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -258,6 +259,26 @@ class Ugro:
         return {"seconds": time.monotonic() - t0, "push_inner_s": pushed.seconds, "sent_bytes": pushed.sent_bytes}
 
 
+def filesystem_of(path: Path) -> dict:
+    """The mount that holds path (device, type, options) and whether it keeps a journal (ext4: dumpe2fs)."""
+    best = None
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            dev, point, fstype, options = line.split()[:4]
+            inside = (str(path.resolve()) + "/").startswith(point.rstrip("/") + "/")
+            if inside and (best is None or len(point) > len(best[1])):
+                best = (dev, point, fstype, options)
+    if best is None:
+        return {}
+    out = {"device": best[0], "mount": best[1], "type": best[2], "options": best[3]}
+    if best[2] == "ext4":
+        dump = subprocess.run(["dumpe2fs", "-h", best[0]], capture_output=True, text=True).stdout
+        lines = [ln for ln in dump.splitlines() if ln.startswith("Filesystem features")]
+        features = lines[0].split(":", 1)[1].split() if lines else []
+        out["journal"] = "has_journal" in features
+    return out
+
+
 def disk_counters(path: Path) -> tuple[int, ...] | None:
     """(in flight, sectors written, sectors discarded) of the disk that holds path, from /proc/diskstats."""
     dev = os.stat(path).st_dev
@@ -287,7 +308,7 @@ def settle_disk(path: Path, timeout: float = 30.0) -> float:
 
 
 def timed(fn, args: argparse.Namespace, node_pids: list[int]) -> dict:
-    settle = settle_disk(args.tmp)
+    settle = settle_disk(args.disk)
     busy = wait_quiet(args.max_busy, args.quiet_wait)
     n0 = nodes_cpu_s(node_pids)
     m0, s0, c0 = machine_cpu_s(), self_cpu_s(), children_cpu_s()
@@ -459,6 +480,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-busy", type=float, default=0.6)
     parser.add_argument("--quiet-wait", type=float, default=3.0)
+    parser.add_argument("--nodes-dir", type=Path, default=None,
+                        help="where the nodes' working directories go (default: the temp dir, under /tmp)")
     parser.add_argument("--keep", action="store_true", help="leave the temp dir and the database")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally blocks stop the nodes, drop the DB
@@ -480,7 +503,12 @@ def run(args: argparse.Namespace, database_url: str) -> None:
         info["code_under_test"] = code_under_test()
         info["rsync"] = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
         info["bashrc"] = bashrc_cost()
-        cluster = LoopbackCluster(tmp / "nodes", count=max(args.sizes), subnet=SUBNET).start()
+        nodes_root = tmp / "nodes"
+        if args.nodes_dir:
+            nodes_root = Path(tempfile.mkdtemp(prefix="ugro-sync-nodes-", dir=args.nodes_dir))
+        args.disk = nodes_root if args.nodes_dir else tmp
+        info["nodes_filesystem"] = filesystem_of(nodes_root)
+        cluster = LoopbackCluster(nodes_root, count=max(args.sizes), subnet=SUBNET).start()
         try:
             ugro = Ugro(cluster, tree)
             base = ugro.snapshot()  # the store is empty: every object is copied in
@@ -495,6 +523,8 @@ def run(args: argparse.Namespace, database_url: str) -> None:
         finally:
             pool.close_all()
             cluster.stop()
+            if args.nodes_dir and not args.keep:
+                shutil.rmtree(nodes_root, ignore_errors=True)
         summary = summarise(rows, args.sizes)
         info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         at16 = next((s for s in summary if s["nodes"] == 16), None)
@@ -507,7 +537,8 @@ def run(args: argparse.Namespace, database_url: str) -> None:
         write_json(RESULTS / "sync.json", {
             "benchmark": "sync",
             "goal": "no slower than rsync cold, under 1 s with nothing changed at 16 nodes",
-            "meta": {**info, "args": {k: v for k, v in vars(args).items() if k != "tmp"}, "tree": tree_info,
+            "meta": {**info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                      if k not in ("tmp", "disk")}, "tree": tree_info,
                      "subnet": SUBNET},
             "snapshots": ugro.snapshots,
             "summary": summary,
