@@ -506,7 +506,7 @@ def run(args: argparse.Namespace, database_url: str) -> None:
         nodes_root = tmp / "nodes"
         if args.nodes_dir:
             nodes_root = Path(tempfile.mkdtemp(prefix="ugro-sync-nodes-", dir=args.nodes_dir))
-        args.disk = nodes_root if args.nodes_dir else tmp
+        args.disk = nodes_root
         info["nodes_filesystem"] = filesystem_of(nodes_root)
         cluster = LoopbackCluster(nodes_root, count=max(args.sizes), subnet=SUBNET).start()
         try:

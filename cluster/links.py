@@ -643,8 +643,7 @@ class NodeLink:
         assert self._pipe is not None
         try:
             for _ in range(64):  # bounded: pending bytes are kept, an EOF ends the loop
-                ready, _, _ = select.select([self._pipe.fileno()], [], [], 0)
-                if not ready or not self._pipe.pending():
+                if not self._pipe.pending():
                     break
                 chunk = self._pipe.recv(1 << 20)
                 if not chunk:

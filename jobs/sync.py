@@ -239,8 +239,10 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
         for stream in streams.values():
             stream.close()
     for stream in streams.values():  # one line for all the nodes it failed (an object gone or cut short, no room)
-        if stream.error is not None:
-            raise SyncError(f"code sync failed: the stream could not be built: {stream.error}")
+        try:
+            stream.wait()
+        except SyncError as exc:
+            raise SyncError(f"code sync failed: {exc}") from None
     failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
     if failed:
         raise SyncError("code sync failed on " + "; ".join(failed))

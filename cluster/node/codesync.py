@@ -37,6 +37,12 @@ def _sync_makedirs(path, made):
         made.add(path)
 
 
+def _sync_write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _sync_object(store, sha):
     return os.path.join(os.path.expanduser(store), _sync_sha(sha))
 
@@ -121,9 +127,7 @@ class _SyncWriter:
         """Keep one object given whole (checked by the caller)."""
         fd, part = self.new(sha)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _sync_write_all(fd, data)
             self.keep(fd, part, sha, len(data))
             part = None
         finally:
@@ -277,9 +281,7 @@ def _sync_receive(store, count, stream):
                     if not data:
                         raise _SyncRefused("the stream ended inside object %s" % sha[:12])
                     h.update(data)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    _sync_write_all(fd, data)
                     left -= len(data)
                 if h.hexdigest() != sha:
                     raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
