@@ -158,12 +158,15 @@ class _Pipe:
     far end is known to be gone (the agent exited or the channel closed)."""
 
     def __init__(self, send, recv, fileno, close, stderr, alive, host_key: str = "", host_key_source: str = "",
-                 pending=None, run_with_input=None) -> None:  # fmt: skip
+                 pending=None, run_with_input=None, forward=None) -> None:  # fmt: skip
         self.send, self.recv, self.fileno, self._close, self.stderr = send, recv, fileno, close, stderr
         self.alive = alive
         # run_with_input(argv, chunks, timeout) -> (exit code, stderr tail): a command beside the agent on the
         # same connection, its stdin the chunks as raw bytes (bulk data without the requests' JSON framing)
         self.run_with_input = run_with_input
+        # forward(port, chunks, timeout) -> (0, what came back) or (-1, why); None where the node's sshd
+        # forwards no connections: the chunks to 127.0.0.1:port on the node, then its answer until it closes
+        self.forward = forward
         # Whether recv() has something (or the end) to return now, without blocking; by default, whether the read
         # side is readable (a plain pipe's is exactly that).
         self.pending = pending or self._readable
@@ -229,9 +232,27 @@ def _open_local(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
             side.wait()
             return -1, str(exc) or type(exc).__name__
 
+    def forward(port: int, chunks, timeout: float) -> tuple[int, str]:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+                for chunk in chunks:
+                    sock.sendall(chunk)
+                sock.shutdown(socket.SHUT_WR)
+                return 0, _read_to_end(sock.recv)
+        except OSError as exc:
+            return -1, str(exc) or type(exc).__name__
+
     fd = proc.stdout.fileno()
     return _Pipe(send, lambda n: os.read(fd, n), lambda: fd, close, stderr, lambda: proc.poll() is None,
-                 run_with_input=run_with_input)  # fmt: skip
+                 run_with_input=run_with_input, forward=forward)  # fmt: skip
+
+
+def _read_to_end(recv, limit: int = 65536) -> str:
+    """What a forwarded connection sends back, until it closes (at most `limit` bytes kept)."""
+    out = b""
+    while data := recv(65536):
+        out = (out + data)[-limit:]
+    return out.decode("utf-8", "replace")
 
 
 def ssh_socket(ep: Endpoint, host: str, port: int, timeout: float) -> socket.socket:
@@ -300,7 +321,7 @@ def _changed_key_message(ep: Endpoint, offered: str, expected: list[str], source
 def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     from fabric import Connection
     from paramiko import MissingHostKeyPolicy
-    from paramiko.ssh_exception import BadHostKeyException, SSHException
+    from paramiko.ssh_exception import BadHostKeyException, ChannelException, SSHException
 
     connect_kwargs: dict[str, Any] = {"banner_timeout": timeout, "auth_timeout": timeout}
     if ep.key_path:
@@ -418,16 +439,40 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
         except (OSError, SSHException, EOFError) as exc:
             return -1, str(exc) or type(exc).__name__
 
-    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending, run_with_input)
+    def forward(port: int, chunks, timeout: float) -> tuple[int, str] | None:
+        try:
+            side = transport.open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
+        except ChannelException:  # the node's sshd forwards no connections
+            return None
+        except (OSError, SSHException, EOFError) as exc:
+            return -1, str(exc) or type(exc).__name__
+        try:
+            side.settimeout(timeout)
+            try:
+                for chunk in chunks:
+                    side.sendall(chunk)
+                side.shutdown_write()
+            except OSError:  # the far end closed early: what it sent back says why
+                pass
+            return 0, _read_to_end(side.recv)
+        except (OSError, SSHException, EOFError) as exc:
+            return -1, str(exc) or type(exc).__name__
+        finally:
+            side.close()
+
+    return _Pipe(send, chan.recv, chan.fileno, close, stderr, alive, offered, source, pending, run_with_input,
+                 forward)  # fmt: skip
 
 
-def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, timeout: float,
-                      connect_timeout: float) -> tuple[int, str]:  # fmt: skip
-    """argv on the node through the OpenSSH client, the chunks its stdin (of an object with a fileno(), the
-    file's bytes: _send_file); (exit code, stderr tail), 255 when ssh itself failed. The node must offer
-    host_key and no other (a known_hosts file of that key alone, no shared connection); ~/.ssh/config applies
-    as it does for the link. HostKeyError when it offers another. Killed when `timeout` s pass without a
-    chunk written, or after the last one without an end."""
+def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str] | None, chunks, timeout: float,
+                      connect_timeout: float, port: int | None = None,
+                      head: bytes = b"") -> tuple[int, str, str]:  # fmt: skip
+    """argv on the node through the OpenSSH client, or with `port` a connection to 127.0.0.1:port on the node
+    (`ssh -W`), `head` then the chunks its stdin (of an object with a fileno(), the file's bytes: _send_file);
+    (exit code, stderr tail, stdout tail), 255 when ssh itself failed. The node must offer host_key and no other (a
+    known_hosts file of that key alone, no shared connection); ~/.ssh/config applies as it does for the link.
+    HostKeyError when it offers another. Killed when `timeout` s pass without a chunk written, or after the
+    last one without an end."""
     with tempfile.TemporaryDirectory(prefix="ugro-ssh-") as tmp:
         known = os.path.join(tmp, "known_hosts")
         with open(known, "w") as fh:
@@ -441,11 +486,11 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
             "PermitLocalCommand": "no", "ConnectTimeout": str(max(1, round(connect_timeout))),
             "ServerAliveInterval": "15", "LogLevel": "ERROR", "Ciphers": STREAM_CIPHERS,
         }  # fmt: skip
+        remote = ["-W", f"127.0.0.1:{port}", "--", ep.address] if port else ["--", ep.address, shlex.join(argv)]
         cmd = [SSH_CLIENT, "-T", "-x", "-a", "-p", str(ep.port), *who, *key,
-               *(arg for name, value in options.items() for arg in ("-o", f"{name}={value}")),
-               "--", ep.address, shlex.join(argv)]  # fmt: skip
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+               *(arg for name, value in options.items() for arg in ("-o", f"{name}={value}")), *remote]  # fmt: skip
+        with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=err)
             last, done = [time.monotonic()], threading.Event()
 
             def watch() -> None:
@@ -457,6 +502,7 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
             threading.Thread(target=watch, daemon=True).start()
             try:
                 try:
+                    proc.stdin.write(head)
                     if not (hasattr(chunks, "fileno") and _send_file(chunks.fileno(), proc.stdin, last)):
                         for chunk in chunks:
                             proc.stdin.write(chunk)
@@ -477,15 +523,17 @@ def _run_over_openssh(ep: Endpoint, host_key: str, argv: list[str], chunks, time
                     pass
             err.seek(0)
             tail = err.read()[-4000:].decode("utf-8", "replace")
+            out.seek(0)
+            answer = out.read()[-4000:].decode("utf-8", "replace")
     if rc < 0:
-        return -1, f"no progress within {timeout:g} s"
+        return -1, f"no progress within {timeout:g} s", answer
     if rc == 255 and "Host key verification failed" in tail:
         raise HostKeyError(
             f"{ep.describe()}: host key changed: the OpenSSH client was offered a key other than the pinned "
             f"{fingerprint(host_key)}; refused (someone may be answering for it). If {ep.name} was reinstalled, "
             f"check the key on it and run `ugro trust {ep.name}`"
         )
-    return rc, tail[-2000:]
+    return rc, tail[-2000:], answer
 
 
 def _send_file(fd: int, out, last: list[float]) -> bool:
@@ -559,6 +607,7 @@ class NodeLink:
         self.connect_seconds: float | None = None
         self.host_key = ep.host_key  # the key this link insists on; learned on first use when none is pinned
         self._openssh_failed: str | None = None  # why the OpenSSH client could not log in where this link did
+        self.forward_refused = False  # the node's sshd forwards no connections (forward() said None once)
 
     def run_with_input(self, argv: list[str], chunks, timeout: float = 60.0) -> tuple[int, str]:
         """Run argv on the node with the chunks (bytes) as its stdin, beside the agent (requests go on
@@ -573,14 +622,48 @@ class NodeLink:
         pipe = self._pipe
         if pipe is None or pipe.run_with_input is None:
             raise LinkError(f"{self.ep.describe()}: no connection to run {argv[0]} on", delivered=False)
-        if self.ep.transport == "ssh" and SSH_CLIENT and self.host_key and self._openssh_failed is None:
-            rc, err = _run_over_openssh(self.ep, self.host_key, argv, chunks, timeout, self.connect_timeout)
+        if self._use_openssh():
+            rc, err, _ = _run_over_openssh(self.ep, self.host_key, argv, chunks, timeout, self.connect_timeout)
             if rc != 255 or iter(chunks) is chunks:
                 return rc, err
-            self._openssh_failed = (err.strip().splitlines() or ["exit 255"])[-1]
-            log.warning("%s: the OpenSSH client failed (%s); bulk copies use the link's own connection",
-                        self.ep.describe(), self._openssh_failed)  # fmt: skip
+            self._openssh_failed_with(err)
         return pipe.run_with_input(argv, chunks, timeout)
+
+    def forward(self, port: int, head: bytes, chunks, timeout: float = 60.0) -> tuple[int, str] | None:
+        """Send head, then the chunks, to 127.0.0.1:port on the node, through this link's SSH connection or the OpenSSH
+        client as run_with_input goes (a forwarded connection: no shell, nothing started on the node), then
+        read what comes back until it closes: (0, that), or (exit code, why) when it failed; None where the
+        node's sshd forwards no connections (AllowTcpForwarding, PermitOpen, DisableForwarding)."""
+        if self._pipe is None or self._pipe.forward is None:
+            self.request("hello", timeout=self.connect_timeout)
+        pipe = self._pipe
+        if pipe is None or pipe.forward is None:
+            raise LinkError(f"{self.ep.describe()}: no connection to forward to port {port} on", delivered=False)
+        if self._use_openssh():
+            rc, err, answer = _run_over_openssh(self.ep, self.host_key, None, chunks, timeout, self.connect_timeout,
+                                                port=port, head=head)  # fmt: skip
+            if rc == 0:
+                return 0, answer
+            if rc == 255 and "forwarding failed" in err:  # sshd refused the connection: "stdio forwarding failed"
+                return self._refused()
+            if rc != 255 or iter(chunks) is chunks:
+                return rc, (err.strip().splitlines() or [f"exit {rc}"])[-1]
+            self._openssh_failed_with(err)
+        got = pipe.forward(port, itertools.chain([head], chunks), timeout)
+        return self._refused() if got is None else got
+
+    def _refused(self) -> None:
+        self.forward_refused = True
+        log.warning("%s: its sshd forwards no connections; bulk copies start a process there instead",
+                    self.ep.describe())  # fmt: skip
+
+    def _use_openssh(self) -> bool:
+        return self.ep.transport == "ssh" and bool(SSH_CLIENT) and bool(self.host_key) and self._openssh_failed is None
+
+    def _openssh_failed_with(self, err: str) -> None:
+        self._openssh_failed = (err.strip().splitlines() or ["exit 255"])[-1]
+        log.warning("%s: the OpenSSH client failed (%s); bulk copies use the link's own connection",
+                    self.ep.describe(), self._openssh_failed)  # fmt: skip
 
     # -- connection -------------------------------------------------------------------------
     def _connect(self) -> None:

@@ -6,12 +6,13 @@ out, a size limit) is built and each file is kept once in the controller's conte
 (<data>/sync/objects/<sha256[:2]>/<sha256>), so the job runs the code as it was when launched, however
 long it queues. A `ugro` client uploads its directory's files into the same store through the API.
 
-Before an attempt starts, each node's own store is brought up to date over the links UGRO already holds
-(only objects the node lacks travel, as one tar stream through the OpenSSH client held to the node's pinned
-host key, else on a second channel of the node's SSH connection, each checked against its sha256 by the
-node's receiver before it is kept), then the job's copy is built at
-<workdir>/outputs/<job>/code from it and moved into place whole. A node that fails any step fails the
-attempt before a rank starts.
+Before an attempt starts, the job's copy is built on each node at <workdir>/outputs/<job>/code and moved
+into place whole. Only objects the node's own store lacks travel: a few small ones inside one request, more
+as one stream (the manifest, then a tar of the objects) to the node's agent, on a port of the node's
+127.0.0.1 reached through SSH (`ssh -W` held to the node's pinned host key, else a forwarded channel of the
+node's own SSH connection; where sshd forwards nothing, a receiver process started there). Each object is
+written at its path in the copy and kept in the node's store once checked against its sha256; every other
+file is a hard link to that store. A node that fails any step fails the attempt before a rank starts.
 """
 
 from __future__ import annotations
@@ -219,21 +220,18 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
     def deliver(node: Node) -> int:
         store, dest = node_store(node), code_dir_on(job, node)
         missing = lacking[node.pk]
-        sent = _send(node, store, missing, sizes, streams.get(tuple(missing)))
-        try:
-            node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest)
-        except AgentRequestError as exc:  # a new agent since it was asked (the link reconnected)
-            if "is not known here" not in str(exc):
-                raise
-            node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest,
-                         manifest=manifest)  # fmt: skip
+        sent = sum(sizes[sha] for sha in missing)
+        if sent > INLINE_BYTES:
+            _stream(node, store, digest, dest, len(missing), streams[tuple(missing)])
+        else:
+            _apply(node, store, digest, dest, manifest, missing)
         return sent
 
     try:
         # written on threads of their own while the nodes' connections for them are made
         for missing in lacking.values():
             if tuple(missing) not in streams and sum(sizes[sha] for sha in missing) > INLINE_BYTES:
-                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=_receiver_source()))
+                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=receiver_head(manifest)))
         results = on_each(nodes, deliver)
     finally:
         for stream in streams.values():
@@ -261,30 +259,53 @@ def _lacks(node: Node, digest: str, manifest: dict) -> list[str]:
                         manifest=manifest)["missing"]  # fmt: skip
 
 
-def _send(node: Node, store: str, missing: list[str], sizes: dict[str, int], stream: StreamFile | None) -> int:
-    """Send the objects a node lacks: a few small ones inside one request; more as one tar stream (raw bytes
-    beside the node's link, NodeLink.run_with_input; `stream`, built by push) read by the node's receiver
-    (codesync.py _sync_receive), which keeps each object once checked against its sha256. Returns the bytes
-    sent; SyncError in one line."""
-    total = sum(sizes[sha] for sha in missing)
-    if not missing:
-        return 0
-    if total <= INLINE_BYTES:
-        blobs = [{"sha256": sha, "data": base64.b64encode(_object(sha).read_bytes()).decode()} for sha in missing]
-        node_request(node, "sync_put", timeout=REQUEST_TIMEOUT_S, store=store, blobs=blobs)
-        return total
+def _apply(node: Node, store: str, digest: str, dest: str, manifest: dict, missing: list[str]) -> None:
+    """Build the job's copy on a node whose store lacks a few small objects at most: they travel inside the
+    request (codesync.py op_sync_apply), so a change of a file or two costs one request."""
+    blobs = [{"sha256": sha, "data": base64.b64encode(_object(sha).read_bytes()).decode()} for sha in missing]
+    try:
+        node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest,
+                     blobs=blobs)  # fmt: skip
+    except AgentRequestError as exc:  # a new agent since it was asked (the link reconnected)
+        if "is not known here" not in str(exc):
+            raise
+        node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest,
+                     blobs=blobs, manifest=manifest)  # fmt: skip
+
+
+def _stream(node: Node, store: str, digest: str, dest: str, count: int, stream: StreamFile) -> None:
+    """Build the job's copy on a node through one stream (`stream`, built by push: the receiver's source, the
+    manifest, then a tar of the objects the node lacks), raw bytes beside the node's link, read by
+    codesync.py _sync_receive: each object written once, at its path in the copy, and kept in the store once
+    checked against its sha256; the other files linked from the store. SyncError in one line (the copy
+    removed, dest as it was).
+
+    The stream goes to the node's agent, which runs the receiver in a thread of its own, on a port of the
+    node's 127.0.0.1 that its sshd forwards to (codesync.py op_sync_listen): nothing is started on the node,
+    not even the login shell and its .bashrc. Where the node's sshd forwards no connections, a receiver of its
+    own is run there instead, the stream its stdin."""
+    link = node.link()
+    if not link.forward_refused:
+        listen = node_request(node, "sync_listen", timeout=REQUEST_TIMEOUT_S, store=store, count=count,
+                              digest=digest, dest=dest)  # fmt: skip
+        token = f"{listen['token']}\n".encode()
+        got = link.forward(int(listen["port"]), token, stream, timeout=STREAM_TIMEOUT_S)
+        if got is not None:
+            rc, answer = got
+            if rc == 0 and answer.startswith("ok "):
+                return
+            detail = (answer.strip().splitlines() or ["no answer"])[-1].removeprefix("refused: ")
+            raise SyncError(f"receiving the code there failed: {detail}")
     # -S: no site (site-packages, .pth files, sitecustomize): the stdlib-only receiver starts in about 6 ms less.
-    # A receiver that fails or is killed leaves nothing in the store (codesync.py: unnamed files until checked).
-    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, str(len(missing))]
-    rc, err = node.link().run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
+    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, str(count), digest, dest]
+    rc, err = link.run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
     if rc != 0:
         detail = (err.strip().splitlines() or ["no output"])[-1]
         raise SyncError(f"receiving the code there failed (exit {rc}): {detail}")
-    return total
 
 
 # The node's receiver is codesync.py run alone (its __name__ says so) by the python the agent runs on, its source
-# ahead of the tar on stdin as the agent's is: nothing installed on the node, and only the stream's bytes travel
+# ahead of the stream on stdin as the agent's is: nothing installed on the node, and only the stream's bytes travel
 # beside the link. It writes each object once, hashing it as it goes (`tar -x` then a check read each file twice).
 RECEIVE_BOOTSTRAP = (
     "import sys;b=sys.stdin.buffer;n=int(b.readline());"
@@ -292,9 +313,21 @@ RECEIVE_BOOTSTRAP = (
 )
 
 
-def _receiver_source() -> bytes:
+def receiver_head(manifest: dict) -> bytes:
+    """What goes ahead of the objects in a stream: the receiver's source, then the manifest twice: as
+    NUL-terminated fields the receiver reads without importing json (codesync.py _sync_listing), and as the JSON
+    it keeps for the next sync (it is not parsed there)."""
+    fields: list[str] = []
+    for f in manifest["files"]:
+        fields += ["F", f["sha256"], str(int(f["size"])), str(int(f.get("mode", 0o644))), f["path"]]
+    for link in manifest.get("links") or []:
+        fields += ["L", link["path"], str(link["target"])]
+    if any("\0" in field for field in fields):
+        raise SyncError("a manifest path or symlink target holds a NUL byte")
+    listing = "".join(field + "\0" for field in fields).encode("utf-8", "surrogateescape")
+    saved = json.dumps({"files": manifest["files"], "links": manifest.get("links") or []}).encode()
     src = node_file("codesync.py")
-    return b"%d\n" % len(src) + src
+    return b"%d\n" % len(src) + src + b"%d %d\n" % (len(listing), len(saved)) + listing + saved
 
 
 class TarStream:

@@ -3,6 +3,7 @@ and the node agent's store and copy (a real agent process on this machine)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import os
@@ -116,20 +117,49 @@ def tar_of(objects: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def stream(agent, store: str, data: bytes, count: int) -> tuple[int, str]:
-    """Send a tar to the agent's store as UGRO does (the node's receiver beside the agent, its stdin the tar);
-    (exit code, stderr). Nothing but whole objects is left in the store after, whatever happened."""
-    from jobs.sync import RECEIVE_BOOTSTRAP, _receiver_source
+def listing_of(objects: dict[str, bytes]) -> dict:
+    """A manifest of one file per object, named after it."""
+    return {"files": [{"path": f"f/{name[:8]}", "sha256": name, "size": len(data), "mode": 0o644}
+                      for name, data in objects.items()], "links": []}  # fmt: skip
 
-    argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, str(count)]
+
+WAYS_IN = ["the agent's listener", "a receiver process"]
+
+
+def stream(agent, store: str, data: bytes, count: int, listing: dict, dest: str, way: str = WAYS_IN[0]
+           ) -> tuple[int, str]:  # fmt: skip
+    """Send a stream to a node as UGRO does: the receiver's source, the manifest, then the tar `data`;
+    (0, the answer) or (1, why). Nothing but whole objects is left in the store after, whatever happened, and
+    a copy that failed leaves nothing either."""
+    from jobs.sync import receiver_head
+
+    rc = -1
     try:
-        return agent.run_with_input(argv, [_receiver_source(), data], 30)
+        rc, err = deliver(agent, way, [receiver_head(listing), data], store, count, manifest.digest_of(listing), dest)
+        return rc, err
     finally:
         assert not [name for name in os.listdir(store) if name.startswith(".part-")]
+        assert not os.path.exists(dest + ".ugro-part")
+        assert rc == 0 or not os.path.exists(dest)
 
 
-def send(agent, store: str, objects: dict[str, bytes]) -> None:
-    rc, err = stream(agent, store, tar_of(objects), len(objects))
+def deliver(agent, way: str, chunks: list[bytes], store: str, count: int, digest: str, dest: str) -> tuple[int, str]:
+    """The chunks to the agent's listener (a thread of the agent, on a port of 127.0.0.1: they go after its
+    token) or to a receiver process beside the agent (its stdin); (0, the answer) or (1, why)."""
+    from jobs.sync import RECEIVE_BOOTSTRAP
+
+    if way == "a receiver process":
+        argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, str(count), digest, dest]
+        rc, err = agent.run_with_input(argv, chunks, 30)
+        return min(rc, 1), err
+    listen = agent.request("sync_listen", store=store, count=count, digest=digest, dest=dest)
+    sent, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode(), chunks, 30)
+    ok = sent == 0 and answer.startswith("ok ")
+    return (0, answer) if ok else (1, answer.removeprefix("refused: "))
+
+
+def send(agent, store: str, objects: dict[str, bytes], listing: dict, dest: str, way: str = WAYS_IN[0]) -> None:
+    rc, err = stream(agent, store, tar_of(objects), len(objects), listing, dest, way)
     assert rc == 0, err
 
 
@@ -142,51 +172,77 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def test_the_agent_keeps_objects_once_and_builds_a_whole_copy_from_them(agent, tmp_path):
+@pytest.mark.parametrize("way", WAYS_IN)
+def test_a_stream_builds_the_copy_and_keeps_its_objects_once_for_the_next_copies(agent, tmp_path, way):
     store, dest = str(tmp_path / "store"), str(tmp_path / "job" / "code")
-    files = {"train.py": b"print('v1')\n", "lib/util.py": b"U = 1\n", "copy.py": b"print('v1')\n"}
+    files = {"train.py": b"print('v1')\n", "lib/util.py": b"U = 1\n", "copy.py": b"print('v1')\n",
+             "run.sh": b"#!/bin/sh\n"}  # fmt: skip
     listing = {
-        "files": [{"path": p, "sha256": hashlib.sha256(d).hexdigest(), "size": len(d), "mode": 0o644}
+        "files": [{"path": p, "sha256": sha(d), "size": len(d), "mode": 0o755 if p.endswith(".sh") else 0o644}
                   for p, d in files.items()],
         "links": [{"path": "latest.py", "target": "train.py"}],
     }  # fmt: skip
     digest = manifest.digest_of(listing)
+    objects = {sha(d): d for d in files.values()}
     # a node that never saw it knows nothing, and lacks each distinct object once
     assert agent.request("sync_have", store=store, digest=digest) == {"known": False, "missing": None}
     have = agent.request("sync_have", store=store, digest=digest, manifest=listing)
-    assert sorted(have["missing"]) == sorted({hashlib.sha256(d).hexdigest() for d in files.values()})
-    # an object whose bytes are not its name is refused and not kept
-    rc, err = stream(agent, store, tar_of({sha(b"print('v1')\n"): b"tampered"}), 1)
-    assert rc == 1 and err.strip().endswith(f"has sha256 {sha(b'tampered')[:12]}"), err
-    assert agent.request("sync_have", store=store, manifest=listing)["missing"] == have["missing"]
-    send(agent, store, {sha(d): d for d in set(files.values())})
-    assert agent.request("sync_have", store=store, digest=digest, manifest=listing) == {"known": True, "missing": []}
-    # then the copy is built from the store: every file, its link, read-only objects shared by hard links
-    done = agent.request("sync_apply", store=store, digest=digest, dest=dest)
-    assert done == {"files": 3, "bytes": sum(len(d) for d in files.values())}
+    assert sorted(have["missing"]) == sorted(objects)
+    # an object whose bytes are not its name is refused: nothing kept, no copy (stream() checks)
+    tampered = dict(objects)
+    tampered[sha(b"U = 1\n")] = wrong = b"U = 2\n"
+    rc, err = stream(agent, store, tar_of(tampered), len(objects), listing, dest, way)
+    assert rc == 1 and err.strip().endswith(f"has sha256 {sha(wrong)[:12]}"), err
+    lacks = agent.request("sync_have", store=store, manifest=listing)["missing"]
+    assert lacks == [sha(b"U = 1\n"), sha(b"#!/bin/sh\n")]  # the one before it was checked, and kept
+    # when the stream of what it lacks is whole, the copy is built from it and from the store: every file, its
+    # mode, its link, one inode per object
+    send(agent, store, {name: objects[name] for name in lacks}, listing, dest, way)
     assert Path(dest, "lib/util.py").read_bytes() == b"U = 1\n" and os.readlink(Path(dest, "latest.py")) == "train.py"
     assert os.stat(Path(dest, "train.py")).st_ino == os.stat(Path(dest, "copy.py")).st_ino
-    # and with a digest alone the node knows it (an unchanged tree costs one small request)
-    assert agent.request("sync_have", store=store, digest=digest)["known"] is True
+    assert os.access(Path(dest, "run.sh"), os.X_OK) and not os.stat(Path(dest, "train.py")).st_mode & 0o333
+    # and the store keeps each object, the same inode as the copy's file
+    for path, data in files.items():
+        assert os.stat(Path(store, sha(data))).st_ino == os.stat(Path(dest, path)).st_ino
+    # so the next copy of the tree is one small request, and builds from the store alone
+    assert agent.request("sync_have", store=store, digest=digest) == {"known": True, "missing": []}
+    other = str(tmp_path / "job2" / "code")
+    done = agent.request("sync_apply", store=store, digest=digest, dest=other)
+    assert done == {"files": 4, "bytes": sum(len(d) for d in files.values())}
+    assert Path(other, "train.py").read_bytes() == b"print('v1')\n" and os.access(Path(other, "run.sh"), os.X_OK)
 
 
-@pytest.fixture(params=["unnamed files", "named part files"])
-def receiver_files(request, monkeypatch):
-    """The receiver as it runs on a filesystem with unnamed files (O_TMPFILE), and on one without (NFS)."""
-    if request.param == "named part files":
-        from cluster.links import node_file
+def test_a_few_small_objects_come_inside_the_request_that_builds_the_copy(agent, tmp_path):
+    store, dest = str(tmp_path / "store"), tmp_path / "code"
+    old, new = b"print('old')\n", b"print('new')\n"
+    entry = {"path": "train.py", "sha256": sha(old), "size": len(old), "mode": 0o644}
+    agent.request("sync_apply", store=store, manifest={"files": [entry]}, dest=str(tmp_path / "first"),
+                  blobs=[{"sha256": sha(old), "data": base64.b64encode(old).decode()}])  # fmt: skip
+    listing = {"files": [entry, {"path": "lib.py", "sha256": sha(new), "size": len(new), "mode": 0o644}]}
+    # a blob whose bytes are not its name, or one the manifest does not name, is refused: nothing is left
+    for blobs, why in (
+        ([{"sha256": sha(new), "data": base64.b64encode(b"other").decode()}], "checksum mismatch"),
+        ([{"sha256": sha(b"x"), "data": base64.b64encode(b"x").decode()}], "is not a file of this copy"),
+    ):
+        with pytest.raises(AgentRequestError, match=why):
+            agent.request("sync_apply", store=store, manifest=listing, dest=str(dest), blobs=blobs)
+        assert not dest.exists() and not Path(f"{dest}.ugro-part").exists() and sha(new) not in store_files(store)
+    # the new object travels in the request, the other file is linked from the store
+    blobs = [{"sha256": sha(new), "data": base64.b64encode(new).decode()}]
+    done = agent.request("sync_apply", store=store, manifest=listing, dest=str(dest), blobs=blobs)
+    assert done == {"files": 2, "bytes": len(old) + len(new)}
+    assert (dest / "lib.py").read_bytes() == new and Path(store, sha(new)).read_bytes() == new
+    assert os.stat(dest / "train.py").st_ino == os.stat(Path(store, sha(old))).st_ino
 
-        src = b"import os\nif hasattr(os, 'O_TMPFILE'):\n    del os.O_TMPFILE\n" + node_file("codesync.py")
-        monkeypatch.setattr("jobs.sync._receiver_source", lambda: b"%d\n" % len(src) + src)
-    return request.param
 
+@pytest.mark.parametrize("way", WAYS_IN)
+def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(agent, tmp_path, way):
+    from cluster.links import node_file
 
-def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(
-    agent, tmp_path, receiver_files
-):
-    store = str(tmp_path / "store")
+    store, dest = str(tmp_path / "store"), str(tmp_path / "code")
     first, big = b"checked before the fault\n", os.urandom(300_000)
     objects = {sha(first): first, sha(big): big}
+    listing = listing_of(objects)
     whole = tar_of(objects)
     at_big = 1024 + 512  # where big's bytes start: first's header and data block, then big's header
     flipped = bytearray(whole)
@@ -197,6 +253,7 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     signed[1024 + 124 : 1024 + 136] = b"-0000000001\0"
     signed[1024 + 148 : 1024 + 156] = b" " * 8
     signed[1024 + 148 : 1024 + 156] = b"%06o\0 " % sum(signed[1024 : 1024 + 512])
+    stranger = b"not in the manifest"
     for data, count, why in (
         (whole[: at_big + 4096], 2, f"the stream ended inside object {sha(big)[:12]}"),
         (bytes(flipped), 2, f"object {sha(big)[:12]} has sha256 "),
@@ -204,13 +261,14 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
         (bytes(signed), 2, "a bad tar header after 1 objects (not an octal number)"),
         (whole[: at_big - 512], 2, "the stream ended after 1 objects, before its end"),
         (tar_of({sha(first): first, "../escape": b"x"}), 2, "not an object of the store: '../escape'"),
+        (tar_of({sha(first): first, sha(stranger): stranger}), 2, f"object {sha(stranger)[:12]} is not a file of"),
         (whole, 3, "the stream held 2 objects, not 3"),  # these two: each object is right, and kept
         (whole + b"more", 2, "data after the stream's end"),
     ):
         # when the receiver is sent a stream that is not whole and right, it refuses it in one line
-        rc, err = stream(agent, store, data, count)
+        rc, err = stream(agent, store, data, count, listing, dest, way)
         assert rc == 1 and why in err and len(err.strip().splitlines()) == 1, (why, err)
-        # and keeps only the objects it checked: nothing unfinished (stream() checks)
+        # and keeps only the objects it checked: nothing unfinished, and no copy (stream() checks)
         kept = store_files(store)
         assert sha(first) in kept and kept <= set(objects)
         assert (sha(big) in kept) == why.startswith(("the stream held", "data after")), why
@@ -218,14 +276,43 @@ def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_a
     # a symlink or directory member is not an object either
     link = tarfile.TarInfo(sha(b"elsewhere"))
     link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
-    rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1)
+    rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1, listing, dest, way)
     assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")).exists()
+    # nor is a manifest that is not one
+    src = node_file("codesync.py")
+    for head, why in ((b"", "a stream without its manifest"), (b"6 2\nF\0abc\0{}", "a bad manifest ahead of the")):
+        rc, err = deliver(agent, way, [b"%d\n" % len(src) + src + head, whole], store, 1, "0" * 64, dest)
+        assert rc == 1 and why in err and not os.path.exists(dest), err
 
 
-def test_a_stream_whose_object_is_cut_short_in_the_controllers_store_fails_every_reader_in_one_line(
-    settings, tmp_path
-):
-    from jobs.sync import StreamFile, SyncError, TarStream, _object, _receiver_source
+def test_the_agents_listener_takes_only_a_stream_that_begins_with_its_token(agent, tmp_path):
+    import socket
+
+    from jobs.sync import receiver_head
+
+    store, dest, data = str(tmp_path / "store"), str(tmp_path / "code"), b"print('mine')\n"
+    listing = listing_of({sha(data): data})
+    payload = receiver_head(listing) + tar_of({sha(data): data})
+    listen = agent.request("sync_listen", store=store, count=1, digest=manifest.digest_of(listing), dest=dest)
+    # given a local process that finds the port (any user on the node can connect to 127.0.0.1)
+    for token in (b"0" * 64 + b"\n", b"guess\n", listen["token"][:-1].encode() + b"\n"):
+        with socket.create_connection(("127.0.0.1", listen["port"]), timeout=10) as sock:
+            # then without the token its stream is dropped unread (the connection closed, or reset): no answer
+            try:
+                sock.sendall(token + payload)
+                sock.shutdown(socket.SHUT_WR)
+                answer = sock.recv(100)
+            except OSError:  # reset, or no longer connected
+                answer = b""
+            assert answer == b""
+        assert not os.path.exists(dest) and not os.path.exists(f"{dest}.ugro-part")
+    # and the controller's stream, with the token, still builds the copy
+    sent, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode(), [payload], 30)
+    assert (sent, answer) == (0, "ok 1\n") and Path(dest, f"f/{sha(data)[:8]}").read_bytes() == data
+
+
+def test_a_stream_whose_object_is_cut_short_in_the_controllers_store_fails_every_reader_in_one_line(settings, tmp_path):
+    from jobs.sync import StreamFile, SyncError, TarStream, _object
 
     settings.DATA_DIR = tmp_path
     whole, cut = b"a" * 5000, b"b" * 5000
@@ -234,7 +321,7 @@ def test_a_stream_whose_object_is_cut_short_in_the_controllers_store_fails_every
         _object(sha(data)).write_bytes(data)
     _object(sha(cut)).write_bytes(cut[:100])  # the store's copy lost its end
     # when the stream of both is written (on its own thread) and its readers wait for it
-    stream = StreamFile(TarStream([sha(whole), sha(cut)], {sha(whole): 5000, sha(cut): 5000}, _receiver_source()))
+    stream = StreamFile(TarStream([sha(whole), sha(cut)], {sha(whole): 5000, sha(cut): 5000}, b"head"))
     try:
         # then each of them is told why in one line, whether it reads the file itself or its bytes
         for read in (stream.fileno, lambda: list(stream)):
@@ -298,7 +385,7 @@ def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_w
     dest.mkdir()
     (dest / "train.py").write_text("old")
     data = b"new"
-    send(agent, store, {sha(data): data})
+    send(agent, store, {sha(data): data}, listing_of({sha(data): data}), str(tmp_path / "first"))
     entry = {"path": "train.py", "sha256": sha(data), "size": 3, "mode": 0o644}
     absent = {"path": "lib.py", "sha256": "0" * 64, "size": 1, "mode": 0o644}
     for listing, why in (

@@ -216,3 +216,39 @@ def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_kee
     node2 = Path(lab.nodes[1].workdir)
     assert not list((node2 / ".ugro" / "objects").glob(".part-*"))
     assert not (node2 / "outputs" / "wrongkey" / "code").exists()
+
+
+@pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
+def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_of_its_own(project, lab, client,
+                                                                                          monkeypatch):  # fmt: skip
+    from cluster import links
+    from cluster.models import Node
+
+    # given node2's sshd set to forward no connections (AllowTcpForwarding no), node1's as it was, and a tree
+    # over 1 MB (a stream), through the OpenSSH client or the link's own connection
+    node = lab.nodes[1]
+    original = node.config.read_text()
+    node.config.write_text(original + "AllowTcpForwarding no\n")
+    node.stop()
+    node.start()
+    links.pool.close_all()
+    try:
+        if client != "openssh":
+            monkeypatch.setattr(links, "SSH_CLIENT", None)
+        weights = os.urandom(1_500_000)
+        (project / "assets").mkdir()
+        (project / "assets" / "vocab.bin").write_bytes(weights)
+        run("launch", "--name", "noforward", "--node", "node1", "--node", "node2", "--sync", str(project),
+            "--script", "train.py", "--detach")  # fmt: skip
+        job = finish(Job.objects.get(name="noforward"))
+        # then both nodes have the copy and ran it: node1's stream went to its agent, node2's to a receiver
+        assert job.state == Job.State.SUCCEEDED, job.failure_reason
+        for rank in job.ranks.select_related("node"):
+            copy = Path(rank.node.workdir) / "outputs" / "noforward" / "code"
+            assert (copy / "assets" / "vocab.bin").read_bytes() == weights
+        assert [Node.objects.get(name=n).link().forward_refused for n in ("node1", "node2")] == [False, True]
+    finally:
+        node.config.write_text(original)
+        node.stop()
+        node.start()
+        links.pool.close_all()

@@ -1,24 +1,28 @@
 # UGRO node code sync: a content-addressed store of the files a job's directory holds, and the job's own
 # copy made from it. Sent after probe.py and before agent.py, exec'd together: stdlib only, Python >= 3.8,
-# no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
+# no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run;
+# the receiver, run alone, names its own).
 #
 # The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
 # it came from: a file unchanged since the node's last copy is never sent again. Flat: 256 <sha256[:2]>
-# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). An object is
-# written to an unnamed file in the store (O_TMPFILE) and linked in under its name once its bytes are checked:
-# in the store whole or not at all, and nothing left behind by a receiver that fails or is killed (a named
-# part file, renamed, where the filesystem has no unnamed files: NFS). A job's copy is built beside its place
-# from hard links into the store (a copy where links cannot be made), and moved into place only once whole,
-# so a rank never starts in a partial tree.
+# directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). A job's copy is built
+# beside its place and moved into place only once whole, so a rank never starts in a partial tree. An object
+# that comes with the copy (a stream, or a request's blobs) is written once, at its path in the copy, and
+# linked into the store only once its bytes are checked: in the store whole or not at all, and one inode and
+# two directory entries per file, as a copy plus a store needs at the least. Every other file of the copy
+# is a hard link to the store's object.
 import hashlib
 import os
 import sys
+import time
 
-if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver would spend 12 ms importing them
+if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver would spend 15 ms importing them
     import base64
+    import hmac
     import json
     import shutil
-    import time
+    import socket
+    import threading
 
 
 _SYNC_HEX = frozenset("0123456789abcdef")
@@ -71,8 +75,8 @@ def _sync_manifest_path(store, digest):
     return os.path.join(os.path.expanduser(store), "manifests", _sync_sha(digest) + ".json")
 
 
-# a named part file, where unnamed files cannot be made: .part-<host>-<pid>-<sha256> (a store on a shared
-# filesystem may be written from several nodes: only this host's processes are known here)
+# a named part file (an object replaced in the store, or an earlier receiver's): .part-<host>-<pid>-<sha256>
+# (a store on a shared filesystem may be written from several nodes: only this host's processes are known here)
 _SYNC_PART = ".part-"
 
 
@@ -80,62 +84,110 @@ def _sync_part_name(sha):
     return "%s%s-%d-%s" % (_SYNC_PART, os.uname().nodename, os.getpid(), sha)
 
 
-class _SyncWriter:
-    """Writes objects into a store: each to a new file, then kept under its name or dropped (see the top)."""
+def _sync_rmtree(path):
+    import shutil  # here, not at the top: the receiver needs it only to clear what a failure left
 
-    def __init__(self, store):
-        root = os.path.expanduser(store)
-        os.makedirs(root, exist_ok=True)
-        self.dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        # an unnamed file is named through /proc: linkat(AT_FDCWD, "/proc/self/fd/N", ..., AT_SYMLINK_FOLLOW)
-        self.unnamed = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")
+    shutil.rmtree(path, ignore_errors=True)
 
-    def new(self, sha):
-        """(fd, part name or None) of a new read-only file for object sha."""
-        if self.unnamed:
-            try:
-                return os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o444, dir_fd=self.dirfd), None
-            except OSError:  # EOPNOTSUPP (NFS), EISDIR (a kernel before 3.11): named part files from here on
-                self.unnamed = False
-        part = _sync_part_name(sha)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        return os.open(part, flags, 0o444, dir_fd=self.dirfd), part
 
-    def keep(self, fd, part, sha, size):
-        """Name a written, checked file as object sha; an object already there whole is left as it is."""
-        if part is not None:
-            os.replace(part, sha, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
-            return
-        src = "/proc/self/fd/%d" % fd
+class _SyncCopy:
+    """A job's copy, built in '<dest>.ugro-part' and moved into place only whole (a rank never starts in a
+    partial tree). A file whose object comes with the copy is written there, at its path, and once its bytes
+    are checked the store keeps it too (a hard link: one inode for both, the next copy of it travels no more);
+    any other file is a hard link to the store's object (a copy where links cannot be made)."""
+
+    def __init__(self, store, dest, files):
+        self.store = os.path.expanduser(store)
+        self.dest = os.path.expanduser(dest).rstrip("/")
+        self.part = self.dest + ".ugro-part"
+        self.wanted = {}  # sha256 -> the files of those bytes not in the copy yet
+        for f in files:
+            self.wanted.setdefault(f["sha256"], []).append(f)
+        os.makedirs(self.store, exist_ok=True)
+        if os.path.lexists(self.part):  # what a failed or killed copy left
+            _sync_rmtree(self.part)
+        os.makedirs(self.part)
+        self.made = {self.part}
+        self.files = self.bytes = 0
+
+    def path(self, rel):
+        target = os.path.join(self.part, _sync_rel(rel))
+        _sync_makedirs(os.path.dirname(target), self.made)
+        return target
+
+    def create(self, sha, size):
+        """(fd, path, files) for object sha, come with the copy: a new file at the first path of the files of
+        those bytes, read-only (objects are), for its bytes."""
+        group = self.wanted.pop(sha, None)
+        if group is None or int(group[0]["size"]) != size:
+            raise AgentError("object %s is not a file of this copy (or came twice)" % sha[:12])
+        target = self.path(group[0]["path"])
+        mode = 0o555 if int(group[0].get("mode", 0o644)) & 0o111 else 0o444
+        return os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), target, group
+
+    def created(self, target, sha, size, group):
+        """A file create() made, written and checked: kept in the store, and linked at the group's other paths
+        (files with the same bytes)."""
+        obj = os.path.join(self.store, sha)
         try:
-            os.link(src, sha, dst_dir_fd=self.dirfd)  # with a dir fd: linkat, following the /proc link
+            os.link(target, obj)
         except FileExistsError:
-            if os.stat(sha, dir_fd=self.dirfd).st_size == size:
-                return  # another stream kept it first
-            part = _sync_part_name(sha)  # a bad one (cut short): replaced
-            os.link(src, part, dst_dir_fd=self.dirfd)
-            os.replace(part, sha, src_dir_fd=self.dirfd, dst_dir_fd=self.dirfd)
+            if os.stat(obj).st_size != size:  # a bad one (cut short by older code): replaced
+                part = os.path.join(self.store, _sync_part_name(sha))
+                os.link(target, part)
+                os.replace(part, obj)
+        except OSError:  # links not allowed there: the copy is whole, the store sends it again next time
+            pass
+        for f in group[1:]:
+            os.link(target, self.path(f["path"]))
+        self.files += len(group)
+        self.bytes += size * len(group)
 
-    def drop(self, part):
-        if part is not None:
-            try:
-                os.unlink(part, dir_fd=self.dirfd)
-            except OSError:
-                pass
-
-    def put(self, sha, data):
-        """Keep one object given whole (checked by the caller)."""
-        fd, part = self.new(sha)
+    def link(self, f):
+        """A file whose object the store holds already."""
+        rel = f["path"]
+        target = self.path(rel)
+        obj = _sync_object(self.store, f["sha256"])
         try:
-            _sync_write_all(fd, data)
-            self.keep(fd, part, sha, len(data))
-            part = None
-        finally:
-            os.close(fd)
-            self.drop(part)
+            present = os.stat(obj).st_size == int(f["size"])
+        except OSError:
+            present = False
+        if not present:
+            raise AgentError("%s: object %s is not in the store" % (rel, f["sha256"][:12]))
+        if int(f.get("mode", 0o644)) & 0o111:
+            os.chmod(obj, 0o555)
+        try:
+            os.link(obj, target)
+        except OSError:  # another filesystem, or links not allowed: a copy
+            import shutil
 
-    def close(self):
-        os.close(self.dirfd)
+            shutil.copyfile(obj, target)
+            os.chmod(target, int(f.get("mode", 0o644)) & 0o777)
+        self.files += 1
+        self.bytes += int(f["size"])
+
+    def finish(self, links):
+        """Link the files whose objects did not come with the copy from the store, add the symlinks (each
+        pointing inside the tree), and move the copy into place."""
+        for group in self.wanted.values():
+            for f in group:
+                self.link(f)
+        for link in links:
+            rel = _sync_rel(link["path"])
+            pointed = os.path.normpath(os.path.join(os.path.dirname(rel), str(link["target"])))
+            if os.path.isabs(str(link["target"])) or pointed == ".." or pointed.startswith("../"):
+                raise AgentError("%s: a symlink out of the tree (to %s)" % (rel, link["target"]))
+            os.symlink(link["target"], self.path(rel))
+        old = None
+        if os.path.lexists(self.dest):
+            old = "%s.ugro-old-%d" % (self.dest, int(time.time() * 1000))
+            os.rename(self.dest, old)
+        os.rename(self.part, self.dest)
+        if old:
+            _sync_rmtree(old)
+
+    def abandon(self):
+        _sync_rmtree(self.part)
 
 
 def _sync_sweep(store):
@@ -211,12 +263,13 @@ def op_sync_have(req):
     return {"known": not missing, "missing": missing}
 
 
-def _sync_save_manifest(store, digest, manifest):
+def _sync_save_manifest(store, digest, data):
+    """Keep a manifest (its JSON, bytes) under its digest: the next copy of it is one small request."""
     path = _sync_manifest_path(store, digest)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.%d.tmp" % (path, os.getpid())
-    with open(tmp, "w") as fh:  # dumps, then one write: json.dump writes each of its many pieces on its own
-        fh.write(json.dumps({"files": manifest["files"], "links": manifest.get("links") or []}))
+    with open(tmp, "wb") as fh:
+        fh.write(data)
     os.replace(tmp, path)
 
 
@@ -260,12 +313,44 @@ def _sync_header(head, kept):
     return name, size
 
 
-def _sync_receive(store, count, stream):
-    """Keep the objects of a tar stream (jobs/sync.py TarStream: one regular member per object, named by its
-    sha256) in one pass: each written to a new file in the store while it is hashed, and kept under its name
-    only when its bytes are its name. Returns how many were kept; _SyncRefused at the first bad header, short
-    object or wrong checksum (what was kept before it stays: each object was checked)."""
-    writer = _SyncWriter(store)
+def _sync_listing(data):
+    """The manifest ahead of a stream's objects (jobs/sync.py receiver_head; not JSON: the receiver would spend
+    15 ms importing json): NUL-terminated fields, "F" sha256 size mode path for a file, "L" path target for a
+    symlink. (files, links)."""
+    fields = data.decode("utf-8", "surrogateescape").split("\0")
+    files, links, i = [], [], 0
+    try:
+        if fields.pop() != "":
+            raise ValueError(data[-20:])
+        while i < len(fields):
+            if fields[i] == "F":
+                sha, size, mode = _sync_sha(fields[i + 1]), int(fields[i + 2]), int(fields[i + 3])
+                files.append({"sha256": sha, "size": size, "mode": mode, "path": fields[i + 4]})
+                i += 5
+            elif fields[i] == "L":
+                links.append({"path": fields[i + 1], "target": fields[i + 2]})
+                i += 3
+            else:
+                raise ValueError(fields[i][:20])
+    except (IndexError, ValueError, AgentError):
+        raise _SyncRefused("a bad manifest ahead of the objects (field %d)" % i)
+    return files, links
+
+
+def _sync_receive(store, count, digest, dest, stream):
+    """Build the job's copy at dest from a stream: its manifest (_sync_listing, then the manifest's JSON, kept
+    as it is once the copy is whole), then a tar (jobs/sync.py TarStream: one regular member per object,
+    named by its sha256) of the objects the store lacks. Each object is written once, at its first path in
+    the copy, while it is hashed, and kept in the store only when its bytes are its name; every other file
+    is linked from the store. Returns how many objects came; _SyncRefused at the first bad header, short
+    object or wrong checksum, and then the copy is removed and dest left as it was (the objects checked
+    before stay in the store)."""
+    head = stream.readline(40).split()
+    if len(head) != 2 or not all(n.isdigit() for n in head):
+        raise _SyncRefused("a stream without its manifest")
+    files, links = _sync_listing(_sync_read(stream, int(head[0]), "inside its manifest"))
+    saved = _sync_read(stream, int(head[1]), "inside its manifest")
+    copy = _SyncCopy(store, dest, files)
     kept = 0
     try:
         while True:
@@ -273,7 +358,7 @@ def _sync_receive(store, count, stream):
             if header is None:
                 break
             sha, size = header
-            fd, part = writer.new(sha)
+            fd, target, group = copy.create(sha, size)
             try:
                 h, left = hashlib.sha256(), size
                 while left:
@@ -283,28 +368,31 @@ def _sync_receive(store, count, stream):
                     h.update(data)
                     _sync_write_all(fd, data)
                     left -= len(data)
-                if h.hexdigest() != sha:
-                    raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-                _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
-                writer.keep(fd, part, sha, size)
-                part = None
             finally:
                 os.close(fd)
-                writer.drop(part)
+            if h.hexdigest() != sha:
+                raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
+            _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
+            copy.created(target, sha, size, group)
             kept += 1
         if stream.read().strip(b"\0"):
             raise _SyncRefused("data after the stream's end")
         if kept != count:
             raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
-    finally:
-        writer.close()
+        copy.finish(links)
+    except BaseException:
+        copy.abandon()
+        raise
+    _sync_save_manifest(store, digest, saved)
     return kept
 
 
 def op_sync_apply(req):
-    """Build the job's copy at req['dest'] from the store: every file of the manifest (given, or saved
-    by digest), its mode, and its symlinks; in '<dest>.ugro-part' first, moved into place only whole.
-    An object missing from the store fails the request and leaves dest as it was."""
+    """Build the job's copy at req['dest'] (_SyncCopy): every file of the manifest (given, or the one
+    sync_have was given, or saved by digest), its mode, and its symlinks. A few small objects may come inside
+    the request ('blobs', each checked against its sha256 first): a change of a file or two costs no stream.
+    An object missing from the store, or a blob whose bytes are not its name, fails the request and leaves
+    dest as it was."""
     store = req["store"]
     digest = req.get("digest")
     manifest = req.get("manifest") or _sync_pending.get(digest)
@@ -315,81 +403,106 @@ def op_sync_apply(req):
                 manifest = json.load(fh)
         except (OSError, ValueError):
             raise AgentError("snapshot %s is not known here" % str(digest)[:12])
-    dest = os.path.expanduser(req["dest"]).rstrip("/")
-    part = dest + ".ugro-part"
-    if os.path.lexists(part):
-        shutil.rmtree(part, ignore_errors=True)
-    os.makedirs(part)
-    count, total, made = 0, 0, {part}
+    copy = _SyncCopy(store, req["dest"], manifest["files"])
     try:
-        for f in manifest["files"]:
-            rel = _sync_rel(f["path"])
-            target = os.path.join(part, rel)
-            _sync_makedirs(os.path.dirname(target), made)
-            obj = _sync_object(store, f["sha256"])
-            try:
-                present = os.stat(obj).st_size == int(f["size"])
-            except OSError:
-                present = False
-            if not present:
-                raise AgentError("%s: object %s is not in the store" % (rel, f["sha256"][:12]))
-            if int(f.get("mode", 0o644)) & 0o111:
-                os.chmod(obj, 0o555)
-            try:
-                os.link(obj, target)
-            except OSError:  # another filesystem, or links not allowed: a copy
-                shutil.copyfile(obj, target)
-                os.chmod(target, int(f.get("mode", 0o644)) & 0o777)
-            count += 1
-            total += int(f["size"])
-        for link in manifest.get("links") or []:
-            rel = _sync_rel(link["path"])
-            pointed = os.path.normpath(os.path.join(os.path.dirname(rel), str(link["target"])))
-            if os.path.isabs(str(link["target"])) or pointed == ".." or pointed.startswith("../"):
-                raise AgentError("%s: a symlink out of the tree (to %s)" % (rel, link["target"]))
-            target = os.path.join(part, rel)
-            _sync_makedirs(os.path.dirname(target), made)
-            os.symlink(link["target"], target)
-        old = None
-        if os.path.lexists(dest):
-            old = "%s.ugro-old-%d" % (dest, int(time.time() * 1000))
-            os.rename(dest, old)
-        os.rename(part, dest)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-    except Exception:
-        shutil.rmtree(part, ignore_errors=True)
-        raise
-    if digest and not saved:  # every object was there: the next sync of this tree is one small request
-        _sync_save_manifest(store, digest, manifest)
-    return {"files": count, "bytes": total}
-
-
-def op_sync_put(req):
-    """Keep a few small objects sent inside the request (a change of a file or two costs no second channel),
-    each checked against its sha256 first."""
-    written = 0
-    writer = _SyncWriter(req["store"])
-    try:
-        for blob in req["blobs"]:
+        for blob in req.get("blobs") or []:
             data = base64.b64decode(blob["data"])
             sha = _sync_sha(blob["sha256"])
             if hashlib.sha256(data).hexdigest() != sha:
                 raise AgentError("checksum mismatch for object %s" % sha[:12])
-            writer.put(sha, data)
-            written += len(data)
+            fd, target, group = copy.create(sha, len(data))
+            try:
+                _sync_write_all(fd, data)
+            finally:
+                os.close(fd)
+            copy.created(target, sha, len(data), group)
+        copy.finish(manifest.get("links") or [])
+    except BaseException:
+        copy.abandon()
+        raise
+    if digest and not saved:  # every object is there now: the next sync of this tree is one small request
+        data = json.dumps({"files": manifest["files"], "links": manifest.get("links") or []})
+        _sync_save_manifest(store, digest, data.encode())
+    return {"files": copy.files, "bytes": copy.bytes}
+
+
+_SYNC_ACCEPT_S = 120.0  # how long a listener waits for its stream (an SSH login to the node comes first)
+_SYNC_STEP_S = 600.0  # a stream's every read: 200 MB over a slow Wi-Fi link
+_SYNC_TOKEN_S = 10.0  # the token is the stream's first bytes: a connection that holds them back is dropped
+
+
+def op_sync_listen(req):
+    """Take one stream (jobs/sync.py receiver_head, then the objects) on a port of 127.0.0.1, in a thread
+    of this agent: the controller forwards it there through its SSH connection (`ssh -W`, a direct-tcpip
+    channel), so no shell, no .bashrc and no new python start on the node. The stream must begin with the
+    token this answer holds (the port is open to every local user; the token travelled only on this link).
+    The thread answers on the connection itself: "ok <objects>" or "refused: <why>", one line; it gives up
+    after _SYNC_ACCEPT_S without the right token."""
+    args = (req["store"], int(req["count"]), _sync_sha(req["digest"]), str(req["dest"]))
+    token = base64.b16encode(os.urandom(32)).lower() + b"\n"
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        srv.settimeout(_SYNC_ACCEPT_S)
+    except OSError:
+        srv.close()
+        raise
+    threading.Thread(target=_sync_serve, args=(srv, token, args), name="ugro-sync-listen", daemon=True).start()
+    return {"port": srv.getsockname()[1], "token": token.strip().decode()}
+
+
+def _sync_serve(srv, token, args):
+    deadline = time.monotonic() + _SYNC_ACCEPT_S
+    conn = None
+    try:
+        while conn is None:
+            srv.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # the time is up (socket.timeout), or the listener failed
+                return
+            conn.settimeout(_SYNC_TOKEN_S)
+            stream = conn.makefile("rb")
+            try:
+                given = stream.read(len(token))
+            except OSError:
+                given = b""
+            if not hmac.compare_digest(given, token):  # not the controller: dropped, the listener waits on
+                stream.close()
+                conn.close()
+                conn = None
     finally:
-        writer.close()
-    return {"written": written}
+        srv.close()
+    conn.settimeout(_SYNC_STEP_S)
+    try:
+        try:
+            head = stream.readline(20)  # the receiver's own source, which this agent runs already
+            if not head.strip().isdigit():
+                raise _SyncRefused("a stream without the receiver's source")
+            _sync_read(stream, int(head), "inside the receiver's source")
+            reply = "ok %d" % _sync_receive(*args, stream)
+        except (_SyncRefused, AgentError, OSError, ValueError) as exc:
+            reply = "refused: %s" % exc
+        conn.sendall(reply.replace("\n", " ").encode("utf-8", "replace") + b"\n")
+        conn.shutdown(socket.SHUT_WR)
+        while stream.read(1 << 20):  # what a refused stream still sends: closing with it unread would reset
+            pass  # the connection, and the answer with it
+    except OSError:  # the controller is gone: it has its own error
+        pass
+    finally:
+        stream.close()
+        conn.close()
 
 
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
-EXTRA_OPS.update({"sync_have": op_sync_have, "sync_put": op_sync_put, "sync_apply": op_sync_apply})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_apply": op_sync_apply, "sync_listen": op_sync_listen})
 
 
-if __name__ == "__ugro_sync_receive__":  # run alone beside the agent, its stdin the stream (jobs/sync.py _send)
+if __name__ == "__ugro_sync_receive__":  # run alone beside the agent, its stdin the stream (jobs/sync.py _stream)
+    AgentError = _SyncRefused
     try:
-        _sync_receive(sys.argv[1], int(sys.argv[2]), sys.stdin.buffer)
+        _sync_receive(sys.argv[1], int(sys.argv[2]), _sync_sha(sys.argv[3]), sys.argv[4], sys.stdin.buffer)
     except (_SyncRefused, OSError) as exc:
         sys.stderr.write("%s\n" % exc)
         sys.exit(1)
