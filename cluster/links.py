@@ -442,8 +442,10 @@ def _open_ssh(ep: Endpoint, timeout: float, pinned: str = "") -> _Pipe:
     def forward(port: int, chunks, timeout: float) -> tuple[int, str] | None:
         try:
             side = transport.open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0), timeout=timeout)
-        except ChannelException:  # the node's sshd forwards no connections
-            return None
+        except ChannelException as exc:
+            if exc.code == 1:  # SSH_OPEN_ADMINISTRATIVELY_PROHIBITED: the node's sshd forwards no connections
+                return None
+            return -1, f"the node's sshd could not connect to port {port} there: {exc.text}"
         except (OSError, SSHException, EOFError) as exc:
             return -1, str(exc) or type(exc).__name__
         try:
@@ -644,11 +646,12 @@ class NodeLink:
                                                 port=port, head=head)  # fmt: skip
             if rc == 0:
                 return 0, answer
-            if rc == 255 and "forwarding failed" in err:  # sshd refused the connection: "stdio forwarding failed"
-                return self._refused()
-            if rc != 255 or iter(chunks) is chunks:
-                return rc, (err.strip().splitlines() or [f"exit {rc}"])[-1]
-            self._openssh_failed_with(err)
+            # "stdio forwarding failed": sshd refused to forward, or nothing listened there; ssh does not say
+            # which, the link's own connection below does (and nothing was sent)
+            if not (rc == 255 and "forwarding failed" in err):
+                if rc != 255 or iter(chunks) is chunks:
+                    return rc, (err.strip().splitlines() or [f"exit {rc}"])[-1]
+                self._openssh_failed_with(err)
         got = pipe.forward(port, itertools.chain([head], chunks), timeout)
         return self._refused() if got is None else got
 

@@ -132,3 +132,39 @@ def test_a_stream_held_in_a_file_arrives_whole_through_the_openssh_client(link, 
         assert rc == 0, err
         assert (tmp_path / name).read_bytes() == source.read_bytes()
     assert len(notes.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("openssh", [True, False], ids=["openssh", "the link's own connection"])
+def test_a_forwarded_connection_carries_a_stream_and_its_answer_and_nothing_listening_is_an_error(
+    link, tmp_path, monkeypatch, openssh
+):
+    import socket
+    import threading
+
+    if not openssh:
+        monkeypatch.setattr(links, "SSH_CLIENT", None)
+    # given a process on the node listening on 127.0.0.1, which answers with how many bytes it read
+    server = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            data = b""
+            while chunk := conn.recv(1 << 16):
+                data += chunk
+            got.append(data)
+            conn.sendall(b"read %d\n" % len(data))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    # when a head and 2 MB go there through SSH, the stream arrives whole and its answer comes back
+    data = [os.urandom(1 << 20) for _ in range(2)]
+    assert link.forward(port, b"head\n", data, timeout=30) == (0, f"read {5 + (2 << 20)}\n")
+    thread.join(10)
+    assert got == [b"head\n" + b"".join(data)]
+    server.close()
+    # and a port where nothing listens is an error that says so, not an sshd that forwards nothing
+    rc, why = link.forward(port, b"head\n", data, timeout=30)
+    assert rc != 0 and "could not connect to port" in why and not link.forward_refused
