@@ -619,11 +619,7 @@ class NodeLink:
         On an SSH node, through the OpenSSH client when it is installed, held to the key this link checked;
         else, or when that client cannot log in where paramiko did, on a second channel of this link's
         connection (chunks then iterated again from the start: an iterator, not an iterable, is not)."""
-        if self._pipe is None or self._pipe.run_with_input is None:
-            self.request("hello", timeout=self.connect_timeout)  # connects, and learns the node's host key
-        pipe = self._pipe
-        if pipe is None or pipe.run_with_input is None:
-            raise LinkError(f"{self.ep.describe()}: no connection to run {argv[0]} on", delivered=False)
+        pipe = self._connected("run_with_input", f"to run {argv[0]} on")
         if self._use_openssh():
             rc, err, _ = _run_over_openssh(self.ep, self.host_key, argv, chunks, timeout, self.connect_timeout)
             if rc != 255 or iter(chunks) is chunks:
@@ -636,11 +632,7 @@ class NodeLink:
         client as run_with_input goes (a forwarded connection: no shell, nothing started on the node), then
         read what comes back until it closes: (0, that), or (exit code, why) when it failed; None where the
         node's sshd forwards no connections (AllowTcpForwarding, PermitOpen, DisableForwarding)."""
-        if self._pipe is None or self._pipe.forward is None:
-            self.request("hello", timeout=self.connect_timeout)
-        pipe = self._pipe
-        if pipe is None or pipe.forward is None:
-            raise LinkError(f"{self.ep.describe()}: no connection to forward to port {port} on", delivered=False)
+        pipe = self._connected("forward", f"to forward to port {port} on")
         if self._use_openssh():
             rc, err, answer = _run_over_openssh(self.ep, self.host_key, None, chunks, timeout, self.connect_timeout,
                                                 port=port, head=head)  # fmt: skip
@@ -654,6 +646,16 @@ class NodeLink:
                 self._openssh_failed_with(err)
         got = pipe.forward(port, itertools.chain([head], chunks), timeout)
         return self._refused() if got is None else got
+
+    def _connected(self, way: str, what: str) -> _Pipe:
+        """This link's connection that has `way` (a _Pipe callable), made first if there is none (a `hello`, which
+        learns the node's host key)."""
+        if self._pipe is None or getattr(self._pipe, way) is None:
+            self.request("hello", timeout=self.connect_timeout)
+        pipe = self._pipe
+        if pipe is None or getattr(pipe, way) is None:
+            raise LinkError(f"{self.ep.describe()}: no connection {what}", delivered=False)
+        return pipe
 
     def _refused(self) -> None:
         self.forward_refused = True

@@ -228,10 +228,12 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
         return sent
 
     try:
-        # written on threads of their own while the nodes' connections for them are made
+        # written on threads of their own while the nodes' connections for them are made; each begins the same
+        head = b""
         for missing in lacking.values():
             if tuple(missing) not in streams and sum(sizes[sha] for sha in missing) > INLINE_BYTES:
-                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=receiver_head(manifest)))
+                head = head or receiver_head(manifest)
+                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=head))
         results = on_each(nodes, deliver)
     finally:
         for stream in streams.values():

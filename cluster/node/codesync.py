@@ -444,7 +444,6 @@ def op_sync_listen(req):
     try:
         srv.bind(("127.0.0.1", 0))
         srv.listen(8)
-        srv.settimeout(_SYNC_ACCEPT_S)
     except OSError:
         srv.close()
         raise
