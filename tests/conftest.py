@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -330,7 +331,8 @@ def controller_env(fast_settings, tmp_path, monkeypatch):
     db = connection.settings_dict
     env = dict(os.environ)
     env.update(
-        DATABASE_URL=f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        # the host may be a socket's directory (bin/test's own server): percent-encoded, a path to libpq
+        DATABASE_URL=f"postgres://{db['USER']}@{quote(db['HOST'], safe='')}:{db['PORT'] or 5432}/{db['NAME']}",
         UGRO_DATA_DIR=str(tmp_path),
         UGRO_KILL_GRACE_S="3",
         UGRO_JOIN_TIMEOUT_S="20",

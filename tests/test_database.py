@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -199,3 +200,23 @@ def test_an_older_database_keeps_each_jobs_attempts_as_rows_with_their_ranks(tmp
     # and the first attempt keeps its record, its rank a row of its own (that of a node since removed dropped)
     assert seen["first"] == ["exp-one", "failed", "OOM", 55]
     assert seen["first_ranks"] == [[0, "gpu1", 1, 9]]
+
+
+def test_the_suite_runs_on_a_server_of_its_own_that_may_lose_its_data():
+    # given bin/test with no UGRO_TEST_DATABASE_URL (what CI and a contributor run: no database set up on the machine)
+    if os.environ.get("UGRO_TEST_DATABASE_URL"):
+        pytest.skip("this run names a server of its own (UGRO_TEST_DATABASE_URL)")
+    from django.db import connection
+
+    # when the test database is asked where it lives
+    with connection.cursor() as c:
+        c.execute("SHOW data_directory")
+        (directory,) = c.fetchone()
+        c.execute("SHOW fsync")
+        (fsync,) = c.fetchone()
+    # then it is UGRO's own server, started for this run in a temporary directory (its socket's directory is the
+    # host), with commits that need not wait for the disk
+    host = connection.settings_dict["HOST"]
+    assert directory == host == str(localdb.pgdata(Path(host).parent))
+    assert not directory.startswith(("/var/lib/postgresql", str(REPO)))
+    assert fsync == "off"

@@ -14,15 +14,16 @@ import pytest
 
 from .conftest import REPO, free_port, wait_for
 from .test_start_supervisor_e2e import started_by
+from .worker_env import redis_url_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tmp_path):
     data = str(tmp_path / "data")
-    # its own Redis db: this bin/start's worker must not take other test runs' tasks
+    # its own Redis db on this run's server (bin/test's): this bin/start's worker must not take other tests' tasks
     env = dict(controller_env, UGRO_DATA_DIR=data, UGRO_PORT=str(free_port()), UGRO_ADMIN_PASSWORD="pw-x-12345678",
-               REDIS_URL="redis://127.0.0.1:6379/12")  # fmt: skip
+               REDIS_URL=redis_url_for(os.environ["REDIS_URL"], 12))  # fmt: skip
     out = tmp_path / "start.out"
     start = subprocess.Popen([str(REPO / "bin" / "start")], cwd=REPO, env=env, stdout=open(out, "wb"),
                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

@@ -8,6 +8,8 @@ TCP port, nothing to collide with a system server; only this user, and root, can
 that socket, and keeps its data across restarts.
 
 Usage (what bin/start runs): python -m ugro_site.localdb start|stop|status|url
+`start --scratch` (what bin/test runs, in a temporary directory): the same server without waiting for the disk
+on each commit; a crash of the machine may lose its data, which a test run throws away anyway.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ PORT = 5432  # names the socket file (.s.PGSQL.5432) in the data directory; no T
 SOCKET_PATH_MAX = 107  # sun_path, less its terminating NUL
 SERVER_USER = "ugro-postgres"  # the account the server runs as when UGRO runs as root (PostgreSQL refuses root)
 START_TIMEOUT_S = 60
+# For throwaway data (bin/test): commits need not wait for the disk (no fsync, no WAL flush on commit).
+SCRATCH_OPTIONS = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 
 
 class LocalDbError(RuntimeError):
@@ -174,8 +178,9 @@ def running(data: Path) -> bool:
     return True
 
 
-def start(data: Path | None = None, among: list[Path] | None = None) -> str:
-    """Initialise (once) and start the private server, and make its database; says what it did."""
+def start(data: Path | None = None, among: list[Path] | None = None, scratch: bool = False) -> str:
+    """Initialise (once) and start the private server, and make its database; says what it did. `scratch`:
+    data that may be lost (SCRATCH_OPTIONS), for a test run's server."""
     data = data or data_dir()
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     pg = pgdata(data)
@@ -201,6 +206,8 @@ def start(data: Path | None = None, among: list[Path] | None = None) -> str:
             raise LocalDbError(f"initdb failed in {pg}: {_last_line(done)}")
         said.append(f"initialised PostgreSQL {_major(bindir)} in {pg}")
     options = f"-k {pg} -c listen_addresses='' -p {PORT} -c unix_socket_permissions=0700"
+    if scratch:
+        options += " " + SCRATCH_OPTIONS
     done = _run([bindir / "pg_ctl", "start", "-D", pg, "-w", "-t", START_TIMEOUT_S, "-l", pg / "server.log",
                  "-o", options], account, timeout=START_TIMEOUT_S + 10)  # fmt: skip
     if done.returncode != 0:
@@ -233,15 +240,23 @@ def stop(data: Path | None = None) -> str:
     return f"PostgreSQL in {pg} stopped"
 
 
+def url(data: Path | None = None) -> str:
+    """DATABASE_URL for the private server: the socket's directory as the host, percent-encoded, which
+    dj-database-url and libpq both read as a path."""
+    from urllib.parse import quote
+
+    return f"postgres://{DB_USER}@{quote(str(pgdata(data)), safe='')}:{PORT}/{DB_NAME}"
+
+
 def _say(line: str, stream=None) -> None:
     (stream or sys.stdout).write(line + "\n")
 
 
 def main(argv: list[str]) -> int:
-    what = argv[1] if len(argv) == 2 else ""
+    what = " ".join(argv[1:])
     try:
-        if what == "start":
-            _say(start())
+        if what in ("start", "start --scratch"):
+            _say(start(scratch=what.endswith("--scratch")))
         elif what == "stop":
             _say(stop())
         elif what == "status":
@@ -249,9 +264,9 @@ def main(argv: list[str]) -> int:
             _say(f"PostgreSQL in {pgdata()} is {'running' if up else 'not running'}")
             return 0 if up else 1
         elif what == "url":
-            _say(f"postgres://{DB_USER}@/{DB_NAME}?host={pgdata()}")
+            _say(url())
         else:
-            _say("usage: python -m ugro_site.localdb start|stop|status|url", sys.stderr)
+            _say("usage: python -m ugro_site.localdb start [--scratch]|stop|status|url", sys.stderr)
             return 2
     except (LocalDbError, OSError, subprocess.SubprocessError) as exc:
         _say(f"ugro: {exc}", sys.stderr)
