@@ -125,6 +125,12 @@ class Node(models.Model):
         max_length=255, default="/usr/bin/python3", help_text="Any python >= 3.8 on the node, for UGRO's agent."
     )
     workdir = models.CharField(max_length=500, default="~", help_text="Where ranks start; scripts are relative to it.")
+    workdir_id = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="The id the last probe read in <workdir>/.ugro/workdir-id (written there once, by the first node "
+        "to look): nodes with the same id share their working directory (a shared filesystem such as NFS).",
+    )
     env = models.JSONField(default=dict, blank=True, help_text="Extra environment for ranks on this node.")
     enabled = models.BooleanField(default=True)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.UNKNOWN)
@@ -185,6 +191,13 @@ class Node(models.Model):
         from .gpus import gpu_text  # cluster.gpus imports this module
 
         return gpu_text(self, self.gpus.all() if self.pk else [])
+
+    def shares_workdir_with(self) -> list[str]:
+        """The other enabled nodes that see this node's working directory (the same workdir_id), by name."""
+        if not self.workdir_id:
+            return []
+        same = Node.objects.filter(enabled=True, workdir_id=self.workdir_id).exclude(pk=self.pk)
+        return list(same.order_by("order", "name").values_list("name", flat=True))
 
     @property
     def host_key_fingerprint(self) -> str:

@@ -207,7 +207,7 @@ def publish(events: list[dict[str, Any]]) -> None:
 
 
 NODE_FIELDS = ["status", "status_reason", "health_score", "health_checks", "last_seen", "breaker", "last_poll_at",
-               "poll_lease_until"]  # fmt: skip
+               "poll_lease_until", "workdir_id"]  # fmt: skip
 
 
 def _claim(due: list[Node], force: bool) -> list[Node]:
@@ -256,6 +256,7 @@ def _judge(node, breaker, probed, job_tag, now, at, t, open_alerts) -> tuple[Pol
     node.status_reason = result.reason()[:500]
     node.health_checks = [{"name": c.name, "severity": c.severity, "detail": c.detail} for c in result.failed]
     node.last_seen = at
+    node.workdir_id = _workdir_id(sample)
     resolved = alerts.sync_node_alerts(node, alert_conditions(result, enriched, t), open_alerts)
     if recovered:
         alerts.record_event(node, "recovered", f"{node.name} recovered (score {result.score}, {result.status})")
@@ -265,6 +266,12 @@ def _judge(node, breaker, probed, job_tag, now, at, t, open_alerts) -> tuple[Pol
     )  # fmt: skip
     outcome.event = node_event(node, outcome)
     return outcome, _sample_row(node, at, sample, result, rtt, "")
+
+
+def _workdir_id(sample: dict[str, Any]) -> str:
+    """The id the probe read in the node's workdir (cluster/node/probe.py ugro_workdir_id), '' if none or not one."""
+    found = sample.get("workdir_id")
+    return found if isinstance(found, str) and len(found) == 32 and found.isalnum() else ""
 
 
 def gone_silent(idle: list[Node], now: float) -> list[Node]:

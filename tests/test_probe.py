@@ -41,6 +41,7 @@ SAMPLE_KEYS = {
     "gpu_source",
     "gpu_error",
     "job_procs",
+    "workdir_id",
 }
 FIXTURE_GPUS = [
     {
@@ -152,7 +153,7 @@ def test_probe_module_globals_do_not_shadow_agent_names(probe: types.ModuleType)
     probe_names = {n.name for n in probe_tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     # Then no probe function is silently replaced by an agent one when concatenated
     assert not probe_names & agent_names
-    assert set(probe.EXTRA_OPS) == {"probe", "port_check", "port_free", "listen"}
+    assert set(probe.EXTRA_OPS) == {"probe", "port_check", "port_free", "listen", "workdir_id"}
 
 
 # -- nvidia-smi parsing -------------------------------------------------------------------------

@@ -34,8 +34,13 @@ def _expand(path):
     return os.path.abspath(os.path.expanduser(path)) if path else path
 
 
+def _here():
+    """<host>-<pid>: a name of this process unique among the nodes that may share a working directory (NFS)."""
+    return "%s-%d" % (socket.gethostname(), os.getpid())
+
+
 def _write_atomic(path, text):
-    tmp = "%s.tmp.%d" % (path, os.getpid())  # per process: two agents may write the same record
+    tmp = "%s.tmp.%s" % (path, _here())  # per process: two agents (of two nodes) may write the same record
     with open(tmp, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)
@@ -124,7 +129,7 @@ def _read_json(path):
 
 def _claim(record, claim):
     """Create the start record exclusively, complete from its first byte; False if it exists."""
-    tmp = "%s.claim.%d" % (record, os.getpid())
+    tmp = "%s.claim.%s" % (record, _here())
     with open(tmp, "w") as fh:
         fh.write(json.dumps(claim))
     try:
@@ -704,13 +709,37 @@ def op_files(req):
     return {"files": out}
 
 
+PUT_PART = ".ugro-part"
+
+
+def _put_sweep(path):
+    """Remove the parts of path that copies cut off left: this host's of agents gone, and the earlier code's
+    '<path>.ugro-part' (another host's are left to it)."""
+    parent, name = os.path.split(path)
+    mine = "%s%s-%s-" % (name, PUT_PART, socket.gethostname())
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(mine) :] if entry.startswith(mine) else ""
+        if entry == name + PUT_PART or (pid.isdigit() and not _proc_alive(int(pid), None)):
+            try:
+                os.unlink(os.path.join(parent, entry))
+            except OSError:
+                pass
+
+
 def op_put(req):
-    """Write a chunk of a file being copied here at its offset into '<path>.ugro-part'; with 'sha256' (the
-    last chunk) check the whole part against it, then move it to path. A mismatch removes the part."""
+    """Write a chunk of a file being copied here at its offset into '<path>.ugro-part-<host>-<pid>' (this
+    agent's: two nodes that share a directory may be sent the same file at once); with 'sha256' (the last
+    chunk) check the whole part against it, then move it to path. A mismatch removes the part."""
     path = _expand(req["path"])
-    part = path + ".ugro-part"
+    part = "%s%s-%s" % (path, PUT_PART, _here())
     offset = int(req["offset"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if offset == 0:
+        _put_sweep(path)
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, offset)

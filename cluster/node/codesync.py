@@ -11,6 +11,7 @@
 # linked into the store only once its bytes are checked: in the store whole or not at all, and one inode and
 # two directory entries per file, as a copy plus a store needs at the least. Every other file of the copy
 # is a hard link to the store's object.
+import errno
 import hashlib
 import os
 import sys
@@ -22,6 +23,7 @@ if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver wou
     import json
     import shutil
     import socket
+    import stat as _sync_stat
     import threading
 
 
@@ -90,23 +92,55 @@ def _sync_rmtree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+# a job's copy being built: <dest>.ugro-part-<host>-<pid>-<n>, one per builder, so that two nodes building the
+# same directory (a shared workdir the controller did not group) never write in one tree
+_SYNC_COPY_PART = ".ugro-part"
+_sync_copies = [0]
+
+
+def _sync_sweep_parts(dest):
+    """Remove the copies of dest that builders gone left: this host's of processes that no longer run, and
+    the earlier code's '<dest>.ugro-part' (another host's are left to it)."""
+    parent, name = os.path.split(dest)
+    mine = "%s%s-%s-" % (name, _SYNC_COPY_PART, os.uname().nodename)
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        if entry == name + _SYNC_COPY_PART:
+            _sync_rmtree(os.path.join(parent, entry))
+        elif entry.startswith(mine):
+            pid_n = entry[len(mine) :].split("-")  # <pid>-<n> (more parts: another host whose name begins as ours)
+            if len(pid_n) != 2 or not (pid_n[0].isdigit() and pid_n[1].isdigit()):
+                continue
+            try:
+                os.kill(int(pid_n[0]), 0)
+                continue  # its builder still runs
+            except ProcessLookupError:
+                _sync_rmtree(os.path.join(parent, entry))
+            except OSError:
+                continue
+
+
 class _SyncCopy:
-    """A job's copy, built in '<dest>.ugro-part' and moved into place only whole (a rank never starts in a
-    partial tree). A file whose object comes with the copy is written there, at its path, and once its bytes
-    are checked the store keeps it too (a hard link: one inode for both, the next copy of it travels no more);
-    any other file is a hard link to the store's object (a copy where links cannot be made)."""
+    """A job's copy, built in '<dest>.ugro-part-<host>-<pid>-<n>' and moved into place only whole (a rank never
+    starts in a partial tree). A file whose object comes with the copy is written there, at its path, and once
+    its bytes are checked the store keeps it too (a hard link: one inode for both, the next copy of it travels
+    no more); any other file is a hard link to the store's object (a copy where links cannot be made)."""
 
     def __init__(self, store, dest, files):
         self.store = os.path.expanduser(store)
         self.dest = os.path.expanduser(dest).rstrip("/")
-        self.part = self.dest + ".ugro-part"
+        _sync_copies[0] += 1
+        self.part = "%s%s-%s-%d-%d" % (self.dest, _SYNC_COPY_PART, os.uname().nodename, os.getpid(), _sync_copies[0])
         self.wanted = {}  # sha256 -> the files of those bytes not in the copy yet
         for f in files:
             self.wanted.setdefault(f["sha256"], []).append(f)
         os.makedirs(self.store, exist_ok=True)
-        if os.path.lexists(self.part):  # what a failed or killed copy left
-            _sync_rmtree(self.part)
-        os.makedirs(self.part)
+        os.makedirs(os.path.dirname(self.dest), exist_ok=True)
+        _sync_sweep_parts(self.dest)  # what failed or killed copies left
+        os.mkdir(self.part)
         self.made = {self.part}
         self.files = self.bytes = 0
 
@@ -180,9 +214,18 @@ class _SyncCopy:
             os.symlink(link["target"], self.path(rel))
         old = None
         if os.path.lexists(self.dest):
-            old = "%s.ugro-old-%d" % (self.dest, int(time.time() * 1000))
-            os.rename(self.dest, old)
-        os.rename(self.part, self.dest)
+            old = "%s.ugro-old-%s" % (self.dest, self.part.rsplit(_SYNC_COPY_PART + "-", 1)[1])
+            try:
+                os.rename(self.dest, old)
+            except FileNotFoundError:  # another builder of this directory moved it first
+                old = None
+        try:
+            os.rename(self.part, self.dest)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # another builder of the same directory put its copy (of the same manifest) in place first
+            _sync_rmtree(self.part)
         if old:
             _sync_rmtree(old)
 
@@ -236,6 +279,15 @@ _sync_pending = {}  # digest -> a manifest sync_have was given, for the sync_app
 
 
 def op_sync_have(req):
+    """_sync_have's answer, with the id of the node's workdir when asked (req['workdir']): nodes that answer the
+    same id share that directory, and the controller builds their copy once (jobs/sync.py push)."""
+    answer = _sync_have(req)
+    if req.get("workdir"):
+        answer["workdir_id"] = ugro_workdir_id(req["workdir"])  # noqa: F821 (probe.py's, sent before this file)
+    return answer
+
+
+def _sync_have(req):
     """Which of the manifest's objects the store lacks. With only a digest: whether the node has that
     manifest and every object it names ("known"), so an unchanged tree costs one small request."""
     store = req["store"]
@@ -267,7 +319,7 @@ def _sync_save_manifest(store, digest, data):
     """Keep a manifest (its JSON, bytes) under its digest: the next copy of it is one small request."""
     path = _sync_manifest_path(store, digest)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = "%s.%d.tmp" % (path, os.getpid())
+    tmp = "%s.%s.%d.tmp" % (path, os.uname().nodename, os.getpid())  # nodes sharing a store may write it at once
     with open(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, path)
@@ -387,12 +439,32 @@ def _sync_receive(store, count, digest, dest, stream):
     return kept
 
 
+def _sync_built(store, dest, files, links):
+    """Whether dest holds this manifest's copy already: each file the store's object itself (a hard link to it:
+    its bytes), each symlink as listed. Files the job added there do not count."""
+    dest = os.path.expanduser(dest).rstrip("/")
+    try:
+        if not _sync_stat.S_ISDIR(os.lstat(dest).st_mode):
+            return False
+        for f in files:
+            there = os.lstat(os.path.join(dest, _sync_rel(f["path"])))
+            obj = os.stat(_sync_object(store, f["sha256"]))
+            if (there.st_ino, there.st_dev) != (obj.st_ino, obj.st_dev) or obj.st_size != int(f["size"]):
+                return False
+        for link in links:
+            if os.readlink(os.path.join(dest, _sync_rel(link["path"]))) != str(link["target"]):
+                return False
+    except OSError:
+        return False
+    return True
+
+
 def op_sync_apply(req):
     """Build the job's copy at req['dest'] (_SyncCopy): every file of the manifest (given, or the one
     sync_have was given, or saved by digest), its mode, and its symlinks. A few small objects may come inside
     the request ('blobs', each checked against its sha256 first): a change of a file or two costs no stream.
     An object missing from the store, or a blob whose bytes are not its name, fails the request and leaves
-    dest as it was."""
+    dest as it was. A copy of the same manifest at dest is kept as it is (_sync_built): a resume's."""
     store = req["store"]
     digest = req.get("digest")
     manifest = req.get("manifest") or _sync_pending.get(digest)
@@ -403,6 +475,10 @@ def op_sync_apply(req):
                 manifest = json.load(fh)
         except (OSError, ValueError):
             raise AgentError("snapshot %s is not known here" % str(digest)[:12])
+    links = manifest.get("links") or []
+    if not req.get("blobs") and _sync_built(store, req["dest"], manifest["files"], links):
+        # a resumed job's copy, of the same snapshot: kept, with what the job wrote in it (checkpoints, logs)
+        return {"files": len(manifest["files"]), "bytes": sum(int(f["size"]) for f in manifest["files"]), "kept": True}
     copy = _SyncCopy(store, req["dest"], manifest["files"])
     try:
         for blob in req.get("blobs") or []:
@@ -416,7 +492,7 @@ def op_sync_apply(req):
             finally:
                 os.close(fd)
             copy.created(target, sha, len(data), group)
-        copy.finish(manifest.get("links") or [])
+        copy.finish(links)
     except BaseException:
         copy.abandon()
         raise

@@ -335,6 +335,71 @@ def _probe_job_procs():
     return procs
 
 
+# -- the working directory's id -------------------------------------------------------------
+
+# Nodes that share a working directory (an NFS home) share one store and one copy of a job's code: they find
+# the same random id in it, written once by whichever node came first. An id, not a path or an address: two
+# nodes may name one directory differently, and one path may be a different directory on each node.
+PROBE_WORKDIR_MARK = os.path.join(".ugro", "workdir-id")
+PROBE_WORKDIR_WAIT_S = 1.0
+
+
+def _probe_make_mark(mark):
+    """Write a new id at mark, exclusively (of two nodes at once, one wins, the other reads its id): a hard link
+    of a whole file (atomic and exclusive on NFS too), else O_CREAT|O_EXCL where links cannot be made."""
+    new = "%s\n" % os.urandom(16).hex()
+    tmp = "%s.%s.%d.%s" % (mark, socket.gethostname(), os.getpid(), os.urandom(4).hex())
+    with open(tmp, "w") as fh:
+        fh.write(new)
+    try:
+        os.link(tmp, mark)
+    except FileExistsError:
+        pass
+    except OSError:
+        try:
+            fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as fh:
+            fh.write(new)
+    finally:
+        os.unlink(tmp)
+
+
+def ugro_workdir_id(workdir):
+    """The id of this working directory (32 hex digits), written there on first use; None when the directory
+    does not exist or the id cannot be written or read. Shared with codesync.py (sent after this file)."""
+    root = _probe_expand(workdir)
+    if not os.path.isdir(root):
+        return None
+    mark = os.path.join(root, PROBE_WORKDIR_MARK)
+    deadline = time.monotonic() + PROBE_WORKDIR_WAIT_S
+    while True:
+        try:
+            with open(mark) as fh:
+                text = fh.read().strip()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                return None
+            try:
+                os.makedirs(os.path.dirname(mark), exist_ok=True)
+                _probe_make_mark(mark)
+            except OSError:
+                return None
+            continue
+        except OSError:
+            return None
+        if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+            return text
+        if text or time.monotonic() > deadline:  # not an id, or an O_EXCL file left empty
+            return None
+        time.sleep(0.02)  # created by another node's O_EXCL a moment ago: its id is being written
+
+
+def op_workdir_id(req):
+    return {"workdir_id": ugro_workdir_id(req.get("workdir") or "~")}
+
+
 # -- ops ------------------------------------------------------------------------------------
 
 
@@ -357,6 +422,7 @@ def op_probe(req):
         "gpu_source": source,
         "gpu_error": error,
         "job_procs": _probe_job_procs(),
+        "workdir_id": ugro_workdir_id(req.get("workdir") or "~"),
     }
 
 
@@ -485,4 +551,5 @@ EXTRA_OPS = {
     "port_check": op_port_check,
     "port_free": op_port_free,
     "listen": op_listen,
+    "workdir_id": op_workdir_id,
 }

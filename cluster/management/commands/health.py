@@ -32,6 +32,8 @@ def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
             lines.append(f"    {check['severity']}: {check['detail']}")
     if node.host_key:
         lines.append(f"    host key {node.host_key_fingerprint} ({node.host_key_source})")
+    if shared := node.shares_workdir_with():
+        lines.append(f"    working directory shared with {', '.join(shared)}")
     return lines
 
 
@@ -74,6 +76,7 @@ def _as_json(nodes: list[Node], failed: dict[str, str]) -> str:
                     "reason": failed.get(n.name) or n.status_reason,
                     "checks": n.health_checks,
                     "host_key": n.host_key_fingerprint or None,
+                    "workdir_shared_with": n.shares_workdir_with(),
                     "last_seen": n.last_seen.isoformat() if n.last_seen else None,
                 }
                 for n in nodes
