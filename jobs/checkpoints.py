@@ -108,7 +108,8 @@ def record_found(rank: Rank, entries: list[dict]) -> int:
         return 0
     # another job's: one it runs now, or one it recorded as it still is (a run that ended just before this
     # rank started, within the clock slack), not one a later run rewrote
-    others = Checkpoint.objects.filter(node=rank.node, path__in=[e["path"] for e in wanted]).exclude(job=rank.job)
+    others = Checkpoint.objects.filter(node__in=seeing(rank.node), path__in=[e["path"] for e in wanted])
+    others = others.exclude(job=rank.job)
     running = set(others.filter(job__current__finished_at__isnull=True).values_list("path", flat=True))
     recorded = set(others.values_list("path", "mtime"))
     mine = [e for e in wanted if e["path"] not in running and (e["path"], e["mtime"]) not in recorded]
@@ -122,10 +123,19 @@ def _named_as_checkpoint(entry: dict) -> bool:
     return entry["dir"] or name.endswith(".ckpt") or step_of(name) is not None
 
 
+def seeing(node: Node) -> list[int]:
+    """The nodes (ids) that see this node's working directory: itself, and those that share it (the same
+    workdir id, recorded by the health probe)."""
+    if not node.workdir_id:
+        return [node.pk]
+    return [node.pk, *Node.objects.filter(workdir_id=node.workdir_id).exclude(pk=node.pk).values_list("pk", flat=True)]
+
+
 def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
     job, node = rank.job, rank.node
     ended = rank.state != Rank.State.RUNNING
-    known = {c.path: c for c in Checkpoint.objects.filter(job=job, node=node)}
+    # a checkpoint in a working directory several nodes share is one checkpoint, recorded by the first of them
+    known = {c.path: c for c in Checkpoint.objects.filter(job=job, node__in=seeing(node)).order_by("-pk")}
     ready = 0
     for entry in entries:
         entry["glob"] = entry["path"] in by_glob
@@ -151,10 +161,16 @@ def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
 
 
 def offered(job: Job) -> list[Checkpoint]:
-    """The job's checkpoints that a resume may use, newest step first."""
-    return list(
-        job.checkpoints.select_related("node").filter(ready=True, step__isnull=False).order_by("-step", "-mtime")
-    )
+    """The job's checkpoints that a resume may use, newest step first; one seen from several nodes that share a
+    working directory is offered once (as the first of them recorded it)."""
+    ready = job.checkpoints.select_related("node").filter(ready=True, step__isnull=False)
+    out, seen = [], set()
+    for c in ready.order_by("-step", "-mtime", "pk"):
+        where = (c.node.workdir_id or f"node {c.node_id}", c.path)
+        if where not in seen:
+            seen.add(where)
+            out.append(c)
+    return out
 
 
 def choose(job: Job, wanted: str | int | None = "latest") -> Checkpoint:
@@ -216,15 +232,25 @@ def target_path(checkpoint: Checkpoint, node: Node) -> str:
 def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
     """Make the checkpoint present on every node of an attempt: rank 0 reads it in the reference script,
     but frameworks such as the Hugging Face Trainer load it on every rank. A node that already holds the
-    same files (by sha256) gets nothing; the copies run at once. ValueError with a one-line reason."""
-    targets = [n for n in nodes if n.pk != checkpoint.node_id]
-    if not targets:
+    same files (by sha256) gets nothing; the copies run at once. Nodes that share a working directory (the
+    same workdir id, asked now) are one place: the source's sharers see it already, and of any other such group
+    one node gets the copy and the rest see it (each checked: one that does not gets its own). ValueError with a
+    one-line reason."""
+    source = checkpoint.node
+    places = [source, *[n for n in nodes if n.pk != source.pk]]
+    if len(places) == 1:
         return
     timeout = COPY_TIMEOUT_S
-    try:
-        want = node_request(checkpoint.node, "files", timeout=timeout, path=checkpoint.path)["files"]
-    except Exception as exc:  # the node that holds it does not answer, or the files are gone
-        raise ValueError(f"checkpoint {checkpoint.node.name}:{checkpoint.path} cannot be read: {exc}") from None
+    asked = on_each(places, lambda n: node_request(n, "workdir_id", timeout=timeout, workdir=n.workdir))
+    ids = {node.pk: (answer or {}).get("workdir_id") for node, answer, _ in asked}  # a node that did not say: alone
+    firsts, sharers = sync.one_per_workdir(places, ids)
+    targets = firsts[1:]  # the source is first: its sharers are checked like any other
+    want: list[dict] = []
+    if targets:
+        try:
+            want = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
+        except Exception as exc:  # the node that holds it does not answer, or the files are gone
+            raise ValueError(f"checkpoint {source.name}:{checkpoint.path} cannot be read: {exc}") from None
 
     def one(node: Node) -> str | None:
         try:
@@ -239,9 +265,24 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
             return str(exc)
         return None
 
-    failed = [msg or f"{node.name}: {err}" for node, msg, err in on_each(targets, one) if msg or err]
-    if failed:
-        raise ValueError("; ".join(failed))
+    def seen_or_copied(node: Node) -> str | None:
+        """A node sharing another's working directory sees what was copied there, or it gets its own copy."""
+        path = target_path(checkpoint, node)
+        try:
+            if node_request(node, "stat", timeout=timeout, paths=[path])["exists"].get(path):
+                return None
+        except Exception as exc:
+            return f"{node.name}: {exc}"
+        log.warning("%s shares a workdir id but does not see %s: copying it there", node.name, path)
+        nonlocal want
+        if not want:
+            want = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
+        return one(node)
+
+    for batch, act in ((targets, one), (sharers, seen_or_copied)):
+        failed = [msg or f"{node.name}: {err}" for node, msg, err in on_each(batch, act) if msg or err]
+        if failed:
+            raise ValueError("; ".join(failed))
 
 
 def copy_to(checkpoint: Checkpoint, node: Node) -> str:

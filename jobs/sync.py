@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import tarfile
 import tempfile
@@ -36,6 +37,8 @@ from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
 from .models import Job, JobCode
+
+log = logging.getLogger(__name__)
 
 INLINE_BYTES = 1024 * 1024  # up to this much to send travels inside one request: no second channel to open
 STREAM_PIECE = 1024 * 1024  # bytes handed to the link at a time while objects stream to a node
@@ -202,16 +205,68 @@ def missing_objects(manifest: dict) -> list[str]:
 def push(job: Job, nodes: list[Node]) -> Pushed:
     """Copy the job's snapshot to every node and build its copy there; SyncError naming the nodes that
     failed (nothing has started then). Every node is asked what it lacks before any bytes travel: a node
-    still connecting is not starved by the streams to the others."""
+    still connecting is not starved by the streams to the others.
+
+    Nodes that share a working directory (an NFS home: the same id in it, cluster/node/probe.py) share its
+    store and the job's copy: one of them builds it, and each other one is then asked whether it sees it (a
+    workdir copied with its id would not: that node gets a copy of its own)."""
     code = JobCode.objects.get(job=job)
     digest = code.sync_digest
     manifest = load_manifest(digest)
-    sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
     t0 = time.monotonic()
-    asked = on_each(nodes, lambda node: _lacks(node, digest, manifest))
-    failed = [f"{node.name}: {err}" for node, _, err in asked if err is not None]
+    asked = on_each(nodes, lambda node: _knows(node, digest))
+    _fail_on(asked)
+    known = {node.pk: bool(have["known"]) for node, have, _ in asked}
+    builders, sharers = one_per_workdir(nodes, {node.pk: have.get("workdir_id") for node, have, _ in asked})
+    sent = _build(job, builders, digest, manifest, known)
+    if sharers:
+        seen = on_each(sharers, lambda node: _sees_copy(job, node))
+        _fail_on(seen)
+        astray = [node for node, sees, _ in seen if not sees]
+        if astray:
+            names = ", ".join(n.name for n in astray)
+            log.warning("job %s: %s share a workdir id with another node but not its copy (a workdir copied with "
+                        "its .ugro/workdir-id?): building theirs", job.name, names)  # fmt: skip
+            sent += _build(job, astray, digest, manifest, known)
+    pushed = Pushed(time.monotonic() - t0, sent, len(nodes))
+    JobCode.objects.filter(pk=code.pk).update(sync_s=pushed.seconds, sync_sent_bytes=pushed.sent_bytes)
+    return pushed
+
+
+def one_per_workdir(nodes: list[Node], ids: dict[int, str | None]) -> tuple[list[Node], list[Node]]:
+    """(one node of each working directory, the other nodes that share one of those), in the nodes' order: nodes
+    answering the same workdir id (ids, by node pk) see the same directory; a node without an id is alone."""
+    first: dict[str, Node] = {}
+    builders, sharers = [], []
+    for node in nodes:
+        wid = ids.get(node.pk)
+        if wid and wid in first:
+            sharers.append(node)
+        else:
+            builders.append(node)
+            if wid:
+                first[wid] = node
+    return builders, sharers
+
+
+def _fail_on(results: list) -> None:
+    failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
     if failed:
         raise SyncError("code sync failed on " + "; ".join(failed))
+
+
+def _sees_copy(job: Job, node: Node) -> bool:
+    """Whether the node sees the job's copy another node of its working directory built."""
+    dest = code_dir_on(job, node)
+    return bool(node_request(node, "stat", timeout=REQUEST_TIMEOUT_S, paths=[dest])["exists"].get(dest))
+
+
+def _build(job: Job, nodes: list[Node], digest: str, manifest: dict, known: dict[int, bool]) -> int:
+    """Build the job's copy on each node (none of them sharing a working directory with another): what its store
+    lacks is sent first. The bytes sent; SyncError naming the nodes that failed."""
+    sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
+    asked = on_each(nodes, lambda node: [] if known[node.pk] else _missing(node, digest, manifest))
+    _fail_on(asked)
     lacking = {node.pk: missing for node, missing, _ in asked}
     # Each distinct stream is built once, however many nodes take it (a cold cluster: one for all); the
     # OpenSSH client of each node then reads it through the kernel, not through this process.
@@ -243,21 +298,19 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
             stream.wait()
         except SyncError as exc:
             raise SyncError(f"code sync failed: {exc}") from None
-    failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
-    if failed:
-        raise SyncError("code sync failed on " + "; ".join(failed))
-    pushed = Pushed(time.monotonic() - t0, sum(sent for _, sent, _ in results), len(nodes))
-    JobCode.objects.filter(pk=code.pk).update(sync_s=pushed.seconds, sync_sent_bytes=pushed.sent_bytes)
-    return pushed
+    _fail_on(results)
+    return sum(sent for _, sent, _ in results)
 
 
-def _lacks(node: Node, digest: str, manifest: dict) -> list[str]:
-    """The objects the node's store lacks (none when it already knows this snapshot: one small request)."""
-    store = node_store(node)
-    have = node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest)
-    if have["known"]:
-        return []
-    return node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest,
+def _knows(node: Node, digest: str) -> dict:
+    """Whether the node's store holds the snapshot whole ("known"), and the id of its working directory."""
+    return node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=node_store(node), digest=digest,
+                        workdir=node.workdir)  # fmt: skip
+
+
+def _missing(node: Node, digest: str, manifest: dict) -> list[str]:
+    """The objects the node's store lacks for a snapshot it does not know yet."""
+    return node_request(node, "sync_have", timeout=REQUEST_TIMEOUT_S, store=node_store(node), digest=digest,
                         manifest=manifest)["missing"]  # fmt: skip
 
 

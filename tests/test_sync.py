@@ -4,6 +4,7 @@ and the node agent's store and copy (a real agent process on this machine)."""
 from __future__ import annotations
 
 import base64
+import glob
 import hashlib
 import io
 import os
@@ -139,7 +140,7 @@ def stream(agent, store: str, data: bytes, count: int, listing: dict, dest: str,
         return rc, err
     finally:
         assert not [name for name in os.listdir(store) if name.startswith(".part-")]
-        assert not os.path.exists(dest + ".ugro-part")
+        assert not glob.glob(dest + ".ugro-part*")
         assert rc == 0 or not os.path.exists(dest)
 
 
@@ -226,7 +227,7 @@ def test_a_few_small_objects_come_inside_the_request_that_builds_the_copy(agent,
     ):
         with pytest.raises(AgentRequestError, match=why):
             agent.request("sync_apply", store=store, manifest=listing, dest=str(dest), blobs=blobs)
-        assert not dest.exists() and not Path(f"{dest}.ugro-part").exists() and sha(new) not in store_files(store)
+        assert not dest.exists() and not glob.glob(f"{dest}.ugro-part*") and sha(new) not in store_files(store)
     # the new object travels in the request, the other file is linked from the store
     blobs = [{"sha256": sha(new), "data": base64.b64encode(new).decode()}]
     done = agent.request("sync_apply", store=store, manifest=listing, dest=str(dest), blobs=blobs)
@@ -305,7 +306,7 @@ def test_the_agents_listener_takes_only_a_stream_that_begins_with_its_token(agen
             except OSError:  # reset, or no longer connected
                 answer = b""
             assert answer == b""
-        assert not os.path.exists(dest) and not os.path.exists(f"{dest}.ugro-part")
+        assert not os.path.exists(dest) and not glob.glob(f"{dest}.ugro-part*")
     # and the controller's stream, with the token, still builds the copy
     sent, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode(), [payload], 30)
     assert (sent, answer) == (0, "ok 1\n") and Path(dest, f"f/{sha(data)[:8]}").read_bytes() == data
@@ -396,7 +397,7 @@ def test_a_copy_missing_an_object_or_with_a_bad_path_leaves_the_old_copy_as_it_w
     ):
         with pytest.raises(AgentRequestError, match=why):
             agent.request("sync_apply", store=store, manifest=listing, dest=str(dest))
-        assert (dest / "train.py").read_text() == "old" and not Path(str(dest) + ".ugro-part").exists()
+        assert (dest / "train.py").read_text() == "old" and not glob.glob(f"{dest}.ugro-part*")
     assert not (tmp_path / "escape.py").exists()
 
 
@@ -465,3 +466,243 @@ def test_a_checkpoint_in_the_synced_copy_is_named_from_where_the_ranks_start(db,
     other = Checkpoint.objects.create(job=plain, node=one, path="/w/a/outputs/plain/checkpoint_step5.pt", size=1,
                                       mtime=1.0, step=5, ready=True)  # fmt: skip
     assert checkpoints.path_for_rank0(other) == "outputs/plain/checkpoint_step5.pt"
+
+
+# -- nodes that share a working directory (an NFS home) ---------------------------------------------
+
+
+@pytest.fixture
+def two_agents():
+    """Two nodes' agents on this machine: what one writes in a directory, the other sees, as over NFS."""
+    links = [NodeLink(Endpoint(name=f"local-agent-{i}", address="127.0.0.1", transport="local"), connect_timeout=10)
+             for i in (1, 2)]  # fmt: skip
+    yield links
+    for link in links:
+        link.close()
+
+
+def test_nodes_that_share_a_workdir_read_the_one_id_the_first_of_them_wrote_there(two_agents, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    shared.mkdir()
+    own.mkdir()
+    # given two nodes that see one working directory no node has looked at yet
+    # when both ask for its id at the same moment
+    with ThreadPoolExecutor(2) as pool:
+        ids = list(pool.map(lambda a: a.request("workdir_id", workdir=str(shared))["workdir_id"], two_agents))
+    # then they read one id: the one the first of them wrote there, once, and nothing else is left
+    marker = (shared / ".ugro" / "workdir-id").read_text().strip()
+    assert ids == [marker, marker] and len(marker) == 32 and int(marker, 16) >= 0
+    assert os.listdir(shared / ".ugro") == ["workdir-id"]
+    # and the health probe answers it too, while another directory has an id of its own, a missing one none
+    assert two_agents[1].request("probe", workdir=str(shared))["workdir_id"] == marker
+    other = two_agents[0].request("workdir_id", workdir=str(own))["workdir_id"]
+    assert other not in (None, marker) and (own / ".ugro" / "workdir-id").read_text().strip() == other
+    assert two_agents[0].request("workdir_id", workdir=str(tmp_path / "nowhere"))["workdir_id"] is None
+    assert not (tmp_path / "nowhere").exists()
+    # and a marker that is not an id names no group
+    (own / ".ugro" / "workdir-id").write_text("not an id\n")
+    assert two_agents[0].request("workdir_id", workdir=str(own))["workdir_id"] is None
+
+
+def test_one_node_of_each_working_directory_is_chosen_and_a_node_without_an_id_is_alone():
+    from types import SimpleNamespace
+
+    from jobs.sync import one_per_workdir
+
+    nodes = [SimpleNamespace(pk=i, name=f"n{i}") for i in range(1, 7)]
+    ids = {1: "a" * 32, 2: None, 3: "a" * 32, 4: "b" * 32, 5: "b" * 32, 6: None}
+    firsts, sharers = one_per_workdir(nodes, ids)
+    assert [n.pk for n in firsts] == [1, 2, 4, 6] and [n.pk for n in sharers] == [3, 5]
+
+
+def local_nodes(workdirs: dict[str, Path]) -> list:
+    """Nodes run on this machine (their agents local processes), each with its working directory."""
+    from cluster.models import Node
+
+    return [Node.objects.create(name=name, address="127.0.0.1", transport="local", workdir=str(workdir),
+                                agent_python="/usr/bin/python3") for name, workdir in workdirs.items()]  # fmt: skip
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every request a module sends its nodes, as (node, op), in the order sent; the links closed after."""
+    from cluster.links import pool
+
+    sent: list[tuple[str, str]] = []
+
+    def record(module) -> list[tuple[str, str]]:
+        real = module.node_request
+
+        def request(node, op, /, **fields):
+            sent.append((node.name, op))
+            return real(node, op, **fields)
+
+        monkeypatch.setattr(module, "node_request", request)
+        return sent
+
+    yield record
+    pool.close_all()
+
+
+def test_a_sync_to_nodes_sharing_a_workdir_builds_one_copy_there_and_a_copied_workdir_gets_its_own(
+    db, settings, tmp_path, recorded
+):
+    from jobs import sync
+    from jobs.models import Job, JobCode
+
+    settings.DATA_DIR = tmp_path / "data"
+    project = tree(tmp_path / "proj", {"train.py": "print(1)\n", "lib/util.py": "U = 1\n"})
+    # given three nodes on one working directory, one on its own, and one whose workdir was copied from the
+    # shared one with its .ugro/workdir-id (as `rsync -a` of a node's directory would)
+    shared, own, copied = tmp_path / "shared", tmp_path / "own", tmp_path / "copied"
+    (shared / ".ugro").mkdir(parents=True)
+    (shared / ".ugro" / "workdir-id").write_text("c" * 32 + "\n")
+    (copied / ".ugro").mkdir(parents=True)
+    (copied / ".ugro" / "workdir-id").write_text("c" * 32 + "\n")
+    nodes = local_nodes({"n1": shared, "n2": shared, "n3": shared, "n4": own, "n5": copied})
+    listing, _ = sync.snapshot(str(project))
+    job = Job.objects.create(name="grp", script="train.py")
+    JobCode.objects.create(job=job, sync_digest=listing.digest, sync_source=str(project))
+    sent = recorded(sync)
+    # when the job's code is pushed to all five
+    pushed = sync.push(job, nodes)
+    # then the shared directory's copy was built by one of its nodes, the other two only looked for it, and the
+    # other two directories got their own
+    built = {node for node, op in sent if op == "sync_apply"}
+    assert built == {"n1", "n4", "n5"}, sent
+    assert {node for node, op in sent if op == "stat"} == {"n2", "n3", "n5"}
+    code = sum(f["size"] for f in listing.files)
+    assert pushed.sent_bytes == 3 * code and pushed.nodes == 5
+    for workdir in (shared, own, copied):
+        assert (workdir / "outputs" / "grp" / "code" / "lib" / "util.py").read_text() == "U = 1\n"
+        assert [p.name for p in (workdir / "outputs" / "grp").iterdir()] == ["code"]
+
+
+def test_two_builders_of_one_copy_at_once_end_with_it_whole_and_leave_nothing_of_theirs(tmp_path, monkeypatch):
+    # codesync.py run here, as the agent runs it: the interleavings of two nodes' agents, step by step
+    code = {"__name__": "ugro_codesync", "AgentError": RuntimeError}
+    exec(compile(Path("cluster/node/codesync.py").read_text(), "codesync.py", "exec"), code)
+    store, dest = tmp_path / "store", tmp_path / "outputs" / "j" / "code"
+    store.mkdir()
+    data = b"print(1)\n"
+    (store / sha(data)).write_bytes(data)
+    files = [{"path": "train.py", "sha256": sha(data), "size": len(data), "mode": 0o644}]
+    # given an earlier attempt's copy, what a killed builder of this host left, the earlier code's part, and a part
+    # of another host (whose name begins as this one's) still building
+    dest.mkdir(parents=True)
+    (dest / "old.py").write_text("old")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = os.uname().nodename
+    theirs = f"code.ugro-part-{host}-x-{gone.pid}-1"
+    for name in (f"code.ugro-part-{host}-{gone.pid}-1", "code.ugro-part", theirs):
+        (dest.parent / name).mkdir()
+    # when two builders of it (two nodes on one workdir) start together and finish one after the other
+    one, two = (code["_SyncCopy"](str(store), str(dest), files) for _ in range(2))
+    one.finish([])
+    two.finish([])
+    # then the copy is whole and the only one there, beside the other host's part
+    assert os.listdir(dest) == ["train.py"] and (dest / "train.py").read_bytes() == data
+    assert sorted(os.listdir(dest.parent)) == ["code", theirs]
+    # and when the other puts its copy in place between this one's moves, this one's is dropped, not an error
+    one, two = (code["_SyncCopy"](str(store), str(dest), files) for _ in range(2))
+    rename = os.rename
+
+    def other_first(src: str, dst: str) -> None:
+        if src == two.part and os.path.exists(one.part):
+            rename(one.part, dst)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", other_first)
+    two.finish([])
+    monkeypatch.undo()
+    assert os.listdir(dest) == ["train.py"] and sorted(os.listdir(dest.parent)) == ["code", theirs]
+
+
+def test_a_copy_of_the_same_snapshot_is_kept_with_what_the_job_wrote_in_it_and_another_replaces_it(agent, tmp_path):
+    store, dest = str(tmp_path / "store"), tmp_path / "outputs" / "j" / "code"
+    v1, v2 = b"print(1)\n", b"print(2)\n"
+    listing = listing_of({sha(v1): v1})
+    send(agent, store, {sha(v1): v1}, listing, str(dest))
+    # given the job wrote a checkpoint in its copy (where it runs)
+    ckpt = dest / "outputs" / "j" / "checkpoint_step10.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"weights")
+    # when the same snapshot is applied again (a resume), the copy is kept, checkpoint and all
+    assert agent.request("sync_apply", store=store, manifest=listing, dest=str(dest))["kept"] is True
+    assert ckpt.read_bytes() == b"weights"
+    # and a copy whose file is not the store's any more (edited in place of its link) is built again
+    synced = dest / listing["files"][0]["path"]
+    synced.unlink()
+    synced.write_bytes(b"print(0)\n")
+    assert "kept" not in agent.request("sync_apply", store=store, manifest=listing, dest=str(dest))
+    assert synced.read_bytes() == v1 and not ckpt.exists()
+    # as is the copy of another snapshot
+    other = listing_of({sha(v2): v2})
+    blob = {"sha256": sha(v2), "data": base64.b64encode(v2).decode()}
+    assert "kept" not in agent.request("sync_apply", store=store, manifest=other, dest=str(dest), blobs=[blob])
+    assert sorted(p.name for p in (dest / "f").iterdir()) == [sha(v2)[:8]]
+
+
+def test_a_checkpoint_seen_from_nodes_sharing_a_workdir_is_recorded_and_offered_once(db, tmp_path):
+    from django.utils import timezone
+
+    from cluster.models import Node
+    from jobs import checkpoints
+    from jobs.models import Checkpoint, Job, Rank
+
+    # given a job on two nodes that share a working directory and one with its own
+    shared = str(tmp_path / "shared")
+    one, two = (Node.objects.create(name=f"s{i}", address=f"127.0.0.{20 + i}", workdir=shared, workdir_id="a" * 32)
+                for i in (1, 2))  # fmt: skip
+    alone = Node.objects.create(name="s3", address="127.0.0.23", workdir=str(tmp_path / "own"), workdir_id="b" * 32)
+    job = Job.objects.create(name="grp", script="x.py", state=Job.State.RUNNING, started_at=timezone.now())
+    ranks = [Rank.objects.create(job=job, node=n, index=i, state=Rank.State.RUNNING)
+             for i, n in enumerate((one, two, alone))]  # fmt: skip
+    path = f"{shared}/outputs/grp/checkpoint_step10.pt"
+    found = {"path": path, "kind": "checkpoint", "dir": False, "size": 10, "mtime": 1.0}
+    # when the first two ranks' walks find its checkpoint, unchanged between them, and the third's two its own
+    checkpoints.record_found(ranks[0], [dict(found)])
+    checkpoints.record_found(ranks[1], [dict(found)])
+    mine = dict(found, path=f"{tmp_path}/own/outputs/grp/checkpoint_step10.pt")
+    checkpoints.record_found(ranks[2], [dict(mine)])
+    checkpoints.record_found(ranks[2], [dict(mine)])
+    # then the shared one is one checkpoint, ready (two listings agreed), as the first node recorded it
+    shared_rows = Checkpoint.objects.filter(job=job, path=path)
+    assert [(c.node.name, c.ready) for c in shared_rows] == [("s1", True)]
+    assert Checkpoint.objects.filter(job=job, path=mine["path"], node=alone).exists()
+    # and one recorded from each node of the directory (before the nodes knew they share it) is offered once
+    Checkpoint.objects.create(job=job, node=two, path=path, size=10, mtime=1.0, step=10, ready=True)
+    assert sorted((c.node.name, c.path) for c in checkpoints.offered(job)) == [("s1", path), ("s3", mine["path"])]
+
+
+def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_where_it_is_seen(db, tmp_path, recorded):
+    from jobs import checkpoints
+    from jobs.models import Checkpoint, Job
+
+    # given a checkpoint on n1, whose workdir n2 shares; n3 and n4 on another workdir; n5 on its own
+    w1, w2, w3 = (tmp_path / f"w{i}" for i in (1, 2, 3))
+    for w in (w1, w2, w3):
+        w.mkdir()
+    nodes = local_nodes({"n1": w1, "n2": w1, "n3": w2, "n4": w2, "n5": w3})
+    job = Job.objects.create(name="ck", script="train.py", state=Job.State.FAILED)
+    saved = w1 / "outputs" / "ck" / "checkpoint_step10.pt"
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(os.urandom(5000))
+    ckpt = Checkpoint.objects.create(job=job, node=nodes[0], path=str(saved), size=5000, mtime=1.0, step=10,
+                                     ready=True)  # fmt: skip
+    sent = recorded(checkpoints)
+    # when a resume on all five needs it everywhere
+    checkpoints.ensure_on(ckpt, nodes)
+    # then it was written once to w2 (by n3) and once to w3, never to w1, and n2 and n4 were only asked to look
+    assert sorted({node for node, op in sent if op == "put"}) == ["n3", "n5"], sent
+    assert {node for node, op in sent if op == "stat"} == {"n2", "n4"}
+    for w in (w2, w3):
+        assert (w / "outputs" / "ck" / "checkpoint_step10.pt").read_bytes() == saved.read_bytes()
+        assert os.listdir(w / "outputs" / "ck") == ["checkpoint_step10.pt"]
+    # and nothing is copied at all when every node sees it
+    sent.clear()
+    checkpoints.ensure_on(ckpt, nodes[:2])
+    assert {op for _, op in sent} == {"workdir_id", "stat"}
