@@ -122,10 +122,11 @@ def job_finished_alert(job: Any) -> Alert:
 def job_ended_alerts(job: Any) -> None:
     """A job reached its final state: its open alerts resolve, people hear how it ended, and a failure
     stays open as one CRITICAL alert (kind, rank, exit code, decisive line) on the failing node until
-    the job is resumed or retried."""
+    the job is resumed or retried. A job refused by its pre-flight (nothing started) is shown on the job:
+    what a node lacks is that node's own alert (jobs.preflight.tell_setup), not one more per refused job."""
     resolve_job_alerts(job.name)
     job_finished_alert(job)
-    if job.state == "failed":
+    if job.state == "failed" and job.failure_kind != "PREFLIGHT":
         node = Node.objects.filter(name=job.failure_node).first() if job.failure_node else None
         open_alert(node, f"job_failed:{job.name}", Alert.Severity.CRITICAL, f"job {job.name} failed: "
                    f"{job.failure_reason}", job_name=job.name)  # fmt: skip

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shlex
+import shutil
+from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -82,6 +84,13 @@ class ClusterSettings(models.Model):
         return obj
 
 
+def detect_torchrun(repo: Path) -> str:
+    """The torchrun this machine offers a local node: the repo's node env (`bin/setup --node-env`) when it exists,
+    else torchrun on PATH, else the bare name (looked up again when a rank starts)."""
+    local_env = repo / ".venv-node" / "bin" / "torchrun"
+    return str(local_env) if local_env.exists() else (shutil.which("torchrun") or "torchrun")
+
+
 class Node(models.Model):
     """One machine of the cluster, reached over SSH (or run locally), with its GPUs and training env."""
 
@@ -120,6 +129,13 @@ class Node(models.Model):
         default="torchrun",
         help_text="Starts torchrun in this node's training env, e.g. /opt/venv/bin/torchrun or "
         "'pixi run -e cuda torchrun'. Split like a shell would, never run through one.",
+    )
+    torchrun_auto = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="The torchrun command UGRO chose itself for this local node (the demo node). While the torchrun "
+        "command is still this one, each launch chooses again (the repo's .venv-node once `bin/setup --node-env` "
+        "made it); a torchrun command set by hand is kept.",
     )
     agent_python = models.CharField(
         max_length=255, default="/usr/bin/python3", help_text="Any python >= 3.8 on the node, for UGRO's agent."
@@ -182,7 +198,19 @@ class Node(models.Model):
 
     @property
     def torchrun_argv(self) -> list[str]:
-        return shlex.split(self.torchrun_command)
+        return shlex.split(self.torchrun_now)
+
+    @property
+    def follows_setup(self) -> bool:
+        """Whether this node's torchrun is UGRO's own choice for this machine (the demo node's), nobody's since."""
+        local = self.transport == self.Transport.LOCAL
+        return local and bool(self.torchrun_auto) and self.torchrun_auto == self.torchrun_command
+
+    @property
+    def torchrun_now(self) -> str:
+        """The torchrun command a launch runs: the one set, or where UGRO chose it (follows_setup) the one it would
+        choose now, so that the node env `bin/setup --node-env` makes is used without a restart."""
+        return detect_torchrun(Path(settings.BASE_DIR)) if self.follows_setup else self.torchrun_command
 
     @property
     def gpu_label(self) -> str:

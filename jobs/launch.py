@@ -35,7 +35,7 @@ from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_speeds, learned_vram
 from .models import DEFAULT_RESUME_TEMPLATE, Job, JobCode, Rank
-from .preflight import PreflightReport, check_nodes, run_preflight, script_path
+from .preflight import PreflightReport, check_nodes, refuse_missing_pythons, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
 from .stop import stop_processes
@@ -749,6 +749,11 @@ def _launch(job: Job) -> Job:
     # Connect (or reuse warm links) to every node at once; an unreachable node fails fast.
     reached = on_each(ranks, lambda r: node_request(r.node, "hello", timeout=links.CONNECT_TIMEOUT_S))
     down = [f"node {r.node.name}: {err}" for r, _, err in reached if err]
+    refused = refuse_missing_pythons(job, [(r.node, err) for r, _, err in reached if err])
+    if refused:  # nodes that answer nothing because their python is not there: to set up, not lost
+        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(refused) + ". "
+                                 "Nothing was started.")  # fmt: skip
+        return job
     if down:
         first = next(r.node.name for r, _, err in reached if err)
         lifecycle.fail_unstarted(

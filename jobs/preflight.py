@@ -1,8 +1,11 @@
 """Checks run on every chosen node before any rank starts. Each problem is one line naming its node.
 
-Per node, concurrently: reachable; working directory and script present; declared GPUs visible
-and with enough free memory; disk free over DISK_FREE_GB; torch and CUDA
-versions of the node's training env (read with the python next to its torchrun). Across nodes:
+Per node, concurrently: reachable, its python (the agent's) present; working directory, script and torchrun
+(the first word of the node's torchrun command, found as a rank's start finds it) present; declared GPUs
+visible and with enough free memory; disk free over DISK_FREE_GB; torch and CUDA versions of the node's
+training env (read with the python next to its torchrun). What a node lacks in its set-up (its python,
+torchrun, working directory, a torch that imports) is said with the command that fixes it, and a launch
+refused for it leaves one alert on the node until a pre-flight passes there. Across nodes:
 versions equal (a failure or a note, per VERSION_MISMATCH), NCCL too; the script the
 same file on every node (its sha256; a failure unless the job allows a mismatch); the rendezvous
 address not loopback when a node is on another host; the rendezvous port free on rank 0's node
@@ -18,12 +21,14 @@ import json
 import logging
 import os
 import posixpath
+import shlex
 import time
 from dataclasses import dataclass, field
 
+from cluster.alerts import open_alert, resolve
 from cluster.fanout import node_request, on_each
 from cluster.links import AgentRequestError, LinkError
-from cluster.models import Node
+from cluster.models import Alert, Node
 from ugro_client.manifest import git_info
 
 from .models import Job, JobCode, Rank
@@ -65,6 +70,9 @@ DISK_FREE_GB = 2.0  # free disk a node needs: room for the logs and a checkpoint
 # "fail": torch, CUDA or NCCL versions that differ between nodes fail the launch (a collective between them
 # can hang or crash); "warn": a note only
 VERSION_MISMATCH = "fail"
+SETUP_ALERT = "preflight"  # the key of a node's alert for a launch refused by what its set-up lacks
+# What a shell or Python says when the program it was asked to start is not there (or cannot be run)
+NOT_THERE = ("No such file or directory", "not found", "Permission denied")
 
 
 @dataclass
@@ -73,6 +81,8 @@ class PreflightReport:
 
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # node -> the problems that are its set-up's (also in problems); a node checked is here, [] when sound
+    setup: dict[str, list[str]] = field(default_factory=dict)
     versions: dict[str, dict] = field(default_factory=dict)  # node -> python, torch, cuda, nccl, script...
     packages: dict[str, list[str]] = field(default_factory=dict)  # node -> name==version, sorted
 
@@ -97,6 +107,25 @@ def env_python(node: Node) -> str | None:
     return None
 
 
+def torchrun_fix(node: Node) -> str:
+    """How to give a node the torchrun it lacks."""
+    if node.follows_setup:  # the demo node: UGRO picks up the env bin/setup makes at the next launch
+        return "run bin/setup --node-env (it makes .venv-node, the training env this node then uses)"
+    return (f"set its Torchrun command in admin > Nodes or nodes.{node.name}.torchrun in cluster.yaml "
+            "(then `ugro import_cluster`), or install torch in its env")  # fmt: skip
+
+
+def python_missing(node: Node, err: Exception) -> str | None:
+    """The refusal line when a node could not be reached only because its python (node.python, which runs UGRO's
+    agent there) does not exist or cannot run; None for any other failure."""
+    text = str(err)
+    if node.agent_python not in text or not any(sign in text for sign in NOT_THERE):
+        return None
+    return (f"{node.name}: its python {node.agent_python} (UGRO's agent runs with it) is not there; set its Agent "
+            f"python in admin > Nodes or nodes.{node.name}.python in cluster.yaml (then `ugro import_cluster`) "
+            "to any python >= 3.8 on it")  # fmt: skip
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
@@ -108,20 +137,31 @@ def _is_loopback(host: str) -> bool:
 
 def _node_checks(
     node: Node, script: str, held: list[int] | None = None, base: str = ""
-) -> tuple[list[str], list[str], dict | None]:
-    """(problems, notes, versions) for one node; link errors propagate to on_each. versions also holds
-    the script's sha256, the GPU model and driver, and the env's packages.
+) -> tuple[list[str], list[str], dict | None, list[str]]:
+    """(problems, notes, versions, setup) for one node; link errors propagate to on_each. versions also holds
+    the script's sha256, the GPU model and driver, and the env's packages; setup: the problems that are the
+    node's set-up's (also in problems).
 
     held: the GPUs the job will use there (only those must have free memory: another job may be using
     the node's other GPUs); None: all of them. base: where the job's ranks start there (jobs.sync.start_dir)."""
     problems: list[str] = []
     notes: list[str] = []
+    setup: list[str] = []
     node.reach()  # a silent node fails here within the connect timeout, as in the health poll
     path = script_path(node, script, base)
-    found = node_request(node, "stat", timeout=10, paths=[node.workdir, path])["exists"]
+    argv = node.torchrun_argv
+    # torchrun's first word asked with the same request, and found with the rank's own PATH (node.env)
+    answer = node_request(node, "stat", timeout=10, paths=[node.workdir, path], programs=argv[:1], env=node.env)
+    found = answer["exists"]
+    program = (answer.get("programs") or {}).get(argv[0]) or {}
+    if program.get("error"):
+        what = program["error"]
+        if len(argv) > 1:
+            what += f" (the first word of its torchrun command {shlex.join(argv)!r})"
+        setup.append(f"{node.name}: cannot start torchrun: {what}; {torchrun_fix(node)}")
     script_sha = None
     if not found.get(node.workdir):
-        problems.append(f"{node.name}: working directory {node.workdir} does not exist")
+        setup.append(f"{node.name}: working directory {node.workdir} does not exist")
     elif not found.get(path):
         problems.append(f"{node.name}: script {path} not found")
     else:
@@ -150,8 +190,10 @@ def _node_checks(
 
     versions: dict | None = None
     python = env_python(node)
-    if python is None:
-        why = f"{node.torchrun_command!r} is not a path to torchrun"
+    if program.get("error"):
+        pass  # no torchrun, no env to read: the line above says what to do
+    elif python is None:
+        why = f"{node.torchrun_now!r} is not a path to torchrun"
         notes.append(f"{node.name}: torch/CUDA versions not checked ({why})")
     else:
         # The agent's exec bounds the command by its own 30 s timeout; the link waits a little longer.
@@ -160,15 +202,15 @@ def _node_checks(
             versions = json.loads(out["stdout"].strip().splitlines()[-1])
         except (ValueError, IndexError):
             detail = (out["stderr"].strip().splitlines() or ["no output"])[-1]
-            problems.append(f"{node.name}: cannot run {python} (exit {out['rc']}): {detail}")
+            setup.append(f"{node.name}: cannot run {python} (exit {out['rc']}): {detail}; {torchrun_fix(node)}")
             versions = None
         if versions and "error" in versions:
-            problems.append(f"{node.name}: torch does not import with {python}: {versions['error']}")
+            setup.append(f"{node.name}: torch does not import with {python}: {versions['error']}; {torchrun_fix(node)}")
             versions = {k: v for k, v in versions.items() if k != "error"}
     named = next((g for g in gpus if g.get("name")), {})
     versions = {**(versions or {}), "script_sha256": script_sha, "gpu": named.get("name"),
                 "gpus": len(gpus), "driver": named.get("driver")}  # fmt: skip
-    return problems, notes, versions
+    return setup + problems, notes, versions, setup
 
 
 def _rendezvous_checks(nodes: list[Node], host: str, port: int) -> list[str]:
@@ -218,13 +260,19 @@ def check_nodes(
     report = PreflightReport()
     reachable = []
     held, base = held or {}, base or {}
+    for node in nodes:
+        follow_setup(node)
     for node, result, err in on_each(nodes, lambda n: _node_checks(n, script, held.get(n.pk), base.get(n.pk, ""))):
         if err is not None:
+            missing = python_missing(node, err)
+            if missing:
+                report.setup[node.name] = [missing]
             why = str(err).removeprefix(f"node {node.name}: ")  # the link's own "node X: ..." lines
-            report.problems.append(f"{node.name}: {why}")
+            report.problems.append(missing or f"{node.name}: {why}")
             continue
         reachable.append(node)
-        problems, notes, versions = result
+        problems, notes, versions, setup = result
+        report.setup[node.name] = setup
         report.problems.extend(problems)
         report.notes.extend(notes)
         if versions is not None:
@@ -267,16 +315,55 @@ def check_nodes(
     return report
 
 
+def follow_setup(node: Node) -> None:
+    """Keep the torchrun a node follows (Node.follows_setup: the demo node's) as the one it runs now, so that
+    pages and cluster.yaml exports show it after `bin/setup --node-env`; a launch runs it either way."""
+    now = node.torchrun_now
+    if now == node.torchrun_command:
+        return
+    old = node.torchrun_command
+    Node.objects.filter(pk=node.pk, torchrun_command=old, torchrun_auto=old).update(
+        torchrun_command=now, torchrun_auto=now
+    )
+    node.torchrun_command = node.torchrun_auto = now
+    log.info("node %s: torchrun %s -> %s (it follows bin/setup --node-env)", node.name, old, now)
+
+
+def tell_setup(job: Job, nodes: list[Node], setup: dict[str, list[str]]) -> None:
+    """A node whose set-up refused the job keeps one alert saying what it lacks and the fix (a second refusal
+    updates it); a node checked sound resolves it. A node not checked (unreachable) keeps what it has."""
+    for node in nodes:
+        lines = setup.get(node.name)
+        if lines:
+            message = f"job {job.name} was not started: " + "; ".join(lines)
+            open_alert(node, SETUP_ALERT, Alert.Severity.WARNING, message)
+        elif lines is not None:
+            resolve(Alert.objects.filter(node=node, key=SETUP_ALERT, resolved_at__isnull=True))
+
+
+def refuse_missing_pythons(job: Job, failed: list[tuple[Node, Exception]]) -> list[str]:
+    """The refusal lines when every node that could not be reached lacks only its python ([] otherwise: a node
+    lost, not one to set up), each then told in the node's alert."""
+    lines = {node: python_missing(node, err) for node, err in failed}
+    if not lines or not all(lines.values()):
+        return []
+    tell_setup(job, list(lines), {node.name: [line] for node, line in lines.items() if line})
+    return [line for line in lines.values() if line]
+
+
 def run_preflight(job: Job, ranks: list[Rank], base: dict[int, str] | None = None) -> list[str]:
     """Return the problems found (empty when the job may start); notes go to the log. What each node
-    holds (script sha256, versions, packages) is recorded with the job (JobCode), whatever the outcome."""
+    holds (script sha256, versions, packages) is recorded with the job (JobCode), whatever the outcome;
+    what a node's set-up lacks is told in its alert (tell_setup)."""
     host, _, port = job.rdzv_endpoint.rpartition(":")
     held = {r.node_id: list(r.gpu_indices) for r in ranks if r.gpu_indices}
     code, _ = JobCode.objects.get_or_create(job=job)
-    report = check_nodes([r.node for r in ranks], job.script, host, int(port), held, base, code.allow_mismatch)
+    nodes = [r.node for r in ranks]
+    report = check_nodes(nodes, job.script, host, int(port), held, base, code.allow_mismatch)
     for note in report.notes:
         log.warning("job %s pre-flight: %s", job.name, note)
     record(job, code, ranks, report)
+    tell_setup(job, nodes, report.setup)
     return report.problems
 
 

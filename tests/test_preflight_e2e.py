@@ -52,8 +52,10 @@ def fake_env(tmp_path, torch: str, cuda: str | None) -> str:
     python = bin_dir / "python"
     python.write_text(f"#!/bin/sh\necho '{json.dumps({'torch': torch, 'cuda': cuda})}'\n")
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
-    (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 1\n")
-    return str(bin_dir / "torchrun")
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text("#!/bin/sh\nexit 1\n")
+    torchrun.chmod(torchrun.stat().st_mode | stat.S_IXUSR)  # pre-flight looks for it as a rank's start would
+    return str(torchrun)
 
 
 def test_preflight_command_passes_on_a_sound_cluster(lab, rdzv_port):
@@ -158,3 +160,20 @@ def test_preflight_command_names_an_unreachable_node(lab, rdzv_port):
     lines = out.getvalue().splitlines()
     assert any(line.startswith("node2: cannot reach node2") for line in lines), lines
     assert not any(line.startswith("node1:") for line in lines), lines
+
+
+@pytest.mark.no_test_worker
+def test_preflight_names_a_node_whose_python_is_not_there_over_ssh(lab, rdzv_port):
+    """The missing python as a real sshd and login shell report it (the local transport's case is in
+    tests/test_preflight_setup.py)."""
+    # given node2's python (its agent's) does not exist
+    Node.objects.filter(name="node2").update(agent_python="/opt/nowhere/bin/python3")
+    out = io.StringIO()
+    # when the pre-flight runs on node1 and node2
+    with pytest.raises(CommandError, match="pre-flight failed"):
+        call_command("preflight", "--nodes", "node1", "node2", stdout=out)
+    # then one line names node2, its python and the fix
+    assert out.getvalue().splitlines() == [
+        "node2: its python /opt/nowhere/bin/python3 (UGRO's agent runs with it) is not there; set its Agent python in "
+        "admin > Nodes or nodes.node2.python in cluster.yaml (then `ugro import_cluster`) to any python >= 3.8 on it"
+    ]

@@ -532,8 +532,21 @@ def op_free_port(req):
 
 
 def op_stat(req):
-    """Which of the given paths exist (files or directories) on this node."""
-    return {"exists": {p: os.path.exists(_expand(p)) for p in req["paths"]}}
+    """Which of the given paths exist (files or directories) on this node; with `programs`, where each would be
+    found as `start` finds a command's first word (a path, or a name on PATH with `env` over this agent's):
+    {"path": ...} or {"error": why not}."""
+    out = {"exists": {p: os.path.exists(_expand(p)) for p in req.get("paths") or []}}
+    if req.get("programs"):
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+        found = {}
+        for name in req["programs"]:
+            try:
+                found[name] = {"path": _resolve_executable(str(name), env)}
+            except AgentError as exc:
+                found[name] = {"error": str(exc)}
+        out["programs"] = found
+    return out
 
 
 def op_listdir(req):

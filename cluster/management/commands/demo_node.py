@@ -9,15 +9,9 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from cluster.models import ClusterSettings, Node
+from cluster.models import ClusterSettings, Node, detect_torchrun
 
 DEMO_NAME = "local"
-
-
-def detect_torchrun(repo: Path) -> str:
-    """The repo's node env (`bin/setup --node-env`) when it exists, else torchrun on PATH."""
-    local_env = repo / ".venv-node" / "bin" / "torchrun"
-    return str(local_env) if local_env.exists() else (shutil.which("torchrun") or "torchrun")
 
 
 def local_gpu_count() -> int:
@@ -59,11 +53,14 @@ def runnable(command: str) -> bool:
 class Command(BaseCommand):
     help = (
         "Add a local demo node (this machine, no SSH) if the cluster has no nodes yet; on later runs, "
-        "re-point the demo node's torchrun, python and working dir when they no longer exist (moved venv or repo)."
+        "re-point the demo node's torchrun, python and working dir when they no longer exist (moved venv or repo). "
+        "A torchrun it detected itself follows the repo's node env (bin/setup --node-env) at every launch."
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--torchrun", default="", help="torchrun of the training env (default: detect)")
+        parser.add_argument(
+            "--torchrun", default="", help="torchrun of the training env (default: detect, and follow bin/setup)"
+        )
 
     def handle(self, torchrun="", **options):
         repo = Path(settings.BASE_DIR)
@@ -73,11 +70,12 @@ class Command(BaseCommand):
                 self._repoint(demo, repo, torchrun)
             self.stdout.write(f"cluster has {Node.objects.count()} node(s); no demo node added")
             return
-        torchrun = torchrun or detect_torchrun(repo)
+        auto = "" if torchrun else detect_torchrun(repo)  # one detected here follows bin/setup --node-env
+        torchrun = torchrun or auto
         gpus = local_gpu_count()
         Node.objects.create(
             name=DEMO_NAME, hostname="localhost", address="127.0.0.1", transport=Node.Transport.LOCAL,
-            role=Node.Role.MASTER, gpu_count=gpus, torchrun_command=torchrun, workdir=str(repo),
+            role=Node.Role.MASTER, gpu_count=gpus, torchrun_command=torchrun, torchrun_auto=auto, workdir=str(repo),
             agent_python=shutil.which("python3") or "/usr/bin/python3",
         )  # fmt: skip
         cs = ClusterSettings.load()
@@ -88,14 +86,19 @@ class Command(BaseCommand):
     def _repoint(self, node: Node, repo: Path, torchrun: str) -> None:
         """Paths fixed when the demo node was made go stale when the venv or the repo moves: find them again.
 
-        Only what no longer exists is changed; a command the user set that still runs is kept.
+        Only what no longer exists is changed; a command the user set that still runs is kept. One this command
+        detected itself (torchrun_auto) is detected again, and one it finds now is its own choice from then on.
         """
         changes: dict[str, tuple[str, str]] = {}
-        if torchrun or not runnable(node.torchrun_command):
+        if torchrun or node.follows_setup or not runnable(node.torchrun_command):
             found = torchrun or detect_torchrun(repo)
-            if runnable(found) and found != node.torchrun_command:
+            # given: the user's, kept from then on; detected: this command's choice, which launches follow
+            auto = "" if torchrun else found
+            if (runnable(found) or node.follows_setup) and found != node.torchrun_command:
                 changes["torchrun_command"] = (node.torchrun_command, found)
-            elif not runnable(found):
+            if (runnable(found) or node.follows_setup) and auto != node.torchrun_auto:
+                changes["torchrun_auto"] = (node.torchrun_auto, auto)
+            if not runnable(found):
                 self.stderr.write(
                     f"demo node '{node.name}': torchrun {node.torchrun_command!r} is not there and none was found "
                     "(run bin/setup --node-env, or set the node's torchrun in admin)"
@@ -112,4 +115,5 @@ class Command(BaseCommand):
             setattr(node, field, new)
         node.save(update_fields=list(changes))
         for field, (old, new) in changes.items():
-            self.stdout.write(f"demo node '{node.name}': {field} {old} -> {new}")
+            if field != "torchrun_auto":  # bookkeeping, not the user's to read
+                self.stdout.write(f"demo node '{node.name}': {field} {old} -> {new}")
