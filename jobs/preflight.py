@@ -71,8 +71,9 @@ DISK_FREE_GB = 2.0  # free disk a node needs: room for the logs and a checkpoint
 # can hang or crash); "warn": a note only
 VERSION_MISMATCH = "fail"
 SETUP_ALERT = "preflight"  # the key of a node's alert for a launch refused by what its set-up lacks
-# What a shell or Python says when the program it was asked to start is not there (or cannot be run)
-NOT_THERE = ("No such file or directory", "not found", "Permission denied")
+# What a shell or Python says when the program it was asked to start is not there (or cannot be run), lower-cased:
+# zsh writes "no such file or directory", bash and Python "No such file or directory", dash "not found"
+NOT_THERE = ("no such file or directory", "not found", "permission denied")
 
 
 @dataclass
@@ -119,7 +120,7 @@ def python_missing(node: Node, err: Exception) -> str | None:
     """The refusal line when a node could not be reached only because its python (node.python, which runs UGRO's
     agent there) does not exist or cannot run; None for any other failure."""
     text = str(err)
-    if node.agent_python not in text or not any(sign in text for sign in NOT_THERE):
+    if node.agent_python not in text or not any(sign in text.lower() for sign in NOT_THERE):
         return None
     return (f"{node.name}: its python {node.agent_python} (UGRO's agent runs with it) is not there; set its Agent "
             f"python in admin > Nodes or nodes.{node.name}.python in cluster.yaml (then `ugro import_cluster`) "

@@ -103,6 +103,8 @@ def test_a_python_missing_behind_ssh_is_told_as_its_login_shell_says_it(shell):
     node = Node(name="gpu1", agent_python=python)
     # then pre-flight reads it as the missing python (links.py puts the last stderr line in its error)
     assert python_missing(node, Exception(f"agent failed to start on gpu1 (u@10.0.0.2:22): {said.strip()}"))
+    # and as zsh words it
+    assert python_missing(node, Exception(f"agent failed to start on gpu1: zsh:1: no such file or directory: {python}"))
     # and not a node that cannot be reached
     assert python_missing(node, Exception("cannot reach gpu1 (u@10.0.0.2:22): [Errno 111] Connection refused")) is None
 
