@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import getpass
+import re
+from argparse import ArgumentParser
+from functools import partial
+from typing import NoReturn
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
@@ -44,6 +48,8 @@ class UserCommand(BaseCommand):
             "--as", dest="as_user", metavar="USER", default=None,
             help="the UGRO account to act as (default: the account named like your OS user)",
         )  # fmt: skip
+        if parser.called_from_command_line:  # call_command raises CommandError("Error: ..."): one line already
+            parser.error = partial(one_line_error, parser)
         return parser
 
     def execute(self, *args, **options):
@@ -54,3 +60,17 @@ class UserCommand(BaseCommand):
         except policy.Refused as exc:
             raise CommandError(str(exc)) from None
         return super().execute(*args, **options)
+
+
+_INVALID = re.compile(r"argument (?P<option>\S+?): invalid (?P<type>int|float) value: (?P<value>.*)")
+_TAKES = {"int": "a whole number", "float": "a number"}
+
+
+def one_line_error(parser: ArgumentParser, message: str) -> NoReturn:
+    """A bad option as one line (the option, the value, what it takes) and where to read more, exit 2: the
+    usage block argparse prints first is dozens of lines for launch (`--help` still shows it)."""
+    m = _INVALID.fullmatch(message)
+    if m:
+        message = f"{m['option']} {m['value']}: takes {_TAKES[m['type']]}"
+    message = re.sub(r"^argument (\S+?): (?=')", r"\1 ", message).removeprefix("argument ")  # --lr 'abc': takes ...
+    parser.exit(2, f"{parser.prog}: {message} (see {parser.prog} --help)\n")

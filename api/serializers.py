@@ -6,8 +6,9 @@ from rest_framework import serializers
 
 from accounts.policy import PRIORITY_MAX, PRIORITY_MIN
 from cluster.names import SAFE_NAME
-from jobs.batches import parse_weights
-from jobs.launch import (
+from jobs.launch import LaunchError, LaunchRequest
+from jobs.limits import parse_duration, parse_size_mb
+from jobs.spec import (
     ATTEMPTS_MAX,
     BATCH_MAX,
     EPOCHS_MAX,
@@ -17,9 +18,7 @@ from jobs.launch import (
     LR_MIN,
     NODES_MAX,
     NPROC_MAX,
-    LaunchRequest,
 )  # fmt: skip
-from jobs.limits import parse_duration, parse_size_mb
 from jobs.sweeps import SweepRequest
 
 
@@ -89,30 +88,13 @@ class LaunchSerializer(serializers.Serializer):
         if data.get("nodes") and data.get("count") is not None:
             raise serializers.ValidationError("give nodes or count, not both")
         try:
-            data["time_limit_s"] = parse_duration(data["time_limit"]) if data.get("time_limit") else None
-            data["min_vram_mb"] = parse_size_mb(data["min_vram"]) if data.get("min_vram") else None
-            weights = data.get("batch_weights", "").strip()
-            data["batch_weights_auto"] = weights == "auto"
-            data["weights"] = parse_weights(weights) if weights and weights != "auto" else {}
-        except ValueError as exc:
+            LaunchRequest.from_fields(data)  # a time limit, VRAM size or batch weights it cannot read
+        except LaunchError as exc:
             raise serializers.ValidationError(str(exc)) from None
         return data
 
     def launch_request(self) -> LaunchRequest:
-        d = self.validated_data
-        return LaunchRequest(
-            name=d["name"], nodes=list(d["nodes"]), count=d.get("count"), script=d["script"].strip(),
-            model=d["model"].strip(), dataset=d["dataset"].strip(), epochs=d.get("epochs"), lr=d.get("lr"),
-            nproc_per_node=d.get("nproc_per_node"), extra_args=list(d["extra_args"]), priority=d["priority"],
-            metrics_pattern=d["metrics_pattern"], metrics_files=list(d["metrics_files"]), gpus=d.get("gpus"),
-            gpus_per_node=d.get("gpus_per_node"), time_limit_s=d.get("time_limit_s"),
-            min_vram_mb=d.get("min_vram_mb"), after=d.get("after") or "", batch_per_gpu=d.get("batch_per_gpu"),
-            batch_weights=d["weights"], batch_weights_auto=d["batch_weights_auto"], retry=d["retry"],
-            max_attempts=d.get("max_attempts"), min_nodes=d.get("min_nodes"), resume_template=d["resume_template"],
-            checkpoint_glob=d["checkpoint_glob"], batch_template=d["batch_template"], batch=d.get("batch"),
-            grad_accum=d.get("grad_accum"), hang_after_s=d.get("hang_after_s"), sync_upload=d["sync_upload"],
-            allow_mismatch=d["allow_mismatch"],
-        )  # fmt: skip
+        return LaunchRequest.from_fields(self.validated_data)
 
 
 class RankSerializer(serializers.Serializer):

@@ -1,86 +1,110 @@
-"""Job files: a launch (or sweep) written once as YAML, read by the API the way its JSON body is read.
+"""Job files through the API: the server reads them, with jobs/spec.py's table (one reader for every surface).
 
-`ugro launch -f job.yaml` sends the file's text as `spec` and the flags the user typed beside it; the
-flags win. The keys are the API's own field names (dashes may stand for underscores: `time-limit`), so
-one JSON Schema, made from the serializer, describes the file (`GET /api/v1/spec/launch.schema.json`,
-for editors that complete YAML from a schema).
+`ugro launch -f job.yaml` sends the file's text and the options typed beside it to `POST /api/v1/spec/launch`,
+which answers the resolved spec (the API's fields), the file's `sync:` directory and the spec in the file's
+own form (YAML); the client uploads that directory and launches with the fields. `POST /api/v1/jobs/` and
+`/sweeps/` still take a file's text as `spec`, the fields given beside it winning. `GET
+/api/v1/spec/launch.schema.json` describes the file's keys for editors that complete YAML from a schema.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import yaml
-from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
-MAX_SPEC_BYTES = 64 * 1024
-NOT_IN_FILES = {"dry_run"}  # how one command runs, not what the job is
+from jobs import spec as launch_spec
+from jobs.spec import SpecError
+
+OPTIONS = {"launch": launch_spec.LAUNCH, "sweep": launch_spec.SWEEP}
+WHAT = {"launch": "job file", "sweep": "sweep file"}
+NOT_TYPED = ("spec", "spec_dir", "sync")  # what the client says about the file, not options of the job
 
 
-def merged(body: Any, serializer_class: type[serializers.Serializer]) -> Any:
-    """The request body with its `spec` (YAML text) read under it: the body's own fields win. A body
+def _read(body: dict, kind: str) -> tuple[dict[str, Any], str]:
+    text = body["spec"]
+    if not isinstance(text, str):
+        raise ValidationError(f"spec: the {WHAT[kind]}'s text")
+    try:
+        values, sync = launch_spec.read_text(text, OPTIONS[kind], WHAT[kind])
+    except SpecError as exc:
+        raise ValidationError(str(exc)) from None
+    return launch_spec.with_typed(values, {k: v for k, v in body.items() if k not in NOT_TYPED}), sync
+
+
+def merged(body: Any, kind: str) -> Any:
+    """The request body with its `spec` (a job file's text) read under it: the body's own fields win. A body
     without `spec` is returned as it is; a bad file is a ValidationError in one line."""
     if not isinstance(body, dict) or "spec" not in body:
         return body
-    text = body["spec"]
-    if not isinstance(text, str) or len(text.encode()) > MAX_SPEC_BYTES:
-        raise ValidationError(f"spec: the job file must be text of at most {MAX_SPEC_BYTES // 1024} KiB")
+    values, sync = _read(body, kind)
+    if sync and sync != "none" and not values.get("sync_upload"):
+        raise ValidationError(
+            f"{WHAT[kind]}: sync: {sync[:200]!r} is a directory beside the file: `ugro launch -f` uploads it; "
+            "through the API, upload it (POST /api/v1/sync) and give its digest as sync_upload"
+        )
+    return values
+
+
+def resolved(body: Any, kind: str) -> dict[str, Any]:
+    """`POST /api/v1/spec/KIND`: a file (`spec`) and the options typed beside it as the resolved spec, the
+    directory to sync (a typed `sync` wins; a file's is relative to `spec_dir`, where the file is) and YAML."""
+    if not isinstance(body, dict) or not isinstance(body.get("spec"), str):
+        raise ValidationError(f"spec: the text of a {WHAT[kind]} is required")
+    values, sync = _read(body, kind)
+    values.pop("dry_run", None)
+    if body.get("sync"):
+        sync = str(body["sync"])
+    elif sync and body.get("spec_dir"):
+        sync = launch_spec.sync_path(sync, str(body["spec_dir"]))
     try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ValidationError(f"spec: not valid YAML{where}") from None
-    if loaded is None:
-        loaded = {}
-    if not isinstance(loaded, dict):
-        raise ValidationError("spec: the job file must be a mapping of field: value")
-    fields = set(serializer_class().fields) - NOT_IN_FILES
-    values = {}
-    for key, value in loaded.items():
-        name = str(key).replace("-", "_")
-        if name not in fields:
-            raise ValidationError(f"spec: unknown field {str(key)[:60]!r} (fields: {', '.join(sorted(fields))})")
-        values[name] = value
-    return {**values, **{k: v for k, v in body.items() if k != "spec"}}
+        text = launch_spec.to_yaml(values, OPTIONS[kind], sync)
+    except SpecError as exc:
+        raise ValidationError(str(exc)) from None
+    return {"spec": values, "sync": sync, "yaml": text}
 
 
-_TYPES = {
-    serializers.BooleanField: "boolean",
-    serializers.IntegerField: "integer",
-    serializers.FloatField: "number",
-    serializers.ListField: "array",
-}
+def _property(option: launch_spec.Option) -> dict[str, Any]:
+    number = {"minimum": option.low, "maximum": option.high} if option.low is not None else {}
+    listed = {"type": ["array", "string"], "items": {"type": "string"}}
+    return {
+        "name": {"type": "string"},
+        "text": {"type": "string"},
+        "duration": {"type": "string"},
+        "size": {"type": ["string", "integer"]},
+        "dir": {"type": "string"},
+        "int": {"type": "integer", **number},
+        "count": {"type": "integer", **number},
+        "float": {"type": "number", **number},
+        "bool": {"type": "boolean"},
+        "names": listed,
+        "args": listed,
+        "paths": listed,
+        "kinds": listed,
+        "weights": {"type": ["object", "string"], "additionalProperties": {"type": "number"}},
+        "choice": {"enum": list(option.choices)},
+        "grid": {"type": ["object", "array", "string"]},
+        "random": {"type": ["object", "array", "string"]},
+    }[option.kind]
 
 
-def json_schema(serializer_class: type[serializers.Serializer], title: str) -> dict[str, Any]:
-    """A JSON Schema (draft 2020-12) of a job file, from the serializer's fields, their bounds and help."""
+def json_schema(kind: str, title: str) -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) of a job (or sweep) file: every key the table gives, dashed or not."""
     props: dict[str, Any] = {}
-    required = []
-    for name, field in serializer_class().fields.items():
-        if name in NOT_IN_FILES:
-            continue
-        kind = next((t for cls, t in _TYPES.items() if isinstance(field, cls)), "string")
-        prop: dict[str, Any] = {"type": [kind, "null"] if getattr(field, "allow_null", False) else kind}
-        if isinstance(field, serializers.ChoiceField):
-            prop["enum"] = list(field.choices)
-        for attr, key in (("min_value", "minimum"), ("max_value", "maximum"), ("max_length", "maxLength")):
-            value = getattr(field, attr, None)
-            if value is not None:
-                prop["maxItems" if key == "maxLength" and kind == "array" else key] = value
-        if kind == "array":
-            prop["items"] = {"type": "string"}
-        if field.help_text:
-            prop["description"] = str(field.help_text)
-        if field.required:
-            required.append(name)
-        props[name] = prop
+    for option in OPTIONS[kind]:
+        for key in option.file_keys:
+            prop = {**_property(option), "description": f"{option.help or option.flag}; takes {option.what()}"}
+            if key in props:  # `nodes`: a count or a list of names
+                both = f"{props[key]['description']}; or {prop['description']}"
+                prop = {"anyOf": [props[key], prop], "description": both}
+            props[key] = prop
+    for key in list(props):
+        props.setdefault(key.replace("_", "-"), props[key])
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": title,
         "type": "object",
         "properties": props,
-        "required": required,
+        "required": ["name"],
         "additionalProperties": False,
     }

@@ -175,7 +175,7 @@ class JobsView(APIView):
         responses={201: s.JobSerializer, 200: s.LinesSerializer},
     )
     def post(self, request: Request) -> Response:
-        data = s.LaunchSerializer(data=spec.merged(request.data, s.LaunchSerializer))
+        data = s.LaunchSerializer(data=spec.merged(request.data, "launch"))
         data.is_valid(raise_exception=True)
         req = data.launch_request()
         if data.validated_data["dry_run"]:
@@ -557,7 +557,7 @@ class SweepsView(APIView):
     @extend_schema(summary="Create a sweep (`ugro sweep NAME --grid ... | --random ...`): one queued job per "
                    "trial", request=s.SweepSerializer)  # fmt: skip
     def post(self, request: Request) -> Response:
-        data = s.SweepSerializer(data=spec.merged(request.data, s.SweepSerializer))
+        data = s.SweepSerializer(data=spec.merged(request.data, "sweep"))
         data.is_valid(raise_exception=True)
         try:
             sweep = actions.launch_sweep(request.user, data.sweep_request(), web_source(request))
@@ -667,13 +667,26 @@ class SpecSchemaView(APIView):
     """The JSON Schema of job files (`ugro launch -f`, `ugro sweep -f`), for editors that complete YAML."""
 
     policy_actions = {"GET": "view"}
-    SCHEMAS = {"launch": (s.LaunchSerializer, "UGRO job file"), "sweep": (s.SweepSerializer, "UGRO sweep file")}
+    SCHEMAS = {"launch": "UGRO job file", "sweep": "UGRO sweep file"}
 
     @extend_schema(summary="The JSON Schema of a job file (launch) or a sweep file")
     def get(self, request: Request, kind: str) -> Response:
         if kind not in self.SCHEMAS:
             raise Http404(f"no schema {kind!r}: launch or sweep")
-        return Response(spec.json_schema(*self.SCHEMAS[kind]))
+        return Response(spec.json_schema(kind, self.SCHEMAS[kind]))
+
+
+class SpecView(APIView):
+    """A job (or sweep) file read as the server reads it, for `ugro launch -f`: nothing is created."""
+
+    policy_actions = {"POST": "view"}
+
+    @extend_schema(summary="Read a job file (`spec`, its text) and the options typed beside it: the resolved spec "
+                   "as the API's fields, the directory to sync, the spec as YAML")  # fmt: skip
+    def post(self, request: Request, kind: str) -> Response:
+        if kind not in spec.OPTIONS:
+            raise Http404(f"no job file kind {kind!r}: launch or sweep")
+        return Response(spec.resolved(request.data, kind))
 
 
 SCOPE_ORDER = ["read", "launch", "operate"]

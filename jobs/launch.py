@@ -29,15 +29,16 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, lifecycle, locks, sync
-from .batches import split_batch
+from . import checkpoints, lifecycle, locks, spec, sync
+from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
-from .limits import learned_speeds, learned_vram
+from .limits import learned_speeds, learned_vram, parse_duration, parse_size_mb
 from .models import DEFAULT_RESUME_TEMPLATE, Job, JobCode, Rank
 from .preflight import PreflightReport, check_nodes, refuse_missing_pythons, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
+from .spec import EPOCHS_MAX, LR_MAX, NODES_MAX, NPROC_MAX, PRIORITY_MAX, PRIORITY_MIN
 from .stop import stop_processes
 
 log = logging.getLogger(__name__)
@@ -51,17 +52,6 @@ DEFAULT_ARGS_TEMPLATE = [
 MAX_ARG_LEN = 4096
 # a job's ranks must all have started within this (connect, sync, spawn on every node) or the launch fails
 SYNC_WINDOW_S = 30.0
-
-# Bounds of the numbers a launch takes (forms, CLI and build_job all read these).
-PRIORITY_MIN, PRIORITY_MAX = 0, 100  # the api helper's per-role bounds narrow this, never widen it
-NODES_MAX = 1024
-GPUS_MAX = NODES_MAX * 64
-EPOCHS_MAX = 1_000_000
-LR_MIN, LR_MAX = 0.0, 100.0  # 0 passes the fields' bounds; build_job refuses it in its own words
-NPROC_MAX = 64
-BATCH_MAX = 1_000_000
-ATTEMPTS_MAX = 100
-HANG_MAX_S = 30 * 86400.0
 
 
 class LaunchError(ValueError):
@@ -118,6 +108,30 @@ class LaunchRequest:
     sync: str = ""  # a directory on the controller copied to every node; the ranks start in the copy
     sync_upload: str = ""  # the digest of a directory a client uploaded (POST /api/v1/sync/...)
     allow_mismatch: bool = False  # start even if the script's sha256 differs between nodes
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any], **more: Any) -> LaunchRequest:
+        """The request the launch spec's fields describe (jobs/spec.py: the API's names and types), each one
+        not given at its default; LaunchError naming a time limit, VRAM size or batch weights it cannot read."""
+        d = {**spec.defaults(spec.LAUNCH), **{k: v for k, v in values.items() if k in spec.FIELDS}}
+        weights = (d.pop("batch_weights") or "").strip()
+        problems: list[tuple[str, str]] = []
+        parsed: dict[str, Any] = {}
+        for name, target, parse in (
+            ("time_limit", "time_limit_s", parse_duration), ("min_vram", "min_vram_mb", parse_size_mb),
+            ("batch_weights", "batch_weights", parse_weights),
+        ):  # fmt: skip
+            text = weights if name == "batch_weights" else (d.pop(name) or "").strip()
+            try:
+                parsed[target] = parse(text) if text and text != "auto" else ({} if name == "batch_weights" else None)
+            except ValueError as exc:
+                problems.append((name, str(exc)))
+        if problems:
+            raise LaunchError(problems=problems)
+        for name in ("script", "model", "dataset", "after"):
+            d[name] = (d[name] or "").strip()
+        d.pop("dry_run", None)
+        return cls(**d, **parsed, batch_weights_auto=weights == "auto", **more)
 
 
 def _check_arg(value: str, what: str) -> str:

@@ -28,7 +28,13 @@ from metrics.series import metric_names
 
 from . import lifecycle, recovery, report
 from .batches import parse_weights
-from .launch import (
+from .launch import LaunchError, LaunchRequest, build_job
+from .limits import parse_duration, parse_size_mb
+from .logs import job_lines
+from .models import Job, Rank, Sweep
+from .scheduler import request_schedule
+from .snapshot import Snapshot, queue
+from .spec import (
     ATTEMPTS_MAX,
     BATCH_MAX,
     EPOCHS_MAX,
@@ -40,15 +46,7 @@ from .launch import (
     NPROC_MAX,
     PRIORITY_MAX,
     PRIORITY_MIN,
-    LaunchError,
-    LaunchRequest,
-    build_job,
 )
-from .limits import parse_duration, parse_size_mb
-from .logs import job_lines
-from .models import Job, Rank, Sweep
-from .scheduler import request_schedule
-from .snapshot import Snapshot, queue
 from .sweeps import trial_rows
 
 LANES = (

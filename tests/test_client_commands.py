@@ -10,6 +10,7 @@ import json
 import tarfile
 
 import pytest
+import yaml
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
@@ -187,53 +188,61 @@ def test_the_client_installs_alone_on_an_old_python_without_django(tmp_path):
     assert not (target / "django").exists()
 
 
-def test_a_job_file_is_read_like_the_flags_and_the_flags_typed_win(ugro_script, server, tmp_path):  # noqa: F811
-    job_file = tmp_path / "job.yaml"
+def test_a_job_file_is_read_like_the_flags_and_the_flags_typed_win(ugro_script, server, tmp_path, settings):  # noqa: F811
+    settings.DATA_DIR = tmp_path / "data"
+    (tmp_path / "job" / "src").mkdir(parents=True)
+    (tmp_path / "job" / "src" / "train.py").write_text("print('hi')\n")
+    job_file = tmp_path / "job" / "job.yaml"
     job_file.write_text(
-        "# my run\nname: filed\nscript: train/train_production.py\ncount: 1\ntime-limit: 2h\nretry: node-lost\n"
+        "# my run\nname: filed\nnodes: 1\nscript: train.py\nsync: ./src\ntime-limit: 2h\nretry: [node-lost]\n"
         "priority: 20\nextra_args: [--max-steps, '50']\n"
     )
-    # --dry-run -f prints the resolved spec (the file, the typed --priority over it) and each rank's command
+    # --dry-run -f prints a job file: the resolved spec (the typed --priority over the file's, the file's sync
+    # directory made absolute) and each rank's command as a comment
     dry = ugro(ugro_script, server, "launch", "-f", str(job_file), "--priority", "5", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    resolved = json.loads(dry.stdout.split(":\n", 1)[1].split("\ndry run of job", 1)[0])
-    assert (resolved["name"], resolved["priority"], resolved["time_limit"]) == ("filed", 5, "2h")
-    assert resolved["extra_args"] == ["--max-steps", "50"] and "dry run of job filed" in dry.stdout
+    assert yaml.safe_load(dry.stdout) == {
+        "name": "filed", "nodes": 1, "script": "train.py", "time_limit": "2h", "priority": 5, "retry": ["node-lost"],
+        "sync": str(tmp_path / "job" / "src"), "extra_args": ["--max-steps", "50"],
+    }  # fmt: skip
+    assert "# dry run of job filed: nothing was created or started" in dry.stdout.splitlines()
     assert not Job.objects.exists()
-    # a launch from it: the file's fields, the typed name
-    done = ugro(ugro_script, server, "launch", "-f", str(job_file), "--name", "filed2", "--detach", "--json")
+    # saved elsewhere and launched under a typed name: the spec it printed, the directory uploaded
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(dry.stdout)
+    done = ugro(ugro_script, server, "launch", "-f", str(saved), "--name", "filed2", "--detach", "--json")
     assert done.returncode == 0, done.stderr
     job = Job.objects.get(name="filed2")
-    assert (job.retry_on, job.priority, job.time_limit_s, job.script_args[-2:]) == (["NODE_LOST"], 20, 7200,
+    assert (job.retry_on, job.priority, job.time_limit_s, job.script_args[-2:]) == (["NODE_LOST"], 5, 7200,
                                                                                     ["--max-steps", "50"])  # fmt: skip
-    # an unknown field, or a file that is not YAML, is refused in one line and creates nothing
-    job_file.write_text("name: bad\nretries: 3\n")
+    assert JobCode.objects.get(job=job).sync_source.endswith(str(tmp_path / "job" / "src"))
+    # a key that is no option, or a file that is not YAML, is refused in one line that names the file and the fix
+    job_file.write_text("name: bad\nnodez: 1\n")
     bad = ugro(ugro_script, server, "launch", "-f", str(job_file), "--detach")
-    assert bad.returncode == 3 and bad.stderr.startswith("ugro launch: spec: unknown field 'retries' (fields: ")
+    assert (bad.returncode, bad.stderr) == (3, f"ugro launch: {job_file}: unknown key 'nodez': did you mean 'nodes'?\n")
     job_file.write_text("name: [unclosed\n")
     bad = ugro(ugro_script, server, "launch", "-f", str(job_file), "--detach")
-    assert bad.returncode == 3 and bad.stderr == "ugro launch: spec: not valid YAML (line 2)\n"
+    assert bad.returncode == 3 and bad.stderr == f"ugro launch: {job_file}: not valid YAML (line 2)\n"
     assert Job.objects.count() == 1
-    # a sweep file too
+    # a sweep file too, with the command line's names and a grid as a mapping
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text("name: sw\ngrid: ['lr=0.1,0.2']\nmax_concurrent: 1\n")
+    sweep_file.write_text("name: sw\ngrid:\n  lr: [0.1, 0.2]\nmax-concurrent: 1\n")
     made = ugro(ugro_script, server, "sweep", "-f", str(sweep_file), "--json")
     assert made.returncode == 0, made.stderr
     assert len(json.loads(made.stdout)["trials"]) == 2 and Sweep.objects.get(name="sw").max_concurrent == 1
 
 
-def test_the_job_files_json_schema_is_published_from_the_api_fields(server):  # noqa: F811
+def test_the_job_files_json_schema_is_published_from_the_launch_spec(server):  # noqa: F811
     from django.test import Client as WebClient
-
-    from api.serializers import LaunchSerializer
 
     web = WebClient()
     headers = {"HTTP_AUTHORIZATION": f"Bearer {server['token']}"}
     schema = web.get("/api/v1/spec/launch.schema.json", **headers).json()
-    assert set(schema["properties"]) == set(LaunchSerializer().fields) - {"dry_run"}
+    assert {"nodes", "node", "count", "time_limit", "time-limit", "hang_after", "sync"} <= set(schema["properties"])
+    assert "dry_run" not in schema["properties"]
     assert schema["additionalProperties"] is False and schema["required"] == ["name"]
     assert schema["properties"]["priority"]["maximum"] == 100 and schema["properties"]["count"]["minimum"] == 1
-    assert schema["properties"]["extra_args"]["type"] == "array"
+    assert schema["properties"]["extra_args"]["type"] == ["array", "string"]
     assert web.get("/api/v1/spec/sweep.schema.json", **headers).json()["title"] == "UGRO sweep file"
     assert web.get("/api/v1/spec/nope.schema.json", **headers).status_code == 404
 

@@ -157,9 +157,12 @@ def test_every_client_command_answers_with_json_when_asked():
 
 
 # the same option under another name on a surface: manage.py's dest -> the client's, the API's
-RENAMED = {"node": ("nodes", "nodes"), "nodes": ("count", "count"), "extra": ("extra", "extra_args"),
-           "sync": ("sync", "sync_upload")}  # the client uploads the directory; the API takes its digest
-SURFACE_ONLY = {"detach", "json", "as_user"}  # how a command answers or whom it acts as, not what is launched
+RENAMED = {
+    "extra": ("extra", "extra_args"),
+    "extra_args": ("extra", "extra_args"),
+    "sync": ("sync", "sync_upload"),
+}  # the client uploads the directory; the API takes its digest
+SURFACE_ONLY = {"detach", "json", "as_user", "file"}  # how a command answers, whom it acts as, where it reads
 
 
 @pytest.mark.parametrize("command", ["launch", "sweep"])

@@ -65,7 +65,7 @@ def build_parser() -> Parser:
     sub.add_parser("help", help="this list")
 
     p = sub.add_parser("launch", help="queue a job and follow it")
-    p.add_argument("--file", "-f", help="a job file (YAML: the API's launch fields); the flags given win")
+    p.add_argument("--file", "-f", help="a job file (YAML: these options by name, docs/api.md); typed ones win")
     p.add_argument("--name", help="job name (letters, digits, . _ -); required unless the job file names it")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, dest="count", help="how many nodes (default: all enabled)")
@@ -135,7 +135,7 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true", help="the queued attempt as JSON (with --detach)")
     p = sub.add_parser("sweep", help="a grid or random search")
     p.add_argument("name", nargs="?", help="sweep name; trials are NAME-001, NAME-002, ... (or in the file)")
-    p.add_argument("--file", "-f", help="a sweep file (YAML: the API's sweep fields); the flags given win")
+    p.add_argument("--file", "-f", help="a sweep file (YAML: these options by name, docs/api.md); typed ones win")
     p.add_argument("--script", default="")
     p.add_argument("--grid", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
     p.add_argument("--random", action="append", default=[], help="NAME=loguniform(a,b) ... (repeatable)")
@@ -384,21 +384,40 @@ def _send_tar(client: Client, shas: list[str], paths: dict[str, str]) -> None:
     client.post_bytes("sync/objects", buffer.getvalue(), "application/x-tar")
 
 
+def read_job_file(client: Client, a, body: dict) -> tuple[dict, str, str]:
+    """`launch -f`: the server reads the file with the options typed beside it (one reader for every surface):
+    the resolved spec as the API's fields, the directory to sync (a file's is relative to the file), the YAML."""
+    text = read_text_file(a.file, MAX_JOB_FILE)
+    typed = {key: body[key] for key, dest in LAUNCH_FIELDS if dest in a.given and key != "dry_run"}
+    request = {"spec": text, "spec_dir": os.path.dirname(os.path.abspath(a.file)), **typed}
+    if "sync" in a.given:
+        request["sync"] = a.sync if a.sync == "none" else os.path.abspath(a.sync)
+    try:
+        answer = client.post("spec/launch", request)
+    except ApiError as exc:
+        if exc.status == 404 and "job file" not in str(exc):
+            raise ApiError("this UGRO server reads job files the older way: update it, or launch without -f",
+                           EXIT_USAGE) from None  # fmt: skip
+        message = f"{a.file}:{str(exc)[len('job file:') :]}" if str(exc).startswith("job file:") else str(exc)
+        raise ApiError(message, exc.code, exc.status) from None
+    return {**answer["spec"], "dry_run": a.dry_run}, answer["sync"], answer["yaml"]
+
+
 def cmd_launch(client: Client, a) -> int:
     if not a.name and not a.file:
         raise ApiError("--name is required (or a job file with -f that names the job)", EXIT_USAGE)
-    body = with_file(a, LAUNCH_FIELDS, {key: getattr(a, dest) for key, dest in LAUNCH_FIELDS})
-    if a.sync and a.sync != "none":
-        body["sync_upload"] = upload(client, a.sync)
+    body, sync, shown = {key: getattr(a, dest) for key, dest in LAUNCH_FIELDS}, a.sync, ""
+    if a.file:
+        body, sync, shown = read_job_file(client, a, body)
+    if sync and sync != "none":
+        body["sync_upload"] = upload(client, sync)
     answer = client.post("jobs/", body)
     if a.dry_run:
         if a.json:
-            emit_json(answer)
-        else:
-            if a.file:
-                print(f"job file {a.file} with the options given, as the server resolved it:")
-                print(json.dumps(answer.get("spec", {}), indent=2))
-            print("\n".join(answer["lines"]))
+            emit_json({**answer, "yaml": shown} if a.file else answer)
+        else:  # with -f the whole output is a job file: the resolved spec, each rank's command as a comment
+            sys.stdout.write(shown)
+            print("\n".join(f"# {line}" if a.file else line for line in answer["lines"]))
         return EXIT_OK
     a.name = answer["name"]
     if a.json and a.detach:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -7,13 +8,12 @@ from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
-from jobs.batches import parse_weights
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.lifecycle import wait_final
-from jobs.limits import parse_duration, parse_size_mb
 from jobs.logs import job_settled, rank_lines
 from jobs.models import Job
 from jobs.scheduler import hand_to_worker
+from jobs.spec import LAUNCH, MAX_FILE_BYTES, SpecError, add_arguments, read_text, sync_path, to_yaml, with_typed
 from ugro_site.celery import NO_WORKER, NoWorker, worker_alive
 
 
@@ -22,123 +22,34 @@ class Command(UserCommand):
     help = "Launch a training job on the cluster's nodes (all at once) and follow it."
 
     def add_arguments(self, parser):
-        parser.add_argument("--name", required=True, help="job name (letters, digits, . _ -)")
-        group = parser.add_mutually_exclusive_group()
-        group.add_argument("--nodes", type=int, help="how many nodes (default: all enabled)")
-        group.add_argument("--node", action="append", default=[], help="a node to use (repeatable)")
-        parser.add_argument("--script", default="", help="training script on the nodes")
-        parser.add_argument("--model", default="")
-        parser.add_argument("--dataset", default="")
-        parser.add_argument("--epochs", type=int)
-        parser.add_argument("--lr", type=float)
-        parser.add_argument("--gpus", type=int, help="GPUs in all, on any nodes (instead of --nodes/--node)")
         parser.add_argument(
-            "--gpus-per-node", type=int, dest="gpus_per_node",
-            help="with --nodes K or --node: GPUs on each node (default: the whole node)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--time-limit", default="", dest="time_limit",
-            help="stop the job (TIMEOUT, SIGTERM then SIGKILL) this long after it starts: 90m, 2h, 1d, H:MM:SS "
-            "(default: the cluster's)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--min-vram", default="", dest="min_vram",
-            help="memory each GPU needs, e.g. 10G (default: learned from earlier runs of the script, if any)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--batch-per-gpu", type=int, dest="batch_per_gpu",
-            help="the even split's batch per GPU: fills {local_batch} (default: training.batch_size_per_gpu)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--batch-weights", default="", dest="batch_weights",
-            help="uneven GPUs: NODE=WEIGHT,... relative speeds, or auto (learned from earlier runs of the "
-            "script alone on each node); each rank gets its share of the global batch "
-            "(UGRO_LOCAL_BATCH, UGRO_BATCH_WEIGHT, {local_batch})",
-        )  # fmt: skip
-        parser.add_argument("--after", default="", help="start only after this job succeeded (a dependency)")
-        parser.add_argument("--nproc-per-node", type=int, dest="nproc_per_node")
-        parser.add_argument("--priority", type=int, default=0, help="0-100, higher starts first")
+            "--file", "-f", metavar="FILE", help="a job file (YAML: these options by name, docs/api.md); typed ones win"
+        )
+        add_arguments(parser, LAUNCH)  # every launch option, from the launch spec
         parser.add_argument("--detach", action="store_true", help="return once the ranks are started")
-        parser.add_argument(
-            "--dry-run",
-            action="store_true",
-            dest="dry_run",
-            help="print each rank's exact command line and environment; create and start nothing",
-        )
-        parser.add_argument(
-            "--metrics-pattern",
-            default="",
-            dest="metrics_pattern",
-            help="regex: the script's lines it matches give their key=value / key: value pairs as metrics",
-        )
-        parser.add_argument(
-            "--metrics-file", action="append", default=[], dest="metrics_files",
-            help="a metrics.csv or TensorBoard event file, or a directory with them, on the nodes "
-            "(relative to the workdir; {job} is the job name; repeatable)",
-        )  # fmt: skip
-        rec = parser.add_argument_group("recovery (docs/recovery.md)")
-        rec.add_argument(
-            "--retry", default="",
-            help="failure kinds resumed automatically: node-lost,rendezvous,oom,script-error,hang,nccl,killed,"
-            "timeout,unknown",
-        )  # fmt: skip
-        rec.add_argument("--max-attempts", type=int, dest="max_attempts", help="most attempts in all")
-        rec.add_argument("--min-nodes", type=int, dest="min_nodes", help="a node-lost retry may run on this few")
-        rec.add_argument(
-            "--resume-template", default="", dest="resume_template",
-            help="the script's resume argument (default: --resume-from {checkpoint}; "
-            "HF: --resume_from_checkpoint {checkpoint})",
-        )  # fmt: skip
-        rec.add_argument(
-            "--checkpoint-glob", default="", dest="checkpoint_glob",
-            help="more checkpoints to record: a glob relative to the workdir ({job}: the name)",
-        )  # fmt: skip
-        rec.add_argument(
-            "--batch-template", default="", dest="batch_template",
-            help="e.g. '--batch-size {batch} --grad-accum {accum}': an OOM retry halves the batch",
-        )  # fmt: skip
-        rec.add_argument("--batch", type=int, help="per-rank batch for --batch-template")
-        rec.add_argument("--grad-accum", type=int, dest="grad_accum", help="accumulation for --batch-template")
-        rec.add_argument(
-            "--hang-after", type=float, dest="hang_after_s",
-            help="seconds without a metric line that make the job HUNG (default 60, or 5x its interval)",
-        )  # fmt: skip
-        code = parser.add_argument_group("code on every node (docs/sync.md)")
-        code.add_argument(
-            "--sync", default="", metavar="DIR",
-            help="copy DIR to every node before the ranks start, and start them there (none: not even the "
-            "cluster's default)",
-        )  # fmt: skip
-        code.add_argument("--allow-mismatch", action="store_true", dest="allow_mismatch",
-                          help="start even if the script's sha256 differs between nodes")  # fmt: skip
-        parser.add_argument("extra", nargs="*", help="after --: extra arguments for the script")
 
     def handle(self, **o):
+        typed = {opt.field: o[opt.field] for opt in LAUNCH if opt.field in o}
+        sync = o.get("sync", "")
+        if o["file"]:
+            values, sync = self._read_file(o["file"], typed, sync)
+        else:
+            values = typed
+        if not values.get("name"):
+            raise CommandError("--name is required (or a job file with -f that names the job)")
         try:
-            limit = parse_duration(o["time_limit"]) if o["time_limit"] else None
-            vram = parse_size_mb(o["min_vram"]) if o["min_vram"] else None
-            auto = o["batch_weights"].strip() == "auto"
-            weights = parse_weights(o["batch_weights"]) if o["batch_weights"] and not auto else {}
-        except ValueError as exc:
+            req = LaunchRequest.from_fields(values, sync=sync)
+        except LaunchError as exc:
             raise CommandError(str(exc)) from None
-        req = LaunchRequest(
-            name=o["name"], nodes=o["node"], count=o["nodes"], script=o["script"], model=o["model"],
-            dataset=o["dataset"], epochs=o["epochs"], lr=o["lr"], nproc_per_node=o["nproc_per_node"],
-            extra_args=o["extra"], priority=o["priority"], metrics_pattern=o["metrics_pattern"],
-            metrics_files=o["metrics_files"], gpus=o["gpus"], gpus_per_node=o["gpus_per_node"],
-            time_limit_s=limit, min_vram_mb=vram, batch_per_gpu=o["batch_per_gpu"], batch_weights=weights,
-            batch_weights_auto=auto, after=o["after"], retry=o["retry"], max_attempts=o["max_attempts"],
-            min_nodes=o["min_nodes"], resume_template=o["resume_template"], checkpoint_glob=o["checkpoint_glob"],
-            batch_template=o["batch_template"], batch=o["batch"], grad_accum=o["grad_accum"],
-            hang_after_s=o["hang_after_s"], sync=o["sync"], allow_mismatch=o["allow_mismatch"],
-        )  # fmt: skip
-        if o["dry_run"]:
+        if o["file"] and values.get("dry_run"):
+            self.stdout.write(to_yaml(values, LAUNCH, sync), ending="")
+        if values.get("dry_run"):
             try:
                 rows = actions.preview(self.user, req)
             except (LaunchError, policy.Refused) as exc:
                 raise CommandError(str(exc)) from None
             for row in rows:
-                self.stdout.write(row)
+                self.stdout.write(f"# {row}" if o["file"] else row)  # with -f, the whole output is a job file
             return
         try:
             if not worker_alive():
@@ -163,6 +74,19 @@ class Command(UserCommand):
             )
             return
         self._finish(job)
+
+    def _read_file(self, path: str, typed: dict, sync: str) -> tuple[dict, str]:
+        """The job file's values under the typed ones, and the directory to sync (the file's relative to it)."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read(MAX_FILE_BYTES + 1)
+            values, from_file = read_text(text, LAUNCH, f"job file {path}")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"cannot read job file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        except SpecError as exc:
+            raise CommandError(str(exc)) from None
+        base = os.path.dirname(os.path.abspath(path))
+        return with_typed(values, typed), sync or sync_path(from_file, base)
 
     def _report_detached(self, job: Job) -> None:
         if job.state in (Job.State.FAILED, Job.State.FAILING):
