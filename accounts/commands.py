@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import getpass
+import os
 import re
+import select
+import sys
 from argparse import ArgumentParser
 from functools import partial
 from typing import NoReturn
@@ -13,6 +16,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from . import policy
 from .audit import cli_source
+
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what the shell reports for a program whose reader went away (head)
 
 
 def os_username() -> str:
@@ -38,7 +43,8 @@ def command_user(name: str | None):
 
 
 class UserCommand(BaseCommand):
-    """A command run as a UGRO account (`self.user`), refused in one line when the policy says no."""
+    """A command run as a UGRO account (`self.user`), refused in one line when the policy says no; its output
+    piped to a reader that goes away (`manage.py status | head -1`) ends it quietly."""
 
     action = "view"  # checked before handle(); job-level rules are checked by accounts.actions
 
@@ -59,7 +65,17 @@ class UserCommand(BaseCommand):
             policy.check(self.user, self.action)
         except policy.Refused as exc:
             raise CommandError(str(exc)) from None
-        return super().execute(*args, **options)
+        try:
+            try:
+                return super().execute(*args, **options)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, inside the try, not at exit as a traceback
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise  # a pipe to a node's ssh, say: a real failure, not the reader leaving
+            # the signal module docs' "Note on SIGPIPE": what is still buffered goes nowhere, no second error at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_PIPE_CLOSED)
 
 
 _INVALID = re.compile(r"argument (?P<option>\S+?): invalid (?P<type>int|float) value: (?P<value>.*)")
@@ -74,3 +90,13 @@ def one_line_error(parser: ArgumentParser, message: str) -> NoReturn:
         message = f"{m['option']} {m['value']}: takes {_TAKES[m['type']]}"
     message = re.sub(r"^argument (\S+?): (?=')", r"\1 ", message).removeprefix("argument ")  # --lr 'abc': takes ...
     parser.exit(2, f"{parser.prog}: {message} (see {parser.prog} --help)\n")
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader went away (poll says POLLERR or POLLHUP)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -42,6 +42,7 @@ GROUPS = [
     ]),
 ]  # fmt: skip
 FOLLOW_POLL_S = 0.5
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what the shell reports for a program whose reader went away (head)
 CANCEL_WAIT_S = 120.0
 EXIT_STATES = {"succeeded": 0, "failed": 1, "cancelled": 2}
 NOT_ENDED_EXIT = 3
@@ -284,6 +285,19 @@ def with_file(a, fields: list[tuple[str, str]], body: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `ugro` console script; a reader that goes away (`ugro status | head -1`) ends it quietly."""
+    try:
+        try:
+            return run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, inside the try, not at exit as a traceback
+    except BrokenPipeError:
+        # the signal module docs' "Note on SIGPIPE": what is still buffered goes nowhere, no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def run(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.version:
         return show_version()
