@@ -74,6 +74,7 @@ class NodeView:
     name: str
     usable: bool = True
     slots: list[Slot] = field(default_factory=list)
+    why_not: str = ""  # what keeps it from taking jobs ("down", "drained"), named in a waiting job's detail
 
 
 @dataclass
@@ -497,11 +498,15 @@ def _count(d: Demand, nodes: Sequence[NodeView]) -> int:
 def _no_fit_detail(d: Demand, nodes: Sequence[NodeView]) -> str:
     up = [s for n in nodes if n.usable for s in n.slots if _eligible(d, s)]
     vram = f" with at least {d.min_vram_mb / 1024:.1f} GB" if d.min_vram_mb else ""
+    # the nodes it could use that are not up, and why: the user sees which node to bring back
+    off = [f"{n.name} {n.why_not}" for n in nodes if not n.usable and n.why_not
+           and (n.id in d.named if d.named else any(_eligible(d, s) for s in n.slots))]  # fmt: skip
+    off_text = f" ({', '.join(off[:5])}{f' and {len(off) - 5} more' if len(off) > 5 else ''})" if off else ""
     if d.gpus is not None:
-        return f"needs {d.gpus} GPUs{vram}; {len(up)} such GPUs are up"
+        return f"needs {d.gpus} GPUs{vram}; {len(up)} such GPUs are up{off_text}"
     what = f"{d.per_node} GPUs{vram} each" if d.per_node else "whole"
     want = len(d.named) if d.named else (d.nodes or 1)
-    return f"needs {want} nodes ({what}); not enough such nodes are up"
+    return f"needs {want} nodes ({what}); not enough such nodes are up{off_text}"
 
 
 def _fmt_in(seconds: float) -> str:

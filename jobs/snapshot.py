@@ -75,7 +75,8 @@ class Snapshot:
         for n in sorted(self.node_rows.values(), key=Node.placement_key):
             rows = gpus.get(n.pk, [])
             slots = [Slot(n.pk, g.index, g.vram_mb) for g in rows] or [Slot(n.pk, Allocation.WHOLE_NODE, 0.0)]
-            self.nodes.append(NodeView(n.pk, n.name, n.enabled and n.status != Node.Status.DOWN, slots))
+            why_not = "drained" if not n.enabled else "down" if n.status == Node.Status.DOWN else ""
+            self.nodes.append(NodeView(n.pk, n.name, not why_not, slots, why_not))
 
         held: dict[int, Running] = {}
         self.holders: dict[tuple[int, int], tuple[int, str]] = {}

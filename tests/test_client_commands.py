@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import tarfile
 
 import pytest
@@ -21,7 +23,8 @@ from jobs.models import Job, JobCode, Sweep
 from ugro_client.cli import upload
 from ugro_client.http import ApiError, Client
 
-from .test_client import server, ugro, ugro_script  # noqa: F401
+from .conftest import wait_for
+from .test_client import NO_DJANGO_PYTHON, server, ugro, ugro_script  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -316,3 +319,31 @@ def test_launch_sync_uploads_the_directory_once_and_the_job_runs_its_copy(ugro_s
         tar.addfile(info, io.BytesIO(b"abc"))
     with pytest.raises(ApiError, match="the uploaded bytes have sha256"):
         tampered.post_bytes("sync/objects", buffer.getvalue(), "application/x-tar")
+
+
+def test_an_attached_launch_that_waits_says_why_and_again_when_that_changes(ugro_script, server, tmp_path):  # noqa: F811
+    # given n2 is down: a job on n1 and n2 cannot start
+    Node.objects.create(name="n2", address="127.0.0.3", status=Node.Status.DOWN)
+    out = tmp_path / "launch.out"
+    path, site = ugro_script
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO", "PYTHON"))}
+    env.update(PYTHONPATH=str(site), UGRO_URL=server["url"], UGRO_TOKEN=server["token"], HOME="/nonexistent")
+    # when it is launched attached
+    proc = subprocess.Popen([NO_DJANGO_PYTHON, str(path), "launch", "--name", "w1", "--node", "n1", "--node", "n2"],
+                            env=env, stdout=open(out, "wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        # then it says why it waits, as `ugro queue` does: which node, in which state
+        wait_for(lambda: "w1 waits" in out.read_text(), timeout=30, what="the reason it waits")
+        assert "w1 waits (resources): needs 2 nodes (whole); not enough such nodes are up (n2 down)" in out.read_text()
+        # and when the reason changes (n2 answers again, but an operator drained it), it says the new one
+        Node.objects.filter(name="n2").update(status=Node.Status.HEALTHY, enabled=False)
+        wait_for(lambda: "(n2 drained)" in out.read_text(), timeout=30, what="the new reason")
+        # cancelled elsewhere, the attached launch ends with it
+        assert ugro(ugro_script, server, "cancel", "w1").returncode == 0
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert text.count("w1 waits") == 2, text  # each reason once, however often it was asked
+    assert "-- job w1 cancelled" in text

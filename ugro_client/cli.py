@@ -42,6 +42,7 @@ GROUPS = [
     ]),
 ]  # fmt: skip
 FOLLOW_POLL_S = 0.5
+WAIT_POLL_S = 2.0  # how often a followed queued job asks the queue why it waits (a whole plan per ask)
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what the shell reports for a program whose reader went away (head)
 CANCEL_WAIT_S = 120.0
 EXIT_STATES = {"succeeded": 0, "failed": 1, "cancelled": 2}
@@ -461,6 +462,7 @@ def follow(client: Client, name: str, rank: int | None, tail: int, announce_stat
         show(first["lines"], rank, as_json)
     offsets = first["offsets"]
     state = None
+    waiting = Waiting(client, name)
     while True:
         answer = client.get(f"jobs/{name}/logs", rank=rank, since=",".join(f"{k}:{v}" for k, v in offsets.items()))
         show(answer["lines"], rank, as_json)
@@ -468,12 +470,37 @@ def follow(client: Client, name: str, rank: int | None, tail: int, announce_stat
         if announce_states and answer["state"] != state:
             state = answer["state"]
             print(f"[{time.strftime('%H:%M:%S')}] {name} {state}")
+        if announce_states and state == "queued":
+            waiting.say_why()
         if answer["settled"]:
             job = client.get(f"jobs/{name}/")
             print(f"-- job {name} {job['state']}" + (f": {job['failure_reason']}" if job["failure_reason"] else ""))
             return job
         if not answer["more"]:
             time.sleep(FOLLOW_POLL_S)
+
+
+class Waiting:
+    """Says why a followed job waits in the queue (`ugro queue`'s reason and detail), again when that changes."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self.client, self.name = client, name
+        self.said: str | None = None
+        self.asked_at = -WAIT_POLL_S
+
+    def say_why(self) -> None:
+        if time.monotonic() - self.asked_at < WAIT_POLL_S:
+            return
+        self.asked_at = time.monotonic()
+        entry = next((j for j in self.client.get("queue") if j.get("name") == self.name), None)
+        if entry is None or entry.get("starts_now") or not (entry.get("reason") or entry.get("detail")):
+            return  # gone from the queue, or starting at the next pass: the state line says what follows
+        reason, detail = entry.get("reason") or "", entry.get("detail") or ""
+        why = f"({reason})" + (f": {detail}" if detail else "") if reason else f": {detail}"
+        if why != self.said:
+            self.said = why
+            print(f"[{time.strftime('%H:%M:%S')}] {self.name} waits {why}")
+            sys.stdout.flush()
 
 
 def show(lines: list, rank: int | None, as_json: bool = False) -> None:

@@ -13,6 +13,7 @@ from jobs.lifecycle import wait_final
 from jobs.logs import job_settled, rank_lines
 from jobs.models import Job
 from jobs.scheduler import hand_to_worker
+from jobs.snapshot import queue
 from jobs.spec import LAUNCH, MAX_FILE_BYTES, SpecError, add_arguments, read_text, sync_path, to_yaml, with_typed
 from ugro_site.celery import NO_WORKER, NoWorker, worker_alive
 
@@ -105,9 +106,12 @@ class Watcher:
     """Shows a job's progress in the terminal: its states and its ranks' lines as the worker's follower
     copies them. It only reads; the job goes on without it."""
 
+    WAIT_POLL_S = 2.0  # how often a queued job's reason is asked again (a whole queue plan per ask)
+
     def __init__(self, job: Job, out) -> None:
         self.job, self.out = job, out
         self.offsets: dict[int, int] = {}
+        self.why, self.why_at = "", -self.WAIT_POLL_S
 
     def run(self) -> Job:
         job, state, t0 = self.job, None, time.monotonic()
@@ -120,6 +124,12 @@ class Watcher:
                     f"[{time.monotonic() - t0:6.1f}s] {job.name} {state}"
                     + (f" (ranks {ranks})" if ranks and state == Job.State.RUNNING else "")
                 )
+            if state == Job.State.QUEUED and time.monotonic() - self.why_at >= self.WAIT_POLL_S:
+                self.why_at = time.monotonic()
+                why = waiting_reason(job)
+                if why and why != self.why:
+                    self.why = why
+                    self.out.write(f"[{time.monotonic() - t0:6.1f}s] {job.name} waits {why}")
             settled = job_settled(job)
             self._print_new_lines(job)
             if settled:
@@ -134,3 +144,13 @@ class Watcher:
                 self.out.write(line.prefixed())
                 self.offsets[rank.index] = end
         sys.stdout.flush()
+
+
+def waiting_reason(job: Job) -> str:
+    """Why a queued job waits, as `queue` says it: "(reason): detail"; empty when it starts at the next pass
+    or has left the queue."""
+    entry = next((e for e in queue() if e.job.pk == job.pk), None)
+    if entry is None or entry.decision.start or not (entry.decision.reason or entry.decision.detail):
+        return ""
+    reason, detail = entry.decision.reason, entry.decision.detail
+    return f"({reason})" + (f": {detail}" if detail else "") if reason else f": {detail}"
