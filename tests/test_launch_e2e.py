@@ -31,6 +31,9 @@ def node_log(rank: Rank) -> bytes:
 
 
 def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
+    """Covers: the attached launch on three sshd nodes with real torchrun: a multi-host rendezvous, every rank's log
+    copied byte for byte, metrics ingested, the finished alert; the loops' rules are tests/test_loops.py's.
+    """
     # given three nodes from cluster.yaml; when a job is launched on all of them
     out = launch("--name", "exp1", "--nodes", "3", "--", *FAST_TRAIN)
     job = Job.objects.get(name="exp1")
@@ -62,6 +65,9 @@ def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
 
 
 def test_fourth_node_added_by_yaml_reimport_takes_part(lab):
+    """Covers: a node added by re-importing cluster.yaml taking part in a real launch on four nodes; the import alone is
+    tests/test_cluster_config.py's.
+    """
     from cluster.config_yaml import import_cluster
     from cluster.models import Node
 
@@ -86,6 +92,9 @@ def _running_with_lines(job_name: str, lines: int = 3) -> Job:
 
 
 def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
+    """Covers: `cancel` of a running three-node job: every torchrun agent and worker on the nodes killed, no rank left
+    active, a second cancel refused.
+    """
     out = launch("--name", "long1", "--detach", "--", *SLOW_TRAIN)
     assert "job long1 running: rank 0 on node1" in out
     job = _running_with_lines("long1")
@@ -103,6 +112,9 @@ def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
 
 @pytest.mark.parametrize("during", ["pre-flight", "the starts"])
 def test_a_cancel_while_the_job_starts_ends_it_only_once_what_its_launch_started_is_stopped(lab, monkeypatch, during):
+    """Covers: a cancel racing a real launch held in its pre-flight or between its rank starts: the job ends only once
+    what the launch started on the nodes is stopped.
+    """
     import threading
     import time
 
@@ -185,6 +197,9 @@ def test_a_cancel_while_the_job_starts_ends_it_only_once_what_its_launch_started
 
 
 def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
+    """Covers: a rank's training process SIGKILLed on a real node: the job fails naming rank, node and signal, the other
+    ranks are stopped and the critical alert opened.
+    """
     launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("killme")
     # when the training worker (torchrun's child) on node2 is killed
@@ -211,6 +226,9 @@ def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
 
 
 def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
+    """Covers: a launch to an address where no sshd answers: the link's real connect error fails it before any rank
+    starts.
+    """
     from cluster.models import Node
 
     Node.objects.filter(name="node3").update(address="127.0.0.250")
@@ -228,6 +246,9 @@ HOSTILE = ["$(touch /tmp/ugro_pwned_1)", "`touch /tmp/ugro_pwned_2`", "x; touch 
 
 
 def test_shell_metacharacters_in_values_create_nothing_on_the_nodes(lab):
+    """Covers: hostile model, dataset and script arguments carried through SSH, the agent and torchrun to a real run as
+    literal argv items, nothing run on the nodes.
+    """
     for i in range(1, 6):
         Path(f"/tmp/ugro_pwned_{i}").unlink(missing_ok=True)
     # a hostile job name is refused before anything exists
@@ -246,6 +267,9 @@ def test_shell_metacharacters_in_values_create_nothing_on_the_nodes(lab):
 
 
 def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
+    """Covers: a node's sshd stopped mid-run (its sessions cut): NODE_LOST naming it with the link's own error, the
+    ranks on the reachable nodes stopped.
+    """
     launch("--name", "lostnode", "--detach", "--", *SLOW_TRAIN)
     job = _running_with_lines("lostnode")
     node3 = lab.nodes[2]
@@ -270,6 +294,9 @@ def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
 
 
 def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab, monkeypatch):
+    """Covers: a rank whose torchrun is missing on its node, past pre-flight: its real start fails and the ranks already
+    started on the other nodes are stopped.
+    """
     from cluster.models import Node
 
     # pre-flight would catch this node; skip it to reach the start itself (say the env vanished since)
@@ -285,6 +312,9 @@ def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab,
 
 
 def test_the_reconciler_frees_an_ended_job_that_holds_nodes_and_kills_its_processes(lab):
+    """Covers: the reconciler killing a cancelled job's live torchrun processes on real nodes and freeing them; the rule
+    alone is tests/test_loops.py's.
+    """
     from cluster.models import Alert
     from jobs.reconcile import reconcile
 

@@ -46,6 +46,9 @@ def pids_on(tag: str, node: str) -> list[int]:
 
 
 def test_detach_then_logs_follow_frees_the_nodes_every_time(scripts):
+    """Covers: `launch --detach` then `logs --follow`, three times over on two sshd nodes: logs returns once the job
+    ended with every line and the nodes free, and the next launch starts at once.
+    """
     # given the worker; when a job is launched detached and followed with logs --follow, a few times over
     for i in range(3):
         t0 = time.monotonic()
@@ -66,6 +69,9 @@ def test_detach_then_logs_follow_frees_the_nodes_every_time(scripts):
 
 
 def test_an_attached_launch_whose_ranks_ignore_sigterm_returns_after_its_nodes_are_free(scripts):
+    """Covers: an attached launch whose real ranks ignore SIGTERM: it returns only once every process was killed and
+    every node released.
+    """
     # given ranks that ignore SIGTERM, one of which fails; when launched attached
     with pytest.raises(CommandError, match="job stubborn failed"):
         run("launch", "--name", "stubborn", "--nodes", "3", "--script", "scripts/stubborn.py", "--", "1")
@@ -78,6 +84,9 @@ def test_an_attached_launch_whose_ranks_ignore_sigterm_returns_after_its_nodes_a
 
 
 def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django_user_model):
+    """Covers: a real rank exiting on a CUDA OOM: the command's one line, status, the job page and the alert all name
+    it; the explanation's rules run on recorded output in tests/test_failure.py.
+    """
     from cluster.models import Alert
 
     # given a job whose last rank runs out of CUDA memory and exits 3
@@ -110,6 +119,9 @@ def test_an_oom_on_the_last_rank_is_explained_everywhere(scripts, client, django
 
 @pytest.mark.no_test_worker
 def test_with_no_worker_commands_refuse_in_one_line_and_change_nothing(scripts):
+    """Covers: commands refusing when no worker heartbeat is in Redis, the dry run still working; no node is asked (a
+    fast test could hold it).
+    """
     # given no worker running
     # when a job is launched, attached or detached, or a sweep started: one line, and nothing is recorded
     for args in (["launch", "--name", "nw"], ["launch", "--name", "nw", "--detach"],
@@ -136,6 +148,9 @@ def test_with_no_worker_commands_refuse_in_one_line_and_change_nothing(scripts):
 def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_finishes(
     scripts, controller_env, fast_settings, monkeypatch
 ):
+    """Covers: a worker process SIGKILLed right after starting ranks on three nodes, before RUNNING: the reconciler ends
+    the job as a timeout and kills its orphaned ranks.
+    """
     from django.contrib.auth import get_user_model
 
     from accounts import actions
@@ -176,6 +191,9 @@ def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_f
 
 
 def test_a_rank_whose_wrapper_died_without_an_exit_record_is_lost(scripts, fast_settings):
+    """Covers: a rank's wrapper and processes killed on a real node with no exit record: the agent's rank status says so
+    and the rank is lost; the rule alone is tests/test_loops.py's.
+    """
     run("launch", "--name", "nowrap", "--nodes", "2", "--script", "scripts/stubborn.py", "--detach", "--", "9")
     job = Job.objects.get(name="nowrap")
     rank = job.ranks.get(index=1)
@@ -197,6 +215,9 @@ def test_a_rank_whose_wrapper_died_without_an_exit_record_is_lost(scripts, fast_
 
 
 def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it_is_back(scripts, fast_settings):
+    """Covers: a node's sshd stopped mid-run, then back: NODE_LOST, then the reconciler kills what still runs there and
+    the follower fetches the rest of its logs byte for byte.
+    """
     from jobs.follow import follow
 
     run("launch", "--name", "cutoff", "--detach", "--", *SLOW_TRAIN)

@@ -144,6 +144,10 @@ def store_host(job: Job, port: int) -> str | None:
 
 
 def test_a_silent_node_fails_the_job_and_is_down_within_30_s_and_comes_back_clean(cut_lab, worker):
+    """Covers: a node cut off by dropping its packets (iptables) under bin/worker with the shipped timeouts: NODE_LOST
+    and DOWN, then back healthy, its leftovers killed and its logs fetched whole (a stopped sshd refuses; only this
+    drops).
+    """
     # given a 3-node job followed by the worker, training
     job = launch("--name", "cut", "--nodes", "3", "--epochs", "50", "--detach", "--", *TRAIN)
     wait_for(lambda: all(r.log_lines >= 20 for r in job.ranks.all()), timeout=180, what="every rank to train")
@@ -187,6 +191,9 @@ def test_a_silent_node_fails_the_job_and_is_down_within_30_s_and_comes_back_clea
 
 
 def test_a_silent_node_with_min_nodes_trains_again_on_the_rest_within_120_s(cut_lab, worker):
+    """Covers: the same silent cut with --min-nodes 2 under the shipped timeouts: attempt 2 trains on the other two
+    nodes from the last checkpoint.
+    """
     # given a 3-node job that may go on with 2, with a checkpoint written
     job = launch("--name", "cutmin", "--nodes", "3", "--epochs", "50", "--retry", "node-lost", "--min-nodes", "2",
                  "--detach", "--", *TRAIN)  # fmt: skip

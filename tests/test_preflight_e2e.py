@@ -59,18 +59,21 @@ def fake_env(tmp_path, torch: str, cuda: str | None) -> str:
 
 
 def test_preflight_command_passes_on_a_sound_cluster(lab, rdzv_port):
+    """Covers: `preflight` passing on three real nodes, every check answered by a real agent over SSH."""
     out = io.StringIO()
     call_command("preflight", stdout=out)
     assert f"pre-flight passed: node1, node2, node3 (rendezvous 127.0.0.2:{rdzv_port})" in out.getvalue()
 
 
 def test_missing_script_fails_the_launch_naming_each_node(lab, rdzv_port):
+    """Covers: a launch refused because the script is missing on two real nodes, named per node, nothing started."""
     job = launch_fails("noscript", "--nodes", "2", "--script", "train/missing.py")
     for name in ("node1", "node2"):
         assert f"{name}: script {lab.nodes[int(name[-1]) - 1].workdir}/train/missing.py not found" in job.failure_reason
 
 
 def test_missing_gpus_fail_the_launch(lab, rdzv_port):
+    """Covers: a launch refused because a node's GPU reader, run by its agent, sees fewer GPUs than declared."""
     # given node2 declares 2 GPUs but its reader sees one
     path = lab.nodes[1].workdir / "gpus.json"
     path.write_text(json.dumps([{"index": 0, "name": "RTX 4070", "mem_used_mb": 10, "mem_total_mb": 8188}]))
@@ -80,6 +83,7 @@ def test_missing_gpus_fail_the_launch(lab, rdzv_port):
 
 
 def test_gpu_without_free_memory_fails_the_preflight(lab, rdzv_port):
+    """Covers: `preflight` reading a GPU's free memory through a real agent and refusing under 1024 MB."""
     path = lab.nodes[0].workdir / "gpus.json"
     path.write_text(json.dumps([{"index": 0, "name": "RTX 5070 Ti", "mem_used_mb": 12000, "mem_total_mb": 12227}]))
     Node.objects.filter(name="node1").update(gpu_count=1, gpu_reader=f"fixture:{path}")
@@ -90,6 +94,9 @@ def test_gpu_without_free_memory_fails_the_preflight(lab, rdzv_port):
 
 
 def test_busy_rendezvous_port_on_rank0_fails_the_launch(lab, rdzv_port):
+    """Covers: a real socket on rank 0's rendezvous port found by the agent's port check; the launch refused with where
+    to change the port.
+    """
     # given something already listening on the rendezvous port of rank 0's node
     with socket.socket() as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,6 +110,9 @@ def test_busy_rendezvous_port_on_rank0_fails_the_launch(lab, rdzv_port):
 
 
 def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, monkeypatch):
+    """Covers: torch and CUDA versions read by running each node's env python over SSH: a mismatch fails, or warns when
+    set so.
+    """
     # given node3's env has another torch and CUDA
     Node.objects.filter(name="node3").update(torchrun_command=fake_env(tmp_path, "2.1.0", "12.1"))
     # when launched: it fails naming every node's versions
@@ -117,6 +127,7 @@ def test_version_mismatch_fails_or_warns_per_setting(lab, rdzv_port, tmp_path, m
 
 
 def test_unreachable_rendezvous_from_a_worker_fails(lab, rdzv_port):
+    """Covers: a worker node's agent trying a real TCP connection to the rendezvous and being refused."""
     # given node2 thinks the rendezvous lives at an address where nothing will listen
     nodes = list(Node.objects.filter(name__in=["node1", "node2"]))
     report = check_nodes(nodes, "train/train_production.py", "127.0.0.9", rdzv_port)
@@ -124,6 +135,7 @@ def test_unreachable_rendezvous_from_a_worker_fails(lab, rdzv_port):
 
 
 def test_loopback_rendezvous_with_a_node_on_another_host_fails(lab, rdzv_port):
+    """Covers: a loopback rendezvous refused for a node on another host, real agents answering the other checks."""
     # given a local node (no SSH needed) whose address is a LAN address, and rank 0 on loopback
     Node.objects.create(name="lan1", address="192.0.2.10", transport="local", workdir=str(lab.nodes[0].workdir),
                         gpu_count=0, agent_python="/usr/bin/python3")  # fmt: skip
@@ -136,12 +148,16 @@ def test_loopback_rendezvous_with_a_node_on_another_host_fails(lab, rdzv_port):
 
 
 def test_env_python_is_found_next_to_torchrun_only():
+    """Covers: nothing end to end: a pure function (no node, milliseconds); e2e only by its module's pytestmark: it
+    belongs in a fast file.
+    """
     assert env_python(Node(torchrun_command="/opt/venv/bin/torchrun")) == "/opt/venv/bin/python"
     assert env_python(Node(torchrun_command="pixi run -e cuda torchrun")) is None
     assert env_python(Node(torchrun_command="torchrun")) is None
 
 
 def test_preflight_command_names_an_unreachable_node(lab, rdzv_port):
+    """Covers: `preflight` with one node's sshd stopped: one line names that node, nothing is blamed on the other."""
     # given node2's sshd is down (and no link to it left warm by an earlier test: one that dies while a request is
     # on it is reported as such, "hello was sent, then the link closed", which is another case than this one)
     from cluster.links import pool
@@ -165,7 +181,10 @@ def test_preflight_command_names_an_unreachable_node(lab, rdzv_port):
 @pytest.mark.no_test_worker
 def test_preflight_names_a_node_whose_python_is_not_there_over_ssh(lab, rdzv_port):
     """The missing python as a real sshd and login shell report it (the local transport's case is in
-    tests/test_preflight_setup.py)."""
+    tests/test_preflight_setup.py).
+
+    Covers: a missing agent python as a real sshd and login shell report it, turned into one line with the fix.
+    """
     # given node2's python (its agent's) does not exist
     Node.objects.filter(name="node2").update(agent_python="/opt/nowhere/bin/python3")
     out = io.StringIO()

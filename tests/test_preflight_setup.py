@@ -227,7 +227,11 @@ def test_migration_makes_an_existing_demo_node_with_a_detected_torchrun_follow(d
 @pytest.mark.e2e
 def test_demo_node_without_torchrun_is_refused_then_follows_setup(test_worker, fast_settings, tmp_path, monkeypatch):
     """The one real path from a missing torchrun to a launch that runs once the node env exists: the demo node as
-    bin/start makes it, a real agent on the local transport, real torchrun (no faster test launches for real)."""
+    bin/start makes it, a real agent on the local transport, real torchrun (no faster test launches for real).
+
+    Covers: bin/start's demo node refused by pre-flight while no torchrun exists, then a real launch on it once
+    .venv-node does, its alert resolved.
+    """
     # given a fresh checkout where no torchrun exists yet, and bin/start's demo node for it
     repo = tmp_path / "repo"
     shutil.copytree(REPO / "train", repo / "train")

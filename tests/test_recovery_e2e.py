@@ -66,6 +66,9 @@ def final_losses(job: Job, step: int) -> dict[int, float]:
 def test_checkpoints_are_recorded_with_step_node_and_size_and_only_complete_ones_are_offered(
     recovery_settings, client, django_user_model
 ):
+    """Covers: checkpoints a real run writes on its node, scanned through the agent: step, node and size recorded,
+    temporary, growing and incomplete ones not offered; the page and `results` list them.
+    """
     lab = recovery_settings
     # given a running job that saves checkpoint_step<N>.pt and has a glob for other files
     run("launch", "--name", "ck", "--nodes", "2", "--checkpoint-glob", "extra/{job}/*.bin", "--detach", "--",
@@ -128,6 +131,9 @@ def test_checkpoints_are_recorded_with_step_node_and_size_and_only_complete_ones
 
 
 def test_a_rank_killed_at_step_60_resumes_from_step_50_and_ends_as_an_uninterrupted_run(recovery_settings):
+    """Covers: resume after a real SIGKILL on two other nodes: the checkpoint copied to rank 0's node (sha256), the run
+    ending exactly as an uninterrupted one, one curve, each attempt's logs apart.
+    """
     # given an uninterrupted run of the reference script
     run("launch", "--name", "whole", "--nodes", "2", "--", *TRAIN)
     whole = Job.objects.get(name="whole")
@@ -198,6 +204,9 @@ def test_a_rank_killed_at_step_60_resumes_from_step_50_and_ends_as_an_uninterrup
 
 
 def test_resume_refuses_a_running_or_unknown_job_with_one_line_and_changes_nothing(recovery_settings):
+    """Covers: `resume` refusing a really running job, an unknown job and an unknown node in one line; the refusals
+    themselves are plain logic (a fast test on job rows could hold them).
+    """
     run("launch", "--name", "live", "--nodes", "1", "--detach", "--", *TRAIN)
     job = Job.objects.get(name="live")
     with pytest.raises(CommandError, match="only a failed or cancelled job can be resumed"):
@@ -223,6 +232,9 @@ def drive(job: Job, predicate, timeout: float = 150, what: str = "condition"):
 
 
 def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_the_accumulation(recovery_settings):
+    """Covers: the retry policy acting on a real OOM: attempt 2 started from the step-20 checkpoint with half the batch
+    and twice the accumulation; the decision alone is tests/test_recovery.py's.
+    """
     from cluster.models import Alert
 
     # given a job that runs out of memory at step 30 while its per-rank batch is above 2
@@ -250,6 +262,9 @@ def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_t
 
 
 def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_settings):
+    """Covers: two real attempts failing at the same step judged a crash loop, nothing more started across the worker's
+    passes.
+    """
     from cluster.models import Alert
 
     # given a script error before step 28, every time, and a policy that would retry it five times
@@ -274,6 +289,9 @@ def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_set
 
 
 def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recovery_settings):
+    """Covers: a node's sshd stopped mid-run with --min-nodes 2: attempt 2 resumes on the other two nodes from the last
+    checkpoint (the refused-connection twin of tests/test_node_silent_e2e.py's silent cut).
+    """
     lab = recovery_settings
     # given a 3-node job that may go on with 2 nodes
     run("launch", "--name", "lost", "--nodes", "3", "--retry", "node-lost", "--min-nodes", "2", "--detach", "--",
@@ -316,6 +334,9 @@ def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recov
 def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_from_its_checkpoint(
     recovery_settings,
 ):
+    """Covers: a lost node, ranks frozen, no --min-nodes: the retry waits QUEUED for it, its frozen processes are
+    stopped when it is back, and it resumes there from a checkpoint copied to the other node.
+    """
 
     lab = recovery_settings
     # given a 2-node job that may be retried after a lost node, but names no --min-nodes
@@ -384,6 +405,9 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
 
 
 def test_a_hung_job_is_flagged_its_stacks_dumped_and_the_retry_policy_applied(recovery_settings):
+    """Covers: a real job falling silent: flagged HUNG, every rank's stacks dumped into its log (SIGUSR1 through the
+    agent), then retried from its checkpoint.
+    """
     from cluster.models import Alert
 
     # given a job that stops printing after step 25 (it sleeps), with a 3 s hang limit and one retry allowed
@@ -408,6 +432,9 @@ def test_a_hung_job_is_flagged_its_stacks_dumped_and_the_retry_policy_applied(re
 
 def test_a_rank_sleeping_half_again_per_step_is_flagged_as_a_straggler(recovery_settings, client,
                                                                       django_user_model):  # fmt: skip
+    """Covers: step times of three real ranks, one 50 % slower, flagged as a straggler on the page and in an alert on
+    its node; the ratio rule alone is tests/test_recovery.py's.
+    """
     from cluster.models import Alert
     from jobs.recovery import stragglers
 
@@ -433,6 +460,9 @@ def test_a_rank_sleeping_half_again_per_step_is_flagged_as_a_straggler(recovery_
 
 
 def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_nodes(recovery_settings):
+    """Covers: an unmodified Hugging Face Trainer's checkpoint-N directory found where it wrote it, copied to other
+    nodes and resumed through its own --resume_from_checkpoint.
+    """
     import shutil
 
     frameworks = Path(__file__).parent / "data" / "frameworks"

@@ -51,6 +51,9 @@ def run_to_end(jobs: list[Job], timeout: float = 90) -> None:
 
 
 def test_two_jobs_run_side_by_side_on_one_node_each_on_its_own_gpu(gpu_lab):
+    """Covers: two jobs on one real node, each torchrun worker seeing only its own GPU (CUDA_VISIBLE_DEVICES); the
+    placement alone is tests/test_scheduler.py's.
+    """
     # given a node with 2 GPUs; when two 1-GPU jobs are queued
     jobs = [create_job(LaunchRequest(name=f"share{i}", gpus=1, script="scripts/gpus_seen.py",
                                      extra_args=["--hold", "2"])) for i in range(2)]  # fmt: skip
@@ -72,6 +75,9 @@ def test_two_jobs_run_side_by_side_on_one_node_each_on_its_own_gpu(gpu_lab):
 
 
 def test_a_job_past_its_time_limit_gets_sigterm_then_ends_failed_timeout(gpu_lab):
+    """Covers: a real script getting SIGTERM when its time limit passes (time for a last checkpoint), then FAILED with
+    kind TIMEOUT and its GPUs freed.
+    """
     # given a running job whose script would run for a minute and has printed its first line
     job = create_job(LaunchRequest(name="overtime", gpus=2, time_limit_s=3600, script="scripts/gpus_seen.py",
                                    extra_args=["--hold", "60"]))  # fmt: skip
@@ -100,6 +106,9 @@ def test_a_job_past_its_time_limit_gets_sigterm_then_ends_failed_timeout(gpu_lab
 
 
 def test_a_job_starts_beside_another_jobs_busy_gpu_on_the_same_node(gpu_lab):
+    """Covers: a 1-GPU job placed beside another job's nearly full GPU: its pre-flight, through the agent, looks at its
+    own GPU only, and it runs there.
+    """
     # given node1's GPU 0 nearly full, held by another job
     workdir = Path(gpu_lab.workdir)
     readings = json.loads((workdir / "gpus.json").read_text())

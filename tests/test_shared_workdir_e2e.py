@@ -81,7 +81,11 @@ def test_a_synced_job_on_three_nodes_sharing_a_workdir_is_built_once_checkpoints
     shared_lab, shared_workdir
 ):
     """The only path that runs sync, the follower's checkpoint recording, cancel and resume with the nodes' agents
-    on one real shared directory (tests/test_sync.py covers each rule on its own, in a second)."""
+    on one real shared directory (tests/test_sync.py covers each rule on its own, in a second).
+
+    Covers: sync, checkpoint recording, cancel and resume on three sshd nodes sharing one real working directory: one
+    copy, one checkpoint, no file written by two agents.
+    """
     project = shared_lab.project
     # given three nodes that share one working directory, and a job synced to all three that checkpoints
     run("launch", "--name", "sh1", "--nodes", "3", "--sync", str(project), "--script", "train_production.py",

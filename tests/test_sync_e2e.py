@@ -61,6 +61,9 @@ def project(lab, tmp_path):
 
 
 def test_a_changed_file_reaches_every_node_and_an_unchanged_tree_copies_nothing(project, lab):
+    """Covers: a synced directory reaching two real nodes, each rank running in its copy, then only a changed file
+    travelling and an unchanged tree sending nothing; the store's rules alone are tests/test_sync.py's.
+    """
     code_bytes = sum(f["size"] for f in manifest.build(str(project)).files)
     # given a directory synced to two nodes
     run("launch", "--name", "s1", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
@@ -90,6 +93,9 @@ def test_a_changed_file_reaches_every_node_and_an_unchanged_tree_copies_nothing(
 
 
 def test_what_ran_is_recorded_per_node_and_two_runs_differ_in_their_code(project, lab):
+    """Covers: what ran, recorded from real nodes: the synced tree's git state (a dirty diff) and each node's python,
+    torch and packages as its agent read them.
+    """
     run("launch", "--name", "p1", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
     one = finish(Job.objects.get(name="p1"))
     (project / "lib" / "version.py").write_text("VERSION = 3\n")  # uncommitted
@@ -113,6 +119,9 @@ def test_what_ran_is_recorded_per_node_and_two_runs_differ_in_their_code(project
 
 
 def test_a_script_that_differs_between_nodes_is_refused_by_name(lab):
+    """Covers: a script whose copies differ on two real nodes refused by pre-flight with both hashes, then run with
+    --allow-mismatch keeping each hash.
+    """
     # given two nodes whose copies of a script differ (no sync)
     for i, node in enumerate(lab.nodes[:2]):
         tree(Path(node.workdir), {"train/differs.py": f"print('copy {i}')\n"})
@@ -132,6 +141,10 @@ def test_a_script_that_differs_between_nodes_is_refused_by_name(lab):
 
 
 def test_bad_sync_input_is_refused_in_one_line_and_leaves_nothing_behind(project, lab, tmp_path, monkeypatch):
+    """Covers: `launch --sync` refusing a bad directory, a symlink out, an oversize tree or a missing script in one line
+    before any node is asked (the rules alone are tests/test_sync.py's; a fast test could hold it).
+    """
+
     def refused(*args: str) -> str:
         with pytest.raises(CommandError) as err:
             run("launch", "--name", "bad", "--nodes", "2", "--script", "train.py", "--detach", *args)
@@ -152,6 +165,9 @@ def test_bad_sync_input_is_refused_in_one_line_and_leaves_nothing_behind(project
 
 
 def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_starts(project, lab):
+    """Covers: a node's agent unable to build the job's copy (a file in its way): the attempt fails naming that node
+    before any rank starts.
+    """
     # given a second node where the job's copy cannot be made (a file stands where its directory goes)
     blocker = Path(lab.nodes[1].workdir) / "outputs" / "nocopy"
     blocker.parent.mkdir(parents=True, exist_ok=True)
@@ -170,6 +186,9 @@ def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_star
 
 @pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
 def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whole(project, lab, client, monkeypatch):
+    """Covers: a 2.5 MB tree streamed as one tar to two real nodes, through the OpenSSH client or on the link's own
+    connection, arriving whole with no part file left.
+    """
     # given a tree with 2.5 MB to send (more than travels inside a request), through the OpenSSH client or,
     # where there is none, on a second channel of the node's own SSH connection
     if client != "openssh":
@@ -194,6 +213,9 @@ def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whol
 
 def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_keeps_nothing(project, lab, tmp_path,
                                                                                           monkeypatch):  # fmt: skip
+    """Covers: the OpenSSH client refusing a node's host key in a streamed sync: the attempt fails in one line naming
+    the node, no part file nor copy kept on it.
+    """
     # given an OpenSSH client that meets another host key than the one pinned for node2 (and a tree over 1 MB)
     from cluster import links
 
@@ -221,6 +243,9 @@ def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_kee
 @pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
 def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_of_its_own(project, lab, client,
                                                                                           monkeypatch):  # fmt: skip
+    """Covers: a real sshd with AllowTcpForwarding no: its stream goes to a receiver its agent starts, beside a node
+    whose forwarding works, for both clients.
+    """
     from cluster import links
     from cluster.models import Node
 
