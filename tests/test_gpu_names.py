@@ -34,6 +34,9 @@ def local_node(transactional_db, fast_settings, tmp_path):
 
 @pytest.mark.e2e
 def test_health_names_each_gpu_model_and_its_memory_as_the_probe_read_it(local_node):
+    """Covers: the probe's GPU readings carried by a real agent (local transport, no SSH) into `health` and the API's
+    words; about a second.
+    """
     # when `manage.py health` probes the node
     out = io.StringIO()
     try:

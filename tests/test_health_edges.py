@@ -52,6 +52,9 @@ def _ssh_node(name: str, port: int) -> Node:
 
 
 def test_first_poll_of_a_node_never_reached_says_down_with_the_reason(transactional_db, fast_settings):
+    """Covers: the first poll of a node where nothing listens: the OS's own refusal of the SSH connection turned into
+    DOWN with its reason (a second; no fake link refuses like the OS).
+    """
     # given a node nobody has reached yet, where nothing listens
     node = _ssh_node("ghost", free_port())
     # when the first poll runs
@@ -64,6 +67,9 @@ def test_first_poll_of_a_node_never_reached_says_down_with_the_reason(transactio
 
 
 def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactional_db, controller_env, silent_sshd):
+    """Covers: `health` as a process against a listener that never sends an SSH banner: the connect timeout's one line
+    and exit 1, no paramiko traceback.
+    """
     # given a node whose sshd accepts the connection but never sends its banner
     _ssh_node("mute", silent_sshd)
     env = with_constants(controller_env, {"cluster.links.CONNECT_TIMEOUT_S": 1.5})
@@ -82,6 +88,9 @@ def test_silent_sshd_gives_one_line_naming_the_node_and_the_timeout(transactiona
 
 
 def test_health_says_unreachable_for_a_known_node_that_stops_answering(lab):
+    """Covers: `health` right after a real sshd stopped: UNREACHABLE with the failed-probe count while the breaker still
+    says healthy.
+    """
     import io
 
     from django.core.management import CommandError, call_command
@@ -127,6 +136,9 @@ def _thaw(pids: list[int]) -> None:
 
 
 def test_preflight_fails_a_silent_node_within_the_connect_timeout(lab, fast_settings, silent_sshd, monkeypatch):
+    """Covers: pre-flight over a warm link whose sshd is frozen (SIGSTOP), and to a node that never speaks: the hello
+    bounded by the connect timeout, as only real sockets show.
+    """
     import io
 
     from django.core.management import CommandError, call_command
@@ -204,6 +216,9 @@ def sshd_that_stalls_on_exec(tmp_path):
 
 
 def test_a_session_that_never_starts_fails_within_the_timeout_and_frees_the_link(sshd_that_stalls_on_exec):
+    """Covers: a real SSH server (paramiko's) that never answers the exec request: the link's timeout, and its lock
+    freed for the next request.
+    """
     from cluster.links import Endpoint, LinkError, NodeLink
 
     port, key = sshd_that_stalls_on_exec
@@ -217,6 +232,9 @@ def test_a_session_that_never_starts_fails_within_the_timeout_and_frees_the_link
 
 
 def test_preflight_json_names_the_unreachable_node(transactional_db, fast_settings):
+    """Covers: `preflight --json` with a node where nothing listens: the report as JSON and exit 1 (a refused
+    connection, a second).
+    """
     import io
 
     from django.core.management import CommandError, call_command
@@ -234,6 +252,9 @@ def test_preflight_json_names_the_unreachable_node(transactional_db, fast_settin
 
 
 def test_an_idle_node_that_goes_silent_is_down_on_the_next_tick_not_after_its_interval(lab, fast_settings, monkeypatch):
+    """Covers: the monitor's next tick after a warm link's sshd froze: hello fails, fresh connections see no banner,
+    DOWN in one tick; the breaker's rule alone is tests/test_health.py's.
+    """
     monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 1.5)
     # given three idle nodes just polled over warm links (none due again for 40 s)
     monitor.poll_once(force=True)
@@ -257,6 +278,9 @@ NOISY_AGENT = b"import sys\nsys.stderr.write('a warning on stderr\\n')\nsys.stde
 
 
 def test_a_warm_link_whose_agent_wrote_to_stderr_keeps_answering(loopback):
+    """Covers: a real agent writing to stderr on a paramiko channel (which then selects readable) while the next request
+    waits: only a real channel behaves so.
+    """
     import time
 
     from cluster.links import NodeLink

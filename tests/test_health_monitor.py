@@ -81,6 +81,9 @@ def gpu_fixture(lab, index: int, gpus: list[dict], count: int | None = None) -> 
 
 
 def test_stopped_node_is_down_within_two_polls_alerts_and_recovers(lab, webhook):
+    """Covers: the monitor polling real sshd nodes, one stopped (its sessions cut): DOWN after two polls, one critical
+    alert posted to a real webhook, then recovered; the rules alone are tests/test_health.py's.
+    """
     # given three healthy nodes, one of them reading one GPU
     gpu_fixture(lab, 0, [GPU])
     first = {o.node: o for o in monitor.poll_once(force=True)}
@@ -127,6 +130,9 @@ def test_stopped_node_is_down_within_two_polls_alerts_and_recovers(lab, webhook)
 
 
 def test_missing_and_hot_gpus_degrade_the_node_and_alert_until_cleared(lab):
+    """Covers: GPU readings from the fixture reader through a real agent degrading the node, then opening, lowering and
+    resolving its alerts over three polls.
+    """
     # given node1 declares 2 GPUs but the reader sees one, at 87 C
     node = gpu_fixture(lab, 0, [{**GPU, "temp_c": 87}], count=2)
     # when polled
@@ -151,6 +157,9 @@ def test_missing_and_hot_gpus_degrade_the_node_and_alert_until_cleared(lab):
 
 
 def test_adaptive_interval_skips_nodes_polled_moments_ago(lab):
+    """Covers: which nodes a tick polls after a real first poll; beyond that poll it is the due-time and lease rule on
+    rows (a fast test could hold it).
+    """
     # given every node just polled
     monitor.poll_once(force=True)
     # when beat fires again right away: nothing is due (idle nodes wait 40 s)
@@ -164,6 +173,9 @@ def test_adaptive_interval_skips_nodes_polled_moments_ago(lab):
 
 
 def test_prune_turns_old_raw_samples_into_minute_aggregates(lab):
+    """Covers: no node: the prune's aggregation in the database; e2e only by its module's pytestmark: it belongs in a
+    fast file.
+    """
     # given raw samples 25 h old (two in one minute) and a 31-day-old aggregate
     node = Node.objects.get(name="node1")
     old = (timezone.now() - timedelta(hours=25)).replace(second=10, microsecond=0)
@@ -181,6 +193,9 @@ def test_prune_turns_old_raw_samples_into_minute_aggregates(lab):
 
 
 def test_job_finished_alert_is_info_posted_and_mailed(lab, webhook, settings, mailoutbox):
+    """Covers: no node: an alert posted to a real HTTP receiver and mailed; e2e only by its module's pytestmark: it
+    belongs in a fast file.
+    """
     # given a finished job and an alert address in the environment
     from jobs.models import Job
 
@@ -196,6 +211,7 @@ def test_job_finished_alert_is_info_posted_and_mailed(lab, webhook, settings, ma
 
 
 def test_a_failing_webhook_does_not_block_the_poll(lab, settings):
+    """Covers: a poll through a real agent completing while the webhook's address refuses the post."""
     # given a webhook address where nothing listens
     import socket
 
@@ -210,6 +226,9 @@ def test_a_failing_webhook_does_not_block_the_poll(lab, settings):
 
 
 def test_health_command_lists_every_node_and_exits_1_when_one_is_down(lab):
+    """Covers: `health` polling three real sshd nodes with fixture GPUs: a line per node, the failing checks under the
+    bad one, exit 1, and the same verdicts in --json.
+    """
     # given node1 with one GPU, node3 declaring a GPU it does not have
     gpu_fixture(lab, 0, [GPU])
     gpu_fixture(lab, 2, [], count=1)
@@ -234,12 +253,16 @@ def test_health_command_lists_every_node_and_exits_1_when_one_is_down(lab):
 
 
 def test_health_command_exits_0_when_all_nodes_are_healthy(lab):
+    """Covers: `health` over SSH on three healthy nodes exiting 0 (about a second)."""
     out = io.StringIO()
     call_command("health", stdout=out)
     assert out.getvalue().count("✓") == 3
 
 
 def test_alerts_command_lists_open_alerts_and_all_with_flag(lab):
+    """Covers: no node: `alerts` reads the database only; e2e only by its module's pytestmark: it belongs in a fast
+    file.
+    """
     # given one open and one resolved alert
     from cluster.alerts import open_alert, record_event
 
@@ -255,6 +278,7 @@ def test_alerts_command_lists_open_alerts_and_all_with_flag(lab):
 
 
 def test_monitor_command_polls_in_the_foreground(lab):
+    """Covers: `monitor`, the foreground loop, making one step of real polls of three sshd nodes."""
     # given no poll yet; when the foreground monitor runs briefly
     out = io.StringIO()
     call_command("monitor", "--seconds", "0.5", "--tick", "5", stdout=out)
@@ -265,6 +289,7 @@ def test_monitor_command_polls_in_the_foreground(lab):
 
 
 def test_poll_pushes_node_status_to_the_cluster_group(lab):
+    """Covers: a real poll's node events arriving on the dashboard's cluster group over the Redis channel layer."""
     # given a listener in the dashboard's "cluster" group (real Redis channel layer)
     import asyncio
 
@@ -295,6 +320,9 @@ def test_poll_pushes_node_status_to_the_cluster_group(lab):
 
 
 def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(db, monkeypatch):
+    """Covers: a real TCP knock on a port that starts listening (the probe itself is stubbed, no SSH); e2e only by its
+    module's pytestmark: it belongs in a fast file.
+    """
     import socket
     import time
 
@@ -329,6 +357,9 @@ def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(
 
 
 def test_a_node_back_while_an_older_probe_still_holds_it_is_probed_on_the_next_tick(db, monkeypatch):
+    """Covers: a real TCP knock answered while another probe holds the lease (the probe is stubbed, no SSH); e2e only by
+    its module's pytestmark: it belongs in a fast file.
+    """
     import socket
     import time
     from datetime import timedelta

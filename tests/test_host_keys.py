@@ -48,6 +48,9 @@ def node(own_cluster, transactional_db, fast_settings, tmp_path):
 
 
 def test_first_contact_pins_the_key_and_a_replaced_key_is_refused_until_trusted(own_cluster, node):
+    """Covers: a real sshd's host key pinned on first use, then refused by the link, the health probe and pre-flight
+    once the node comes back with another key, until `trust` pins it: no fake link has a host key.
+    """
     # given a node never contacted: when UGRO first reaches it
     node_request(node, "hello", timeout=10)
     node.refresh_from_db()
@@ -95,6 +98,7 @@ def test_first_contact_pins_the_key_and_a_replaced_key_is_refused_until_trusted(
 
 
 def test_a_known_hosts_entry_is_honoured(own_cluster, node, tmp_path):
+    """Covers: a known_hosts entry checked against a real sshd's key, a wrong one refused, the right one pinned."""
     lb = own_cluster.nodes[0]
     pub = (own_cluster.host_key.with_suffix(".pub")).read_text().split()
     other = tmp_path / "other"
@@ -116,6 +120,9 @@ def test_a_known_hosts_entry_is_honoured(own_cluster, node, tmp_path):
 
 
 def test_trust_refuses_unknown_and_local_nodes(node):
+    """Covers: no node is contacted: `trust`'s refusals read the database only; e2e only by its module's pytestmark: it
+    belongs in a fast file.
+    """
     with pytest.raises(CommandError, match="no node named 'nope'"):
         call_command("trust", "nope", stdout=io.StringIO())
     Node.objects.create(name="here", address="127.0.0.1", transport=Node.Transport.LOCAL)
@@ -124,6 +131,9 @@ def test_trust_refuses_unknown_and_local_nodes(node):
 
 
 def test_a_node_that_does_not_answer_is_a_link_error_not_a_key_error(node):
+    """Covers: a refused connection (port 1) reported by `trust` and a request as a link error, not a key error (a
+    second).
+    """
     Node.objects.filter(pk=node.pk).update(ssh_port=1)
     node.refresh_from_db()
     with pytest.raises(CommandError, match="cannot reach"):
@@ -134,6 +144,9 @@ def test_a_node_that_does_not_answer_is_a_link_error_not_a_key_error(node):
 
 
 def test_a_warm_link_is_kept_when_its_key_gets_pinned_and_pins_a_row_made_again(own_cluster, node):
+    """Covers: a warm paramiko link kept across the pinning of its key, and reused for the node's row made again: only a
+    real connection is warm.
+    """
     link = node.link()
     node_request(node, "hello", timeout=10)
     node.refresh_from_db()

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_local_node_trains_without_ssh(test_worker, fast_settings, tmp_path):
+    """Covers: a job trained on a node with the local transport (the agent a local process, no sshd), and the reading
+    commands on that real job.
+    """
     workdir = tmp_path / "local"
     shutil.copytree(REPO / "train", workdir / "train")
     import_cluster(
@@ -52,6 +55,9 @@ def test_local_node_trains_without_ssh(test_worker, fast_settings, tmp_path):
 
 
 def test_reading_commands_fail_with_one_line_for_unknown_jobs(transactional_db):
+    """Covers: no node: the reading commands' refusal of an unknown job reads the database only; e2e only by its
+    module's pytestmark: it belongs in a fast file.
+    """
     from django.core.management import CommandError
 
     for cmd in ("status", "logs", "results", "cancel"):

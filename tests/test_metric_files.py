@@ -45,6 +45,9 @@ def stored(job: Job) -> list[tuple[int, str, float]]:
 
 
 def test_csv_is_followed_by_whole_lines_and_a_rewritten_header_repeats_nothing(job_on_node1):
+    """Covers: a CSV followed through a real agent over SSH from offsets kept in the database: whole lines only, a
+    rewritten header repeating nothing.
+    """
     job, logs = job_on_node1
     csv_file = logs / "version_0" / "metrics.csv"
     # given Lightning has written a header, two rows and half of a third
@@ -68,6 +71,9 @@ def test_csv_is_followed_by_whole_lines_and_a_rewritten_header_repeats_nothing(j
 
 
 def test_tensorboard_events_are_read_with_tensorboards_reader_record_by_record(job_on_node1):
+    """Covers: a TensorBoard event file read through a real agent record by record, a half-written record taken once
+    whole, across a controller restart.
+    """
     job, logs = job_on_node1
     recorded = next((CORPUS / "version_1").glob("events.out.tfevents.*"))
     data = recorded.read_bytes()
@@ -91,6 +97,9 @@ def test_tensorboard_events_are_read_with_tensorboards_reader_record_by_record(j
 
 
 def test_a_job_without_metric_files_asks_the_nodes_nothing(lab):
+    """Covers: no node is asked (the request raises if called): plain logic; e2e only by its module's pytestmark: it
+    belongs in a fast file.
+    """
     from cluster.models import Node
 
     job = Job.objects.create(name="nofiles", script="x.py", state=Job.State.RUNNING)

@@ -82,6 +82,9 @@ def ready(name: str, count: int) -> list[Replica] | None:
 
 
 def test_replicas_start_restart_when_they_die_and_stop_with_nothing_left(lab, tender):
+    """Covers: fake-engine replicas started through real agents on two nodes (the checkpoint copied to the second), one
+    killed and restarted in place by the worker, stop leaving no process.
+    """
     # given a job's checkpoint
     trained_job()
 
@@ -132,6 +135,9 @@ def test_replicas_start_restart_when_they_die_and_stop_with_nothing_left(lab, te
 
 
 def test_an_engine_that_keeps_dying_is_given_up_after_its_restarts_and_frees_its_slot(lab, tender):
+    """Covers: an engine that exits at once on a real node, tried 1 + 3 times by the worker, then given up with its
+    reason and its slot freed.
+    """
     # given an engine that exits at once with code 3
     trained_job()
     serve("dies", "--from", "trained", "--engine", "custom", "--command",
@@ -150,6 +156,9 @@ def test_an_engine_that_keeps_dying_is_given_up_after_its_restarts_and_frees_its
 
 
 def test_a_replica_that_stops_answering_leaves_the_rotation_and_is_restarted(lab, tender, monkeypatch):
+    """Covers: a frozen (SIGSTOP) engine on a real node: its health check times out, it leaves the rotation and is
+    restarted.
+    """
     monkeypatch.setattr("serving.replicas.UNHEALTHY_RESTART_S", 2.0)
     monkeypatch.setattr("serving.replicas.CHECK_TIMEOUT_S", 1.0)
     # given a ready replica
@@ -171,6 +180,9 @@ def test_a_replica_that_stops_answering_leaves_the_rotation_and_is_restarted(lab
 
 
 def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
+    """Covers: `serve`'s refusals in one line beside a real running service; the checks read the database only (a fast
+    test could hold them).
+    """
     trained_job()
     serve("taken", "--from", "trained", "--engine", "custom", "--command", FAKE)
     before = (Service.objects.count(), Replica.objects.count())
@@ -194,6 +206,9 @@ def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
 
 @pytest.mark.no_test_worker
 def test_with_no_worker_serve_refuses_in_one_line(lab):
+    """Covers: no node is contacted: `serve` refusing with no worker heartbeat; e2e only by its module's pytestmark: it
+    belongs in a fast file.
+    """
     trained_job()
     with pytest.raises(CommandError, match="no UGRO worker is running"):
         serve("chat", "--from", "trained", "--engine", "custom", "--command", FAKE)
@@ -203,6 +218,9 @@ def test_with_no_worker_serve_refuses_in_one_line(lab):
 def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_replica_killed_under_load(
     lab, tender, controller_env, os_account, tmp_path
 ):
+    """Covers: real `transformers serve` replicas of a tiny GPT-2 answering through the controller's endpoint (streamed
+    too), one killed under load and restarted, every request answered whole.
+    """
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
     subprocess.run([str(NODE_ENV / "bin" / "python"), str(TINY_GPT2), checkpoint.path], check=True,
