@@ -11,6 +11,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 
 def test_api_docs_render_every_endpoint_with_no_console_error(web, chromium):  # noqa: F811
+    """Covers: Swagger UI's own JavaScript drawing /api/docs in Chromium under the site's Content-Security-Policy; the
+    fast API tests read the schema, not the page a browser draws.
+    """
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, web)

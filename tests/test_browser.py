@@ -164,6 +164,10 @@ def points_shown(page) -> int:
 
 
 def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
+    """Covers: the dashboard's live path whole: a job launched from the form, its curve and every rank's lines arriving
+    over the websocket from a real worker following torchrun on three sshd nodes, and a cancel from the page that frees
+    the nodes.
+    """
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, server)
@@ -234,6 +238,9 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
 
 
 def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
+    """Covers: markup printed by a real rank, shown as text by the page's JavaScript both live (websocket) and reloaded
+    (logs endpoint); the fast tests check what the server escapes, not the browser's DOM.
+    """
     for node in lab.nodes[:3]:
         (node.workdir / "train" / "hostile.py").write_text(HOSTILE_SCRIPT)
     errors: list[str] = []
@@ -269,6 +276,9 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
 
 
 def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium):
+    """Covers: the Resume button of a failed job's page queuing attempt 2 from the chosen checkpoint, run to its end,
+    and the chart marking where it joined; the CLI's resume is tests/test_recovery_e2e.py's.
+    """
     from django.core.management import call_command
 
     from metrics.models import MetricPoint
@@ -311,6 +321,9 @@ def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium)
 
 
 def test_logged_out_browser_gets_no_page_no_json_and_no_websocket(web, chromium):
+    """Covers: a real browser's websocket handshake refused without a session by daphne's ASGI stack; Django's test
+    client, which the fast tests use, has no websocket.
+    """
     job = Job.objects.create(name="secret-run", script="s.py")
     errors: list[str] = []
     page = new_page(chromium, errors)
@@ -350,7 +363,11 @@ def publish_cluster_event(data: dict) -> None:
 
 
 def test_cluster_overview_follows_node_status_without_reloading(web, chromium):
-    """No worker here: the event is the only thing that changes the page."""
+    """No worker here: the event is the only thing that changes the page.
+
+    Covers: the overview's JavaScript turning a node card red in place from a cluster event over a real websocket
+    (daphne, the Redis channel layer).
+    """
     from cluster.models import Node
 
     errors: list[str] = []
@@ -371,6 +388,9 @@ def test_cluster_overview_follows_node_status_without_reloading(web, chromium):
 
 
 def test_launch_form_shows_each_ranks_command_before_launching(web, chromium):
+    """Covers: the form's "Show commands" button in Chromium: its request and what it draws, the form kept as typed; the
+    dry run's text alone has fast tests.
+    """
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, web)
@@ -392,6 +412,9 @@ def test_launch_form_shows_each_ranks_command_before_launching(web, chromium):
 
 
 def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromium):
+    """Covers: the queue page reached from the navigation and drawn in Chromium with no console or HTTP error; its
+    reasons and estimates alone are tests/test_scheduler.py's.
+    """
     from jobs.launch import LaunchRequest, create_job
     from jobs.scheduler import place_queued
 
@@ -417,6 +440,9 @@ def test_queue_page_shows_why_each_job_waits_and_who_holds_each_node(web, chromi
 
 
 def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_text(web, chromium):
+    """Covers: the services page refreshing in the browser (a replica turning ready with no reload, the start form
+    keeping what is typed) and a hostile note left as text in the DOM.
+    """
     from cluster.models import Node
     from jobs.models import Checkpoint
     from serving.models import Replica, Service
@@ -472,6 +498,9 @@ def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_t
 
 
 def test_sweep_page_overlays_trial_curves_marks_the_best_and_sorts(web, chromium, worker_heartbeat):
+    """Covers: the sweep page's chart overlaying the trials with the best starred, and its table sorted by a click on
+    its header: JavaScript only a browser runs.
+    """
     from django.core.management import call_command
     from django.utils import timezone
 

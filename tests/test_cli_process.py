@@ -18,6 +18,9 @@ UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]
 
 
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, controller_env, tmp_path):
+    """Covers: Ctrl-C (SIGINT) to a real `manage.py launch` process following a job on three sshd nodes: it exits 0, the
+    job runs on, and another process cancels it.
+    """
     out_path = tmp_path / "launch.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen([*UGRO, "launch", "--name", "ctrlc", "--", *SLOW_TRAIN], cwd=tmp_path,
@@ -43,6 +46,9 @@ def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, con
 
 
 def test_a_refused_launch_exits_non_zero_with_one_line(lab, controller_env):
+    """Covers: `manage.py launch` as a process of its own refusing a hostile name: exit status and one line on stderr
+    (no node is asked; call_command's refusals are tests/test_security_launch.py's).
+    """
     done = subprocess.run([*UGRO, "launch", "--name", "$(touch /tmp/ugro_cli_pwned)"], env=controller_env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode != 0

@@ -156,7 +156,11 @@ def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_canc
     ugro_script, lab, controller_env, live_server, tmp_path
 ):
     """The whole path: the client -> the API queues the job -> a real worker starts torchrun on three sshd
-    nodes -> the client follows the merged log until the job succeeds."""
+    nodes -> the client follows the merged log until the job succeeds.
+
+    Covers: the `ugro` console script on real nodes: a launch through the API started by a real worker on three sshd
+    nodes and followed to its end, and a running job cancelled through the API.
+    """
     from accounts.models import AuditEvent
 
     from .conftest import FAST_TRAIN, SLOW_TRAIN, job_pids

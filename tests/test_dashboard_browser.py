@@ -141,6 +141,9 @@ def panel_order(page) -> list[str]:
 
 
 def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium, tmp_path):  # noqa: F811
+    """Covers: the job page's panels in Chromium (groups, smoothing, log scale, synced hover, CSV and PNG downloads,
+    state in the URL): JavaScript only a browser runs, on data written to the DB.
+    """
     nodes = list(Node.objects.order_by("name"))[:3]
     job = ran_job("curves", nodes)
     add_curves(job, 3, 200, CURVES)
@@ -260,6 +263,9 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
 
 
 def test_a_long_run_draws_rank_0_from_one_request_and_loads_the_other_ranks_when_asked(web, chromium):  # noqa: F811
+    """Covers: what the browser asks for on a 36,000-point run: rank 0 in one request, the other ranks only when asked
+    (the page's own requests, read from its resource timing).
+    """
     nodes = list(Node.objects.order_by("name"))[:3]
     job = ran_job("long-run", nodes)
     # 3 ranks x 12,000 steps, stored as the follower stores them and folded: the charts read the rollup
@@ -293,6 +299,9 @@ def test_a_long_run_draws_rank_0_from_one_request_and_loads_the_other_ranks_when
 
 
 def test_live_page_drops_the_queued_banner_appends_points_and_shows_results_at_the_end(web, chromium):  # noqa: F811
+    """Covers: the job page's live events in the browser: the queued banner dropped, points appended and results shown
+    at the end with no reload (events sent on the channel layer as the follower sends them).
+    """
     errors: list[str] = []
     page = new_page(chromium, errors)
     log_in(page, web)
@@ -355,6 +364,7 @@ def test_live_page_drops_the_queued_banner_appends_points_and_shows_results_at_t
 
 
 def test_node_page_shows_24h_of_gpu_cpu_and_ram_and_compare_diffs_configs(web, chromium, tmp_path):  # noqa: F811
+    """Covers: the node page's 24 h GPU, CPU and RAM charts and compare's config diff as Chromium draws them."""
     nodes = list(Node.objects.order_by("name"))[:3]
     add_health(nodes[:1], hours=24, every_s=120)
     errors: list[str] = []
@@ -408,6 +418,9 @@ def keep_shots(tmp_path: Path, *names: str) -> None:
 
 
 def test_values_with_no_step_are_drawn_by_time_until_the_frameworks_file_gives_their_steps(web, chromium):  # noqa: F811
+    """Covers: a panel in the browser drawing step-less values by time, then by step once the framework's file gives
+    them: the chart code's switch, which only a browser runs.
+    """
     # given a running Lightning job whose bar showed train_loss three times (no step: the bar counts batches)
     node = Node.objects.order_by("name").first()
     job = ran_job("bar-only", [node], minutes=2, state=Job.State.RUNNING, finished_at=None)

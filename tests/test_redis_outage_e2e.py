@@ -29,6 +29,9 @@ def start_redis(port: int, cwd) -> subprocess.Popen:
 
 
 def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_path):
+    """Covers: Redis stopped for 5 s and started empty under bin/worker following a real job: the worker stays up, no
+    log line lost or repeated.
+    """
     port = free_port()
     redis = start_redis(port, tmp_path)
     env = dict(controller_env, REDIS_URL=f"redis://127.0.0.1:{port}/0", UGRO_WORKER_THREADS="4")

@@ -51,7 +51,11 @@ def holding(path: str, pids) -> list[int]:
 
 def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tmp_path):
     """Over 10 s: the one path that runs bin/start whole, beside it a second bin/start on its data directory,
-    then its web server's death (the port-in-use refusal below starts nothing)."""
+    then its web server's death (the port-in-use refusal below starts nothing).
+
+    Covers: bin/start whole: "UGRO is up" once the web answers, a second bin/start refused on its data directory, the
+    web server's death named and the rest stopped.
+    """
     data = str(tmp_path / "data")
     port = free_port()
     # its own Redis db on this run's server (bin/test's): this bin/start's worker must not take other tests' tasks
@@ -96,6 +100,7 @@ def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tm
 
 
 def test_a_port_in_use_is_named_before_anything_starts(controller_env, tmp_path):
+    """Covers: bin/start refusing a port in use, and one that is no number, before it starts anything (seconds)."""
     data = str(tmp_path / "data")
     # given another program listens on the port
     with socket.socket() as taken:

@@ -35,6 +35,9 @@ def workers(data_dir: str) -> list[int]:
 
 
 def test_a_dead_worker_is_started_again_and_ctrl_c_stops_everything(controller_env, tmp_path):
+    """Covers: bin/start's supervision: a worker that dies on its own started again, then Ctrl-C stopping every process
+    with exit status 0.
+    """
     data = str(tmp_path / "data")
     env = dict(controller_env, UGRO_DATA_DIR=data, UGRO_PORT=str(free_port()), UGRO_ADMIN_PASSWORD="pw-x-12345678")
     out = tmp_path / "start.out"

@@ -48,6 +48,9 @@ def manage(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_two_workers_share_the_work_and_handle_no_job_twice(lab, controller_env, tmp_path):
+    """Covers: two bin/worker processes sharing one queue on real jobs: each rank started once, each line and point kept
+    once, one teardown per stop, one alert per failure.
+    """
     from ugro_site.celery import worker_alive
 
     workers = [start_worker(controller_env, tmp_path, name) for name in ("w1", "w2")]

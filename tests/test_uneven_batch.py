@@ -48,6 +48,9 @@ def run_two_ranks(tmp_path: Path, local_batches: tuple[int, int], tag: str) -> l
 
 @pytest.mark.e2e
 def test_a_weighted_split_trains_exactly_like_the_even_split_on_the_same_seed(tmp_path):
+    """Covers: two real torch.distributed ranks of train_production.py with uneven batches and weighted gradients
+    matching the even split step for step (no sshd, no UGRO: only a real run shows it).
+    """
     even = run_two_ranks(tmp_path, (8, 8), "even")
     uneven = run_two_ranks(tmp_path, (12, 4), "uneven")  # rank 0 three times as fast
     assert [m["step"] for m in even] == list(range(1, 13)) == [m["step"] for m in uneven]

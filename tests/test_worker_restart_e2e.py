@@ -37,6 +37,9 @@ def kill_worker(proc: subprocess.Popen) -> None:
 
 
 def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, controller_env, tmp_path):
+    """Covers: the Celery worker killed, then another stopped, while following a real job: each successor goes on from
+    the database's offsets, no line lost or repeated, the lease handed back on a stop.
+    """
     env = controller_env  # follow tasks run ten minutes (jobs.tasks.FOLLOW_SECONDS): the kill comes mid-task
     first = start_worker(env, tmp_path, "w1")
     try:
@@ -80,6 +83,9 @@ def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, contr
 
 
 def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
+    """Covers: a `manage.py launch` process handing the start to a live worker whose warm links start the ranks,
+    recorded as the job's launcher.
+    """
     import socket
 
     from .conftest import FAST_TRAIN
@@ -103,6 +109,9 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
 
 def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processes_vanished(lab, controller_env,
                                                                                              tmp_path):  # fmt: skip
+    """Covers: bin/worker alone with its beat inside: a detached job whose every process vanished (no exit record)
+    failed by the worker's own reconcile schedule.
+    """
     from .conftest import SLOW_TRAIN, job_pids
 
     # given a detached job and the worker exactly as bin/start runs it: no beat beside it (its schedule is in it)
