@@ -47,6 +47,9 @@ def curve(job: Job, name: str) -> dict[int, list[int]]:
 
 
 def test_hugging_face_trainer_gets_its_curve_steps_and_final_metrics(framework_lab):
+    """Covers: an unmodified Hugging Face Trainer under torchrun on two sshd nodes: its printed logs read at its own
+    steps, eval and final metrics, progress; the parser alone runs on recorded output (tests/test_framework_corpus.py).
+    """
     # given an unmodified Trainer script (transformers 5: its numbers printed as strings)
     # when it runs on two nodes under UGRO for 30 steps, logging every 5 and evaluating every 10
     launch("--name", "hf1", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
@@ -76,6 +79,9 @@ def test_hugging_face_trainer_gets_its_curve_steps_and_final_metrics(framework_l
 
 
 def test_lightning_as_people_run_it_gets_every_logged_step_and_its_checkpoint_with_no_flags(framework_lab):
+    """Covers: an unmodified Lightning run on two nodes whose TensorBoard file UGRO finds by itself and reads through
+    the node agent, and its checkpoint recorded; the corpus tests read recorded files only.
+    """
     # given an unmodified Lightning script with Lightning's own defaults: its TensorBoard logger (tensorboard is
     # installed) under lightning_logs/version_N and its ModelCheckpoint, in a workdir other runs wrote to before
     # when it runs on two nodes for 2 epochs of 20 batches, logging every 5, and UGRO is told nothing
@@ -107,6 +113,9 @@ def test_lightning_as_people_run_it_gets_every_logged_step_and_its_checkpoint_wi
 
 
 def test_lightning_with_a_named_metrics_file_reads_only_it(framework_lab):
+    """Covers: --metrics-file naming a directory that a real Lightning run fills with a CSV and a TensorBoard file, each
+    read once; following each kind of file on a node is tests/test_metric_files.py's.
+    """
     # given a Lightning script logging to CSV and TensorBoard under outputs/<job>, named at launch
     launch("--name", "lt2", "--nodes", "1", "--script", "frameworks/lightning_train.py",
            "--metrics-file", "outputs/{job}",
