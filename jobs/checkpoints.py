@@ -243,8 +243,11 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
     timeout = COPY_TIMEOUT_S
     asked = on_each(places, lambda n: node_request(n, "workdir_id", timeout=timeout, workdir=n.workdir))
     ids = {node.pk: (answer or {}).get("workdir_id") for node, answer, _ in asked}  # a node that did not say: alone
+    # the checkpoint's node gone: its workdir's id as its last probe read it (the others of its directory see it)
+    ids[source.pk] = ids[source.pk] or source.workdir_id or None
     firsts, sharers = sync.one_per_workdir(places, ids)
     targets = firsts[1:]  # the source is first: its sharers are checked like any other
+    paths = {n.pk: target_path(checkpoint, n) for n in places}  # here: the job's rows read once, not per thread
     want: list[dict] = []
     if targets:
         try:
@@ -254,7 +257,7 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
 
     def one(node: Node) -> str | None:
         try:
-            have = node_request(node, "files", timeout=timeout, path=target_path(checkpoint, node))["files"]
+            have = node_request(node, "files", timeout=timeout, path=paths[node.pk])["files"]
         except Exception:  # absent (or unreadable): copy it
             have = None
         if have == want:
@@ -267,7 +270,7 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
 
     def seen_or_copied(node: Node) -> str | None:
         """A node sharing another's working directory sees what was copied there, or it gets its own copy."""
-        path = target_path(checkpoint, node)
+        path = paths[node.pk]
         try:
             if node_request(node, "stat", timeout=timeout, paths=[path])["exists"].get(path):
                 return None
@@ -288,9 +291,9 @@ def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
 def copy_to(checkpoint: Checkpoint, node: Node) -> str:
     """Copy a checkpoint (file or directory) to another node over the existing links, checked by sha256.
 
-    Each file is read from the source node in COPY_CHUNK pieces and written to `<path>.ugro-part` on the
-    target, which checks the whole file's sha256 before moving it into place. Returns the sha256 of the
-    file (or of the directory's sorted file list). Raises ValueError with a one-line reason.
+    Each file is read from the source node in COPY_CHUNK pieces and written to a part of the target's agent
+    (`<path>.ugro-part-<host>-<pid>`), which checks the whole file's sha256 before moving it into place. Returns
+    the sha256 of the file (or of the directory's sorted file list). Raises ValueError with a one-line reason.
     """
     source = checkpoint.node
     dest = target_path(checkpoint, node)

@@ -679,6 +679,7 @@ def test_a_checkpoint_seen_from_nodes_sharing_a_workdir_is_recorded_and_offered_
 
 
 def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_where_it_is_seen(db, tmp_path, recorded):
+    from cluster.models import Node
     from jobs import checkpoints
     from jobs.models import Checkpoint, Job
 
@@ -702,7 +703,16 @@ def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_w
     for w in (w2, w3):
         assert (w / "outputs" / "ck" / "checkpoint_step10.pt").read_bytes() == saved.read_bytes()
         assert os.listdir(w / "outputs" / "ck") == ["checkpoint_step10.pt"]
-    # and nothing is copied at all when every node sees it
+    # and nothing is copied at all when every node sees it, even with the node that recorded it gone (its last
+    # probe's id says where it was)
     sent.clear()
     checkpoints.ensure_on(ckpt, nodes[:2])
     assert {op for _, op in sent} == {"workdir_id", "stat"}
+    gone = Node.objects.create(name="gone", address="127.0.0.1", transport="local", workdir=str(w1),
+                               agent_python=str(tmp_path / "no-python"), workdir_id=nodes[0].link().request(
+                                   "workdir_id", workdir=str(w1))["workdir_id"])  # fmt: skip
+    Checkpoint.objects.filter(pk=ckpt.pk).update(node=gone)
+    ckpt.refresh_from_db()
+    sent.clear()
+    checkpoints.ensure_on(ckpt, nodes[1:2])
+    assert sorted(sent) == [("gone", "workdir_id"), ("n2", "stat"), ("n2", "workdir_id")]
