@@ -207,6 +207,22 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+def started_by(data_dir: str) -> dict[int, bytes]:
+    """pid -> command line of every process whose environment names this UGRO data dir (what a bin/start made)."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if f"UGRO_DATA_DIR={data_dir}".encode() in env:
+            found[int(pid)] = cmd
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))

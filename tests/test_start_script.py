@@ -1,8 +1,9 @@
 """bin/start: "UGRO is up" only once the web server answers; a second bin/start on the same data directory
-refuses at once and touches nothing of the first; a port in use is named before anything starts; a service
-that ends for good on its own is named, the rest stopped, exit status 1.
+refuses at once and touches nothing of the first; a worker that dies on its own is started again; a port in use
+is named before anything starts; a service that ends for good on its own is named, the rest stopped, exit
+status 1.
 
-(Ctrl-C, a quiet stop with status 0, and a dead worker started again: tests/test_start_supervisor_e2e.py.)
+(Ctrl-C, a quiet stop with status 0 and no process left: the last step of tests/test_newcomer_e2e.py.)
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import REPO, free_port, wait_for
-from .test_start_supervisor_e2e import started_by
+from .conftest import REPO, free_port, started_by, wait_for
 from .worker_env import redis_url_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -51,10 +51,10 @@ def holding(path: str, pids) -> list[int]:
 
 def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tmp_path):
     """Over 10 s: the one path that runs bin/start whole, beside it a second bin/start on its data directory,
-    then its web server's death (the port-in-use refusal below starts nothing).
+    then its worker's death, then its web server's (the port-in-use refusal below starts nothing).
 
-    Covers: bin/start whole: "UGRO is up" once the web answers, a second bin/start refused on its data directory, the
-    web server's death named and the rest stopped.
+    Covers: bin/start whole: "UGRO is up" once the web answers, a second bin/start refused on its data directory, a
+    worker that dies on its own started again, the web server's death named and the rest stopped.
     """
     data = str(tmp_path / "data")
     port = free_port()
@@ -69,7 +69,10 @@ def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tm
         def web() -> list[int]:
             return [pid for pid, cmd in started_by(data).items() if b"daphne" in cmd]
 
-        wait_for(lambda: "UGRO is up" in out.read_text(), timeout=90, what="UGRO is up")
+        def workers() -> list[int]:
+            return [pid for pid, cmd in started_by(data).items() if b"celery -A ugro_site worker" in cmd]
+
+        wait_for(lambda: "UGRO is up" in out.read_text() and len(workers()) == 1, timeout=90, what="UGRO is up")
         # "UGRO is up" is said once the web server answers, not when it is only started
         assert web_answers(port), out.read_text()
         first_web = web()
@@ -83,6 +86,14 @@ def test_a_web_server_that_dies_is_named_and_the_rest_stopped(controller_env, tm
         assert start.poll() is None and first_web and web() == first_web and web_answers(port)
         # and only bin/start holds the lock: a service or database left behind by a crash never would
         assert holding(f"{data}/run/start.lock", started_by(data)) == [start.pid]
+        first_worker = workers()
+        assert len(first_worker) == 1, (out.read_text(), (tmp_path / "data" / "run" / "worker.log").read_text())
+        # when the worker dies on its own
+        os.kill(first_worker[0], signal.SIGKILL)
+        # then bin/start starts another and says so, and the web server is left as it was
+        wait_for(lambda: (now := workers()) and now[0] != first_worker[0], timeout=30, what="a new worker")
+        assert len(workers()) == 1 and "worker exited (rc 137); starting it again" in out.read_text()
+        assert start.poll() is None and web() == first_web
         # when the web server dies by itself (not a Ctrl-C)
         os.kill(web()[0], signal.SIGKILL)
         # then bin/start names it and its log, stops worker and beat, and exits non-zero
