@@ -18,7 +18,7 @@ from django.db import connections
 
 from jobs.models import Job
 
-from .conftest import REPO, job_pids, training_pids, wait_for
+from .conftest import REPO, job_pids, wait_for
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.no_test_worker]  # `server` runs its worker
 ARTIFACTS = REPO / "test-artifacts"
@@ -275,44 +275,64 @@ def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
     assert not [e for e in errors if "pwned" in e], errors
 
 
-def test_resume_a_failed_job_from_its_page_continues_its_curve(server, chromium):
-    """Covers: the Resume button of a failed job's page queuing attempt 2 from the chosen checkpoint, run to its end,
-    and the chart marking where it joined; the CLI's resume is tests/test_recovery_e2e.py's.
+def test_resume_a_failed_job_from_its_page_continues_its_curve(web, chromium):
+    """Covers: the Resume button of a failed job's page in a browser: step 20 chosen, attempt 2 queued from it, and once
+    its points come one curve across both attempts with attempt 2 marked on the chart. Rows stand for the run: the real
+    kill, checkpoint and resume on nodes are tests/test_recovery_e2e.py's, the view's refusals tests/test_pages.py's.
     """
-    from django.core.management import call_command
+    from django.utils import timezone
 
+    from cluster.models import Node
+    from jobs.models import Checkpoint, Rank
     from metrics.models import MetricPoint
 
     errors: list[str] = []
     page = new_page(chromium, errors)
-    log_in(page, server)
-    # given alice's run (a launcher resumes her own jobs) whose rank 1 is killed after step 25, checkpoints every 10
-    call_command("launch", "--name", "web-resume", "--nodes", "2", "--detach", "--as", "alice", "--",
-                 "--max-steps", "50", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every",
-                 "10", "--step-sleep", "0.1")  # fmt: skip
-    job = Job.objects.get(name="web-resume")
-    wait_for(lambda: MetricPoint.objects.filter(job=job, name="loss", step__gte=25).exists(), timeout=150,
-             what="step 25")  # fmt: skip
-    rank1 = job.ranks.select_related("node").get(index=1).node.name
-    for pid in training_pids(job.tag, rank1):
-        os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: Job.objects.get(pk=job.pk).state == "failed", timeout=90, what="the job to fail")
-    wait_for(lambda: job.checkpoints.filter(ready=True, step=20).exists(), timeout=30, what="the checkpoints")
+    log_in(page, web)
+    # given alice's two-node run (a launcher resumes her own jobs) whose rank 1 was killed after step 25, with the
+    # checkpoints of steps 10 and 20 saved by rank 0 and every rank's loss logged every 5 steps
+    nodes = list(Node.objects.order_by("name")[:2])
+    now = timezone.now()
+    job = Job.objects.create(
+        name="web-resume", script="train/train_production.py", owner=User.objects.get(username="alice"),
+        tag="web-resume-t1", state=Job.State.FAILED, failure_kind="KILLED", failure_node=nodes[1].name,
+        started_at=now, running_at=now, finished_at=now,
+    )  # fmt: skip
+    for i, node in enumerate(nodes):
+        Rank.objects.create(job=job, node=node, index=i, state=Rank.State.EXITED, exit_code=-9 * i, active=False)
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=r, step=s, name="loss", value=3.0 / s, attempt=1, time=now)
+        for r in range(2) for s in range(5, 26, 5)
+    )  # fmt: skip
+    for step in (10, 20):
+        Checkpoint.objects.create(job=job, node=nodes[0], path=f"{nodes[0].workdir}/outputs/web-resume/"
+                                  f"checkpoint_step{step}.pt", size=10, mtime=0, step=step, ready=True)  # fmt: skip
 
     # when its page's Resume button is pressed with step 20 chosen
-    page.goto(f"{server}/jobs/{job.pk}/")
+    page.goto(f"{web}/jobs/{job.pk}/")
     page.locator("#checkpoints td", has_text="20").first.wait_for(timeout=10_000)
     page.select_option("#resume-from", "20")
     page.screenshot(path=ARTIFACTS / "job-resume.png", full_page=True)
     page.click("#resume-btn")
-    page.wait_for_url(f"{server}/jobs/{job.pk}/")
+    page.wait_for_url(f"{web}/jobs/{job.pk}/")
 
-    # then the same job runs as attempt 2 from step 20 and ends with one curve, attempt 2 marked on it
-    page.locator("#job-attempt", has_text="2").wait_for(timeout=10_000)
-    wait_for(lambda: Job.objects.get(pk=job.pk).state == "succeeded", timeout=150, what="attempt 2 to succeed")
+    # then the same job is queued as attempt 2 from step 20 (no worker here: it stays queued), shown on its page
+    page.locator("#job-attempt", has_text="2 from step 20").wait_for(timeout=10_000)
+    job.refresh_from_db()
+    assert (job.state, job.attempt, job.resume_step) == (Job.State.QUEUED, 2, 20)
+    # when attempt 2's points come (from step 25, as a run resumed at 20 logs them) and the page is reloaded
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=0, step=s, name="loss", value=2.0 / s, attempt=2, time=timezone.now())
+        for s in range(25, 51, 5)
+    )  # fmt: skip
     page.reload()
+    page.wait_for_selector("#panels[data-ready]", state="attached", timeout=30_000)
+    # then the chart marks where attempt 2 joined, both attempts are listed, and rank 0's curve is one line: attempt
+    # 1's step 25 (past the checkpoint) left it, attempt 2's took its place
     page.locator("#chart-attempts", has_text="attempt 2 from step 20").wait_for(timeout=20_000)
     assert page.locator("#attempts tr").count() == 3  # header, attempt 1, attempt 2
+    shown = "UGRO.jobBoard.panels.get('loss')?.lines.get('0')?.x"
+    wait_for(lambda: page.evaluate(shown) == list(range(5, 51, 5)), timeout=10, what="one curve over both attempts")
     steps = list(MetricPoint.objects.filter(job=job, name="loss", rank=0, superseded=False)
                  .order_by("step").values_list("step", flat=True))  # fmt: skip
     assert steps == list(range(5, 51, 5))

@@ -10,7 +10,7 @@ from django.test import Client
 from django.utils import timezone
 
 from cluster.models import Node
-from jobs.models import Job, Rank
+from jobs.models import Checkpoint, Job, Rank
 from metrics.models import MetricPoint
 
 HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)>"
@@ -149,6 +149,48 @@ def test_cancel_never_redirects_off_site(browser, alice):
     job = Job.objects.create(name="waiting", script="s.py", owner=alice)
     response = browser.post(f"/jobs/{job.pk}/cancel/", {"next": "//evil.example/"})
     assert response["Location"] == f"/jobs/{job.pk}/"
+
+
+def test_resume_from_the_page_queues_the_next_attempt_from_the_chosen_step_and_refuses_in_one_line(
+    browser, alice, node, settings, tmp_path, django_capture_on_commit_callbacks
+):
+    settings.JOBS_DIR = tmp_path / "jobs"
+    # given alice's failed job with a complete checkpoint at step 20 and one still being written at step 30
+    job = Job.objects.create(name="broke", script="s.py", owner=alice, tag="broke-t1", state=Job.State.FAILED,
+                             failure_kind="KILLED", finished_at=timezone.now())  # fmt: skip
+    Rank.objects.create(job=job, node=node, index=0, state=Rank.State.EXITED, exit_code=-9, active=False)
+    for step, ready in ((20, True), (30, False)):
+        Checkpoint.objects.create(job=job, node=node, path=f"/w/outputs/broke/checkpoint_step{step}.pt", size=10,
+                                  mtime=0, step=step, ready=ready)  # fmt: skip
+    # when another launcher asks: refused, the job as it was
+    bob = User.objects.create_user("bob", password="pw-bob-123")
+    bob.groups.add(Group.objects.get(name="launcher"))
+    other = Client()
+    other.force_login(bob)
+    response = other.post(f"/jobs/{job.pk}/resume/", {"from": "20"})
+    assert response.status_code == 403 and "bob may resume only their own jobs" in response.content.decode()
+    job.refresh_from_db()
+    assert (job.state, job.attempt) == (Job.State.FAILED, 1)
+    # when alice asks for a step with no complete checkpoint, or for no step at all
+    for asked in ("30", "x; rm -rf /"):
+        response = browser.post(f"/jobs/{job.pk}/resume/", {"from": asked}, follow=True)
+        # then each is refused in one line on the job's page, and the job is as it was
+        assert response.redirect_chain == [(f"/jobs/{job.pk}/", 302)]
+        refusals = re.findall(r"resume of broke refused: [^<\n]+", response.content.decode())
+        assert len(refusals) == 1, (asked, response.content.decode()[:3000])
+        job.refresh_from_db()
+        assert (job.state, job.attempt) == (Job.State.FAILED, 1)
+    # when alice resumes it from step 20
+    with django_capture_on_commit_callbacks() as callbacks:
+        response = browser.post(f"/jobs/{job.pk}/resume/", {"from": "20"})
+    # then it is queued as attempt 2 from that checkpoint, the worker asked after commit, and the page says so
+    assert response.status_code == 302 and response["Location"] == f"/jobs/{job.pk}/"
+    job.refresh_from_db()
+    assert (job.state, job.attempt, job.resume_step) == (Job.State.QUEUED, 2, 20)
+    assert job.resume_path.endswith("checkpoint_step20.pt")
+    assert [cb for cb in callbacks if cb.__qualname__.startswith("request_schedule.")]
+    html = browser.get(f"/jobs/{job.pk}/").content.decode()
+    assert "job broke queued as attempt 2" in html and "attempt 2 from step 20" in html
 
 
 def test_launch_form_shows_the_launch_error_for_a_bad_name(browser, node):
