@@ -22,6 +22,37 @@ SLOW_TRAIN = ["--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--
               "--step-sleep", "0.2"]  # fmt: skip
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, deal the end-to-end tests out evenly, first in each worker's share: worksteal hands each
+    worker a contiguous slice of this order and an idle worker steals from the end of another's. So both start
+    on the long tests at once and the run ends on short ones, instead of one 1-3 minute test starting last
+    while the other worker idles. A module's tests stay together, in their order."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2:
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    weight = {m: sum(1 for t in tests if t.get_closest_marker("e2e")) for m, tests in modules.items()}
+    light = [t for m, tests in modules.items() if not weight[m] for t in tests]
+    shares: list[list] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for module in sorted((m for m in modules if weight[m]), key=lambda m: -weight[m]):  # most e2e tests first,
+        i = loads.index(min(loads))  # each to the share with the fewest so far
+        shares[i].extend(modules[module])
+        loads[i] += weight[module]
+    sizes, left = [], len(items)
+    for i in range(workers):  # the slices worksteal sends: len(pending) // workers still to serve, in turn
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    ordered = []
+    for share, size in zip(shares, sizes, strict=True):
+        take = max(0, size - len(share))
+        ordered += share + light[:take]
+        light = light[take:]
+    items[:] = ordered + light
+
+
 @pytest.fixture(scope="session")
 def loopback(tmp_path_factory):
     """Four real OpenSSH nodes, 127.0.0.2-5, each with the training script in its working dir."""
