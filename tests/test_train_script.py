@@ -84,37 +84,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_single_process_trains_and_checkpoints(tmp_path):
+def test_single_process_trains_checkpoints_and_resumes_from_latest(tmp_path):
     out_dir = tmp_path / "out"
-    proc = _run(
-        [
-            PYTHON,
-            "-u",
-            SCRIPT,
-            "--model-name",
-            "unsloth/tinyllama-bnb-4bit",
-            "--dataset-name",
-            "wikitext",
-            "--job-id",
-            "t-single",
-            "--max-steps",
-            "30",
-            "--log-every",
-            "5",
-            "--save-every",
-            "100",
-            "--output-dir",
-            out_dir,
-            *SMALL,
-        ],
-        cwd=tmp_path,
-    )
+    common = ["--model-name", "unsloth/tinyllama-bnb-4bit", "--dataset-name", "wikitext", "--job-id", "t-single",
+              "--output-dir", out_dir, *SMALL]  # fmt: skip
+    proc = _run([PYTHON, "-u", SCRIPT, *common, "--max-steps", "30", "--log-every", "5", "--save-every", "10"],
+                cwd=tmp_path)  # fmt: skip
     metrics = _metrics(proc.stdout)
     assert [m["step"] for m in metrics] == [5, 10, 15, 20, 25, 30]
     assert all(m["rank"] == 0 for m in metrics)
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert first > last + 0.5, f"loss did not fall: {first} -> {last}"
-    assert (out_dir / "checkpoint_step30.pt").is_file()
+    assert {p.name for p in out_dir.glob("checkpoint_step*.pt")} == {f"checkpoint_step{n}.pt" for n in (10, 20, 30)}
     assert not [p for p in out_dir.iterdir() if ".tmp" in p.name]
     assert "training complete" in proc.stdout.splitlines()[-1]
     # the final loss it prints is the last loss it logged, printed as UGRO's pages print it
@@ -122,6 +103,13 @@ def test_single_process_trains_and_checkpoints(tmp_path):
     # the fallback notices are single plain lines
     assert "using 'tiny'" in proc.stdout
     assert "using 'gpl-3'" in proc.stdout
+
+    # a second run resumes from the newest checkpoint and goes on from the step after it
+    second = _run([PYTHON, "-u", SCRIPT, *common, "--resume-from", "latest", "--max-steps", "35", "--log-every", "1"],
+                  cwd=tmp_path)  # fmt: skip
+    assert [m["step"] for m in _metrics(second.stdout)] == list(range(31, 36))
+    assert "checkpoint_step30.pt" in second.stdout  # "resuming from ..." notice
+    assert (out_dir / "checkpoint_step35.pt").is_file()
 
 
 def test_torchrun_two_ranks(tmp_path):
@@ -159,33 +147,3 @@ def test_torchrun_two_ranks(tmp_path):
     assert len({m["loss"] for m in metrics if m["step"] == 5}) == 2
     assert (out_dir / "checkpoint_step10.pt").is_file()
     assert proc.stdout.count("training complete") == 1
-
-
-def test_resume_from_latest(tmp_path):
-    out_dir = tmp_path / "out"
-    common = [
-        "--job-id",
-        "t-resume",
-        "--output-dir",
-        out_dir,
-        "--log-every",
-        "1",
-        *SMALL,
-    ]
-    first = _run(
-        [PYTHON, "-u", SCRIPT, "--max-steps", "10", "--save-every", "5", *common],
-        cwd=tmp_path,
-    )
-    assert [m["step"] for m in _metrics(first.stdout)][-1] == 10
-    assert (out_dir / "checkpoint_step5.pt").is_file()
-    assert (out_dir / "checkpoint_step10.pt").is_file()
-
-    second = _run(
-        [PYTHON, "-u", SCRIPT, "--resume-from", "latest", "--max-steps", "20", *common],
-        cwd=tmp_path,
-    )
-    steps = [m["step"] for m in _metrics(second.stdout)]
-    assert steps[0] > 10, second.stdout
-    assert steps == list(range(11, 21))
-    assert "checkpoint_step10.pt" in second.stdout  # "resuming from ..." notice
-    assert (out_dir / "checkpoint_step20.pt").is_file()
