@@ -3,6 +3,7 @@ a real Celery worker and real training on the loopback sshd nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,16 +29,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 # long enough to still run when the page has shown its first points (one epoch is only 182 steps)
 TRAIN_ARGS = "--max-steps 1000 --num-epochs 10 --seq-len 16 --batch-size 4 --log-every 1 --step-sleep 0.1"
 # Printed by a rank: must show as text and run nothing.
-HOSTILE_SCRIPT = """\
-import json, time
-time.sleep(1)
-print("<script>window.__pwned = 1</script>", flush=True)
-print('<img src=x onerror="window.__pwned = 2">', flush=True)
-for step in range(1, 6):
-    print(json.dumps({"step": step, "loss": 1.0 / step, "<img src=x onerror=alert(3)>": 1.0}), flush=True)
-    time.sleep(0.2)
-time.sleep(2)
-"""
+HOSTILE_LINES = ["<script>window.__pwned = 1</script>", '<img src=x onerror="window.__pwned = 2">'] + [
+    json.dumps({"step": step, "loss": 1.0 / step, "<img src=x onerror=alert(3)>": 1.0}) for step in range(1, 6)
+]
 
 
 def free_port() -> int:
@@ -237,39 +231,66 @@ def test_launch_watch_live_and_cancel_from_the_browser(server, chromium):
     assert not errors, errors
 
 
-def test_hostile_log_lines_show_as_text_and_run_nothing(server, chromium, lab):
-    """Covers: markup printed by a real rank, shown as text by the page's JavaScript both live (websocket) and reloaded
-    (logs endpoint); the fast tests check what the server escapes, not the browser's DOM.
+def test_hostile_log_lines_show_as_text_and_run_nothing(web, chromium):
+    """Covers: markup printed by a rank, shown as text by the page's JavaScript both live (websocket) and reloaded
+    (logs endpoint); the fast tests check what the server escapes, not the browser's DOM. The lines come as the
+    follower leaves them (the rank's central log, its committed offset, metric rows, a "batch" event): the real
+    form, follower and websocket path is test_launch_watch_live_and_cancel_from_the_browser's.
     """
-    for node in lab.nodes[:3]:
-        (node.workdir / "train" / "hostile.py").write_text(HOSTILE_SCRIPT)
+    from django.utils import timezone
+
+    from cluster.models import Node
+    from jobs.logs import display_text
+    from jobs.models import Rank
+    from metrics.models import MetricPoint
+
+    from .jobrows import update_jobs
+    from .test_dashboard_browser import send_job_event
+
     errors: list[str] = []
     page = new_page(chromium, errors)
-    log_in(page, server)
-    page.goto(server + "/jobs/launch/")
-    page.fill("#id_name", "hostile")
-    page.fill("#id_script", "train/hostile.py")
-    page.fill("#id_count", "1")
-    page.click("#launch-form button[type=submit]")
-    page.wait_for_url(f"{server}/jobs/*/")
-    job = Job.objects.get(name="hostile")
+    log_in(page, web)
+    # given a running one-rank job whose page is open and live
+    now = timezone.now()
+    job = Job.objects.create(name="hostile", script="train/hostile.py", state=Job.State.RUNNING, started_at=now,
+                             running_at=now)  # fmt: skip
+    rank = Rank.objects.create(job=job, node=Node.objects.order_by("name").first(), index=0, state=Rank.State.RUNNING)
+    page.goto(f"{web}/jobs/{job.pk}/")
+    page.wait_for_selector("#live-dot.on", timeout=10_000)
 
-    # live: lines arrive over the websocket
+    # when its rank prints markup, committed as the follower commits it and sent as its event
+    data = "".join(line + "\n" for line in HOSTILE_LINES).encode()
+    rank.local_log.parent.mkdir(parents=True, exist_ok=True)
+    rank.local_log.write_bytes(data)
+    Rank.objects.filter(pk=rank.pk).update(log_offset=len(data), log_lines=len(HOSTILE_LINES))
+    points = [(step, name, value) for step in range(1, 6)
+              for name, value in (("loss", 1.0 / step), ("<img src=x onerror=alert(3)>", 1.0))]  # fmt: skip
+    MetricPoint.objects.bulk_create(
+        MetricPoint(job=job, rank=0, step=step, name=name, value=value, time=now) for step, name, value in points
+    )
+    part = {"rank": 0, "start": 0, "end": len(data), "lines": [display_text(ln) for ln in HOSTILE_LINES],
+            "points": [[0, step, name, value] for step, name, value in points]}  # fmt: skip
+    send_job_event(job, "batch", {"parts": [part]})
+
+    # then live: the lines arrive over the websocket as text, and nothing in them runs or becomes an element
     line = page.locator("#log .line-text", has_text="<script>window.__pwned = 1</script>")
-    line.wait_for(state="visible", timeout=150_000)
+    line.wait_for(state="visible", timeout=20_000)
     page.locator("#log .line-text", has_text='<img src=x onerror="window.__pwned = 2">').wait_for(timeout=10_000)
     page.screenshot(path=ARTIFACTS / "hostile-live.png", full_page=True)
     assert page.locator("#log img, #log script").count() == 0
     assert page.evaluate("window.__pwned") is None
-    wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=60, what="the hostile job to end")
+    # when it ends
+    Rank.objects.filter(pk=rank.pk).update(state=Rank.State.EXITED, exit_code=0, active=False)
+    update_jobs(Job.objects.filter(pk=job.pk), state=Job.State.SUCCEEDED, finished_at=timezone.now())
+    send_job_event(job, "state", {"state": "succeeded"})
 
-    # reloaded: the same lines come from the logs endpoint, the metric name from the template
+    # then reloaded: the same lines come from the logs endpoint, the metric name from the template
     page.reload()
     line.wait_for(state="visible", timeout=20_000)
     assert page.locator("#log img, #log script, select img").count() == 0
     assert page.locator("#panels .panel-toggle", has_text="<img src=x onerror=alert(3)>").count() == 1
     assert page.evaluate("window.__pwned") is None
-    # checkpoints are what the follower recorded (the script saved none)
+    # checkpoints are what the follower recorded (none here)
     page.locator("#checkpoints", has_text="No checkpoints recorded.").wait_for(timeout=30_000)
     page.screenshot(path=ARTIFACTS / "hostile-ended.png", full_page=True)
     assert not [e for e in errors if "pwned" in e], errors
