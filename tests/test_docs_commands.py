@@ -1,6 +1,8 @@
 """Docs that cannot drift from the code: every `ugro ...` and `manage.py ...` command line in README.md and
 docs/*.md parses with today's parsers, every `ugro` command an error message names exists, and the surfaces
-that take a launch (manage.py, the `ugro` client, the REST API) offer the same options."""
+that take a launch (manage.py, the `ugro` client, the REST API) offer the same options, and the README's newcomer
+blocks are where tests/test_newcomer_e2e.py reads and runs them. Paths, names and variables the docs mention:
+tests/test_docs_references.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 from django.core.management import get_commands, load_command_class
 
 from api.serializers import LaunchSerializer, SweepSerializer
@@ -56,6 +59,27 @@ DOCUMENTED = documented()
 def test_the_docs_show_commands_of_both_kinds():
     kinds = {cmd.split()[0] for _, cmd in DOCUMENTED}
     assert "ugro" in kinds and len(DOCUMENTED) > 60
+
+
+def test_the_readme_shows_a_newcomer_every_step_where_the_newcomer_test_reads_it():
+    from .test_newcomer_e2e import argv_of, readme_steps
+
+    # given the README's start, set-up, cluster.yaml and quick-start blocks, as the end-to-end test reads them
+    start, setup, cluster, lines = readme_steps()
+    # then they are the steps of a newcomer, in an order that runs
+    assert start == "bin/start"
+    assert [argv_of(line)[:2] for line in setup] == [
+        ["bin/setup"],
+        [".venv/bin/python", "manage.py"],
+        ["ugro", "whoami"],
+    ]
+    assert len(yaml.safe_load(cluster)["nodes"]) >= 2
+    verbs = [argv_of(line)[1] for line in lines]
+    assert verbs[0] == "import_cluster" and {"launch", "status", "logs", "results", "cancel"} <= set(verbs), verbs
+    launches = [argv_of(line) for line in lines if argv_of(line)[1] == "launch"]
+    attached = [a for a in launches if "--detach" not in a]
+    assert attached and attached[0] == argv_of(lines[verbs.index("launch")]), "the first launch is followed live"
+    assert any("--detach" in a for a in launches), "a detached launch, for the cancel"
 
 
 class Refused(Exception):
