@@ -30,18 +30,40 @@ def node_log(rank: Rank) -> bytes:
     return Path(rank.remote_log).read_bytes()
 
 
-def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
-    """Covers: the attached launch on three sshd nodes with real torchrun: a multi-host rendezvous, every rank's log
-    copied byte for byte, metrics ingested, the finished alert; the loops' rules are tests/test_loops.py's.
+HOSTILE = ["$(touch /tmp/ugro_pwned_1)", "`touch /tmp/ugro_pwned_2`", "x; touch /tmp/ugro_pwned_3",
+           "a'b\"c", "line1\ntouch /tmp/ugro_pwned_4", "|| touch /tmp/ugro_pwned_5 &"]  # fmt: skip
+
+
+def test_a_launch_on_a_fourth_node_added_by_yaml_reimport_trains_to_success_and_runs_no_hostile_value(lab):
+    """Covers: the attached launch on four sshd nodes (the fourth added by re-importing cluster.yaml) with real
+    torchrun: a multi-host rendezvous, every rank's log copied byte for byte, metrics ingested, the finished alert;
+    hostile model, dataset and script arguments carried through SSH, the agent and torchrun as literal argv items,
+    nothing run on the nodes. The loops' rules are tests/test_loops.py's, the import alone
+    tests/test_cluster_config.py's.
     """
-    # given three nodes from cluster.yaml; when a job is launched on all of them
-    out = launch("--name", "exp1", "--nodes", "3", "--", *FAST_TRAIN)
+    from cluster.config_yaml import import_cluster
+    from cluster.models import Alert, Node
+
+    for i in range(1, 6):
+        Path(f"/tmp/ugro_pwned_{i}").unlink(missing_ok=True)
+    # given the lab grows by one machine in cluster.yaml, re-imported
+    summary = import_cluster(cluster_yaml(lab, 4))
+    assert summary.created == ["node4"] and len(summary.updated) == 3
+    assert Node.objects.count() == 4
+    # a hostile job name is refused before anything exists
+    for bad in ("$(touch /tmp/ugro_pwned_1)", "a;b", "x`y`", "a b", "new\nline", "'q'"):
+        with pytest.raises(CommandError, match="job name"):
+            launch("--name", bad, "--", *FAST_TRAIN)
+    assert not Job.objects.exists()
+    # when a job is launched on every node (the default), with hostile model, dataset and extra arguments
+    out = launch("--name", "exp1", "--model", HOSTILE[0], "--dataset", HOSTILE[1], "--", *FAST_TRAIN, "--job-id",
+                 HOSTILE[2], "--note", HOSTILE[3], "--note2", HOSTILE[4], "--note3", HOSTILE[5])  # fmt: skip
     job = Job.objects.get(name="exp1")
-    # then it succeeds, every rank's log is copied byte for byte, and metrics were ingested
+    # then it succeeds on all four, every rank's log is copied byte for byte, and metrics were ingested
     assert job.state == Job.State.SUCCEEDED, job.failure_reason
     assert "exp1 succeeded" in out
     ranks = list(job.ranks.select_related("node").order_by("index"))
-    assert [r.node.name for r in ranks] == ["node1", "node2", "node3"]
+    assert [r.node.name for r in ranks] == ["node1", "node2", "node3", "node4"]
     for r in ranks:
         assert r.exit_code == 0 and r.active is False
         assert r.local_log.read_bytes() == node_log(r)
@@ -51,35 +73,19 @@ def test_three_node_launch_trains_to_success_with_every_log_collected(lab):
     assert (job.job_dir / "config.json").exists()
     assert (job.job_dir / "metrics.jsonl").exists()
     losses = MetricPoint.objects.filter(job=job, name="loss")
-    assert set(losses.values_list("rank", flat=True)) == {0, 1, 2}
+    assert set(losses.values_list("rank", flat=True)) == {0, 1, 2, 3}
     # the rendezvous really was multi-host: each rank bound its own address
     cfg = (job.job_dir / "config.json").read_text()
     for r in ranks:
         assert f"--local-addr={r.node.address}" in cfg
     assert job_pids(job.tag) == []
+    # the hostile values travelled as literal argv items: nothing of them ran on a node
+    for i in range(1, 6):
+        assert not Path(f"/tmp/ugro_pwned_{i}").exists()
+    assert HOSTILE[0] in job.script_args and HOSTILE[4] in job.script_args
     # and people hear that it finished
-    from cluster.models import Alert
-
     info = Alert.objects.get(key="job_finished:exp1")
     assert info.severity == Alert.Severity.INFO and "exp1 succeeded" in info.message
-
-
-def test_fourth_node_added_by_yaml_reimport_takes_part(lab):
-    """Covers: a node added by re-importing cluster.yaml taking part in a real launch on four nodes; the import alone is
-    tests/test_cluster_config.py's.
-    """
-    from cluster.config_yaml import import_cluster
-    from cluster.models import Node
-
-    # given the lab grows by one machine in cluster.yaml; when re-imported and launched
-    summary = import_cluster(cluster_yaml(lab, 4))
-    assert summary.created == ["node4"] and len(summary.updated) == 3
-    assert Node.objects.count() == 4
-    launch("--name", "exp4", "--", *FAST_TRAIN)
-    job = Job.objects.get(name="exp4")
-    # then all four nodes trained
-    assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    assert sorted(job.ranks.values_list("node__name", flat=True)) == ["node1", "node2", "node3", "node4"]
 
 
 def _running_with_lines(job_name: str, lines: int = 3) -> Job:
@@ -239,31 +245,6 @@ def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
     assert "Nothing was started" in job.failure_reason
     assert not Rank.objects.filter(job=job, active=True).exists()
     assert not Rank.objects.filter(job=job).exclude(state=Rank.State.PENDING).exists()
-
-
-HOSTILE = ["$(touch /tmp/ugro_pwned_1)", "`touch /tmp/ugro_pwned_2`", "x; touch /tmp/ugro_pwned_3",
-           "a'b\"c", "line1\ntouch /tmp/ugro_pwned_4", "|| touch /tmp/ugro_pwned_5 &"]  # fmt: skip
-
-
-def test_shell_metacharacters_in_values_create_nothing_on_the_nodes(lab):
-    """Covers: hostile model, dataset and script arguments carried through SSH, the agent and torchrun to a real run as
-    literal argv items, nothing run on the nodes.
-    """
-    for i in range(1, 6):
-        Path(f"/tmp/ugro_pwned_{i}").unlink(missing_ok=True)
-    # a hostile job name is refused before anything exists
-    for bad in ("$(touch /tmp/ugro_pwned_1)", "a;b", "x`y`", "a b", "new\nline", "'q'"):
-        with pytest.raises(CommandError, match="job name"):
-            launch("--name", bad, "--", *FAST_TRAIN)
-    assert not Job.objects.exists()
-    # hostile model, dataset and extra args travel as literal argv items
-    launch("--name", "hostile", "--model", HOSTILE[0], "--dataset", HOSTILE[1], "--", *FAST_TRAIN,
-           "--job-id", HOSTILE[2], "--note", HOSTILE[3], "--note2", HOSTILE[4], "--note3", HOSTILE[5])  # fmt: skip
-    job = Job.objects.get(name="hostile")
-    assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    for i in range(1, 6):
-        assert not Path(f"/tmp/ugro_pwned_{i}").exists()
-    assert HOSTILE[0] in job.script_args and HOSTILE[4] in job.script_args
 
 
 def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
