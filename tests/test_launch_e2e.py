@@ -15,7 +15,6 @@ from jobs.models import Allocation, Job, Rank
 from metrics.models import MetricPoint
 
 from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, training_pids, wait_for
-from .loopback import on_node
 
 pytestmark = pytest.mark.e2e
 
@@ -245,33 +244,6 @@ def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):
     assert "Nothing was started" in job.failure_reason
     assert not Rank.objects.filter(job=job, active=True).exists()
     assert not Rank.objects.filter(job=job).exclude(state=Rank.State.PENDING).exists()
-
-
-def test_a_node_that_stops_answering_fails_the_job_naming_it(lab):
-    """Covers: a node's sshd stopped mid-run (its sessions cut): NODE_LOST naming it with the link's own error, the
-    ranks on the reachable nodes stopped.
-    """
-    launch("--name", "lostnode", "--detach", "--", *SLOW_TRAIN)
-    job = _running_with_lines("lostnode")
-    node3 = lab.nodes[2]
-    try:
-        # when node3 drops off the network (its sshd and every session through it end)
-        node3.stop()
-        wait_for(lambda: follow(2.0, job_ids=[job.pk]) or Job.objects.get(pk=job.pk).is_ended, timeout=90,
-                 what="the job to end")  # fmt: skip
-        job.refresh_from_db()
-        # then the job fails naming the node, and the ranks UGRO could still reach are stopped
-        assert job.state == Job.State.FAILED
-        assert job.failure_kind == "NODE_LOST" and job.failure_rank == 2
-        assert "node node3 stopped answering: " in job.failure_reason
-        assert "no contact" not in job.failure_reason  # the link's own error says why
-        pids = job_pids(job.tag)
-        reachable = sorted(set(pids) - set(on_node(pids, "node3")))
-        assert reachable == []
-    finally:
-        for pid in job_pids(job.tag):  # node3's ranks live on this machine; a real lost node's would not
-            os.kill(pid, signal.SIGKILL)
-        node3.start()
 
 
 def test_a_rank_that_cannot_start_fails_the_launch_and_stops_those_that_did(lab, monkeypatch):

@@ -144,6 +144,7 @@ def test_with_no_worker_commands_refuse_in_one_line_and_change_nothing(scripts):
     assert Job.objects.get(name="waiting").attempt == 1
     assert "torchrun" in run("launch", "--name", "dry", "--dry-run", "--script", "scripts/quick.py")
 
+
 @pytest.mark.no_test_worker
 def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_finishes(
     scripts, controller_env, fast_settings, monkeypatch
@@ -215,8 +216,9 @@ def test_a_rank_whose_wrapper_died_without_an_exit_record_is_lost(scripts, fast_
 
 
 def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it_is_back(scripts, fast_settings):
-    """Covers: a node's sshd stopped mid-run, then back: NODE_LOST, then the reconciler kills what still runs there and
-    the follower fetches the rest of its logs byte for byte.
+    """Covers: a node's sshd stopped mid-run (its sessions cut), then back: NODE_LOST naming rank, node and the link's
+    own error, the ranks on the reachable nodes stopped, then the reconciler kills what still runs there and the
+    follower fetches the rest of its logs byte for byte.
     """
     from jobs.follow import follow
 
@@ -233,7 +235,8 @@ def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it
         job.refresh_from_db()
         # then the job fails naming the node, and the nodes UGRO could reach are clean
         assert job.state == Job.State.FAILED and job.failure_kind == "NODE_LOST" and job.failure_node == "node3"
-        assert "node3" in job.failure_reason
+        assert job.failure_rank == 2 and "node node3 stopped answering: " in job.failure_reason
+        assert "no contact" not in job.failure_reason  # the link's own error says why
         assert pids_on(job.tag, "node1") == [] and pids_on(job.tag, "node2") == []
     finally:
         node3.start()
