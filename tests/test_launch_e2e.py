@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from jobs.follow import follow
 from jobs.models import Allocation, Job, Rank
 from metrics.models import MetricPoint
 
-from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, training_pids, wait_for
+from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -199,35 +197,6 @@ def test_a_cancel_while_the_job_starts_ends_it_only_once_what_its_launch_started
         assert max(when for _, when in starts) < job.finished_at.timestamp()
     assert not Rank.objects.filter(job=job, active=True).exists()
     command.join(30)
-
-
-def test_a_rank_killed_mid_run_fails_the_job_and_stops_the_rest(lab):
-    """Covers: a rank's training process SIGKILLed on a real node: the job fails naming rank, node and signal, the other
-    ranks are stopped and the critical alert opened.
-    """
-    launch("--name", "killme", "--detach", "--", *SLOW_TRAIN)
-    job = _running_with_lines("killme")
-    # when the training worker (torchrun's child) on node2 is killed
-    victims = training_pids(job.tag, "node2")
-    assert victims
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    # then following notices, fails the job naming the rank, and nothing of the job survives
-    wait_for(
-        lambda: follow(2.0, job_ids=[job.pk]) or Job.objects.get(pk=job.pk).is_ended, timeout=90, what="the job to end"
-    )
-    job.refresh_from_db()
-    assert job.state == Job.State.FAILED
-    assert (job.failure_kind, job.failure_rank, job.failure_node, job.failure_signal) == ("KILLED", 1, "node2", 9)
-    assert job.failure_reason.startswith("KILLED on rank 1 (node2), signal 9 (SIGKILL)")
-    assert job_pids(job.tag) == []
-    from cluster.models import Alert
-
-    # the alert is opened after the final state commits (by the teardown's thread here): wait for it
-    wait_for(lambda: Alert.objects.filter(key="job_failed:killme", resolved_at__isnull=True).exists(), timeout=10,
-             what="the job's failure alert")  # fmt: skip
-    failed = Alert.objects.get(key="job_failed:killme", resolved_at__isnull=True)
-    assert failed.severity == Alert.Severity.CRITICAL and failed.node.name == "node2"
 
 
 def test_unreachable_node_fails_the_launch_fast_and_starts_nothing(lab):

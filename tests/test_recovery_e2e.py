@@ -131,8 +131,9 @@ def test_checkpoints_are_recorded_with_step_node_and_size_and_only_complete_ones
 
 
 def test_a_rank_killed_at_step_60_resumes_from_step_50_and_ends_as_an_uninterrupted_run(recovery_settings):
-    """Covers: resume after a real SIGKILL on two other nodes: the checkpoint copied to rank 0's node (sha256), the run
-    ending exactly as an uninterrupted one, one curve, each attempt's logs apart.
+    """Covers: a rank's training process SIGKILLed on a real node (the job fails naming rank, node and signal, the
+    other rank stopped, the critical alert opened), then resume on two other nodes: the checkpoint copied to rank 0's
+    node (sha256), the run ending exactly as an uninterrupted one, one curve, each attempt's logs apart.
     """
     # given an uninterrupted run of the reference script
     run("launch", "--name", "whole", "--nodes", "2", "--", *TRAIN)
@@ -152,7 +153,18 @@ def test_a_rank_killed_at_step_60_resumes_from_step_50_and_ends_as_an_uninterrup
         os.kill(pid, signal.SIGKILL)
     follow_until(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the job to fail")
     job.refresh_from_db()
+    # then the job fails naming the rank, its node and the signal, nothing of it survives, and people are told
     assert job.state == Job.State.FAILED, job.state
+    assert (job.failure_kind, job.failure_rank, job.failure_node, job.failure_signal) == ("KILLED", 1, victim, 9)
+    assert job.failure_reason.startswith(f"KILLED on rank 1 ({victim}), signal 9 (SIGKILL)"), job.failure_reason
+    assert job_pids(job.tag) == []
+    from cluster.models import Alert
+
+    # the alert is opened after the final state commits (by the teardown's thread): wait for it
+    wait_for(lambda: Alert.objects.filter(key="job_failed:cut", resolved_at__isnull=True).exists(), timeout=10,
+             what="the job's failure alert")  # fmt: skip
+    failed = Alert.objects.get(key="job_failed:cut", resolved_at__isnull=True)
+    assert failed.severity == Alert.Severity.CRITICAL and failed.node.name == victim
     failed_at = last_step(job)
     ckpt = checkpoints.choose(job, "latest")
     assert ckpt.step == 50 and ckpt.ready
