@@ -8,8 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from django.core.management import CommandError, call_command
 
-from jobs.models import Job
+from jobs.models import Job, Rank
 
 from .conftest import REPO, SLOW_TRAIN, job_pids, wait_for
 
@@ -19,7 +20,8 @@ UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]
 
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, controller_env, tmp_path):
     """Covers: Ctrl-C (SIGINT) to a real `manage.py launch` process following a job on three sshd nodes: it exits 0, the
-    job runs on, and another process cancels it.
+    job runs on, and another process cancels it: every torchrun agent and worker on the nodes killed, no rank left
+    active, a second cancel refused.
     """
     out_path = tmp_path / "launch.out"
     with open(out_path, "wb") as out:
@@ -38,11 +40,19 @@ def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, con
     text = out_path.read_text()
     assert "left job ctrlc running" in text and "ugro logs ctrlc --follow" in text and "ugro cancel ctrlc" in text
     job = Job.objects.get(name="ctrlc")
-    assert job.state == Job.State.RUNNING and job_pids(job.tag)
-    # and the job can be cancelled from another command
+    assert job.state == Job.State.RUNNING
+    assert len(job_pids(job.tag)) >= 6  # torchrun agent + worker on each of 3 nodes
+    # and the job can be cancelled from another command: every process of it on every node is killed
     done = subprocess.run([*UGRO, "cancel", "ctrlc"], env=controller_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert "no process of it remains" in done.stdout
+    job.refresh_from_db()
+    assert job.state == Job.State.CANCELLED
     assert job_pids(job.tag) == []
+    assert not Rank.objects.filter(job=job, active=True).exists()
+    # and a second cancel is refused
+    with pytest.raises(CommandError, match="already cancelled"):
+        call_command("cancel", "ctrlc")
 
 
 def test_a_refused_launch_exits_non_zero_with_one_line(lab, controller_env):

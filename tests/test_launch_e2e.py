@@ -94,25 +94,6 @@ def _running_with_lines(job_name: str, lines: int = 3) -> Job:
     return wait_for(ready, timeout=90, what=f"{job_name} to print {lines} lines on every rank")
 
 
-def test_cancel_leaves_no_process_of_the_job_on_any_node(lab):
-    """Covers: `cancel` of a running three-node job: every torchrun agent and worker on the nodes killed, no rank left
-    active, a second cancel refused.
-    """
-    out = launch("--name", "long1", "--detach", "--", *SLOW_TRAIN)
-    assert "job long1 running: rank 0 on node1" in out
-    job = _running_with_lines("long1")
-    assert len(job_pids(job.tag)) >= 6  # torchrun agent + worker on each of 3 nodes
-    out = io.StringIO()
-    call_command("cancel", "long1", stdout=out)
-    job.refresh_from_db()
-    assert job.state == Job.State.CANCELLED
-    assert "no process of it remains" in out.getvalue()
-    assert job_pids(job.tag) == []
-    assert not Rank.objects.filter(job=job, active=True).exists()
-    with pytest.raises(CommandError, match="already cancelled"):
-        call_command("cancel", "long1")
-
-
 @pytest.mark.parametrize("during", ["pre-flight", "the starts"])
 def test_a_cancel_while_the_job_starts_ends_it_only_once_what_its_launch_started_is_stopped(lab, monkeypatch, during):
     """Covers: a cancel racing a real launch held in its pre-flight or between its rank starts: the job ends only once
