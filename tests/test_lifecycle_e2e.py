@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import getpass
 import io
-import json
-import os
 import shutil
 import signal
 import subprocess
@@ -189,30 +187,6 @@ def test_a_worker_killed_between_start_and_running_leaves_a_job_the_reconciler_f
     assert job.state == Job.State.FAILED and job.failure_kind == "TIMEOUT"
     assert job_pids(job.tag) == []
     assert not Rank.objects.filter(job=job, active=True).exists()
-
-
-def test_a_rank_whose_wrapper_died_without_an_exit_record_is_lost(scripts, fast_settings):
-    """Covers: a rank's wrapper and processes killed on a real node with no exit record: the agent's rank status says so
-    and the rank is lost; the rule alone is tests/test_loops.py's.
-    """
-    run("launch", "--name", "nowrap", "--nodes", "2", "--script", "scripts/stubborn.py", "--detach", "--", "9")
-    job = Job.objects.get(name="nowrap")
-    rank = job.ranks.get(index=1)
-    record = json.loads(Path(rank.start_record).read_text())
-    # when its wrapper and then its processes die without anything writing the exit record
-    os.kill(record["wrapper_pid"], signal.SIGKILL)
-    for pid in pids_on(job.tag, rank.node.name):
-        os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not pids_on(job.tag, rank.node.name), timeout=10, what="the rank's processes to go")
-    assert not Path(rank.remote_exit).exists()
-    # then the reconciler calls the rank lost and the job fails naming it, instead of RUNNING forever
-    wait_for(lambda: reconcile([job.pk], orphans=False) and Job.objects.get(pk=job.pk).is_ended or
-             Job.objects.get(pk=job.pk).is_ended, timeout=60, what="the job to end")  # fmt: skip
-    rank.refresh_from_db()
-    job.refresh_from_db()
-    assert rank.state == Rank.State.LOST and "without recording an exit code" in rank.lost_reason
-    assert job.state == Job.State.FAILED and job.failure_rank == 1
-    assert job_pids(job.tag) == []
 
 
 def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it_is_back(scripts, fast_settings):

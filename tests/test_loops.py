@@ -49,6 +49,9 @@ def test_a_rank_whose_processes_vanished_without_an_exit_record_is_lost_and_the_
     assert report.lost == ["vanish/1"] and report.judged == ["vanish"]
     job.refresh_from_db()
     assert job.state == Job.State.FAILING and "gone without recording an exit code" in job.failure_reason
+    assert job.failure_rank == 1
+    lost = Rank.objects.get(job=job, index=1)
+    assert lost.state == Rank.State.LOST and "without recording an exit code" in lost.lost_reason
     assert lifecycle.teardown(job) and Job.objects.get(pk=job.pk).state == Job.State.FAILED
     assert nodes["n1"].tags == {} and not Rank.objects.filter(job=job, active=True).exists()
 

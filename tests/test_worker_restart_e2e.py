@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
 
-from jobs.models import Job
+from jobs.models import Job, Rank
 from metrics.models import MetricPoint
 from ugro_site.celery import worker_alive
 
@@ -109,8 +111,8 @@ def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
 
 def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processes_vanished(lab, controller_env,
                                                                                              tmp_path):  # fmt: skip
-    """Covers: bin/worker alone with its beat inside: a detached job whose every process vanished (no exit record)
-    failed by the worker's own reconcile schedule.
+    """Covers: bin/worker alone with its beat inside: a detached job whose every process vanished on real nodes (no
+    exit record: the agent's rank status says so) failed by the worker's own reconcile schedule, its ranks lost.
     """
     from .conftest import SLOW_TRAIN, job_pids
 
@@ -124,8 +126,9 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
         call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
         job = Job.objects.get(name="vanish")
         wait_for(lambda: all(r.log_lines >= 2 for r in job.ranks.all()), timeout=120, what="the worker to follow")
-        # when every process of the job is killed at once, wrappers included (no exit code recorded)
-        for pid in job_pids(job.tag):
+        # when every process of the job is killed at once, the wrappers first (so none records an exit code)
+        wrappers = [json.loads(Path(r.start_record).read_text())["wrapper_pid"] for r in job.ranks.all()]
+        for pid in [*wrappers, *job_pids(job.tag)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -141,4 +144,8 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
             kill_worker(worker)
     job.refresh_from_db()
     assert job.state == Job.State.FAILED, job.state
+    # the ranks judged lost say so, and the job names one of them (which rank alone vanished: tests/test_loops.py)
+    lost = {r.index: r.lost_reason for r in job.ranks.filter(state=Rank.State.LOST)}
+    assert lost and all("without recording an exit code" in why for why in lost.values()), lost
+    assert job.failure_rank in lost and "without recording an exit code" in job.failure_reason, job.failure_reason
     assert "Traceback" not in (tmp_path / "alone.log").read_text()
