@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,7 +30,8 @@ def start_redis(port: int, cwd) -> subprocess.Popen:
 
 
 def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_path):
-    """Covers: Redis stopped for 5 s and started empty under bin/worker following a real job: the worker stays up, no
+    """Covers: a `manage.py launch` process handing the start to a live bin/worker (recorded as the job's launcher),
+    then Redis stopped for 5 s and started empty under that worker following the real job: the worker stays up, no
     log line lost or repeated.
     """
     port = free_port()
@@ -49,7 +51,10 @@ def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_p
         argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "outage", "--detach", "--", *TRAIN]
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
+        # the command handed the start to the live worker, whose warm links started the ranks
         job = Job.objects.get(name="outage")
+        assert job.launcher.split(":")[:2] == [socket.gethostname(), str(worker.pid)], job.launcher
+        assert "job outage running: rank 0 on node1" in done.stdout
         wait_for(lambda: all(r.log_lines >= 5 for r in job.ranks.all()), timeout=60, what="the worker to follow")
         # when Redis stops for 5 s while the job runs, and comes back empty (it keeps nothing on disk)
         redis.terminate()

@@ -84,31 +84,6 @@ def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, contr
     assert steps == set(range(1, 121))
 
 
-def test_launch_hands_the_start_to_a_live_worker(lab, controller_env, tmp_path):
-    """Covers: a `manage.py launch` process handing the start to a live worker whose warm links start the ranks,
-    recorded as the job's launcher.
-    """
-    import socket
-
-    from .conftest import FAST_TRAIN
-
-    worker = start_worker(controller_env, tmp_path, "w3")
-    try:
-        wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
-        # when a launch command runs while the worker is up
-        argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "handed", "--detach", "--", *FAST_TRAIN]
-        done = subprocess.run(argv, env=controller_env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        # then the worker, with its warm links, started the ranks, and follows the job to its end
-        job = Job.objects.get(name="handed")
-        assert job.launcher.split(":")[:2] == [socket.gethostname(), str(worker.pid)]
-        assert "job handed running: rank 0 on node1" in done.stdout
-        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=120, what="the job to end")
-        assert Job.objects.get(pk=job.pk).state == Job.State.SUCCEEDED
-    finally:
-        kill_worker(worker)
-
-
 def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processes_vanished(lab, controller_env,
                                                                                              tmp_path):  # fmt: skip
     """Covers: bin/worker alone with its beat inside: a detached job whose every process vanished on real nodes (no
