@@ -192,7 +192,8 @@ def test_a_silent_node_fails_the_job_and_is_down_within_30_s_and_comes_back_clea
 
 def test_a_silent_node_with_min_nodes_trains_again_on_the_rest_within_120_s(cut_lab, worker):
     """Covers: the same silent cut with --min-nodes 2 under the shipped timeouts: attempt 2 trains on the other two
-    nodes from the last checkpoint.
+    nodes (the retry reason says without which) from the last checkpoint; the decision alone is
+    tests/test_recovery.py's.
     """
     # given a 3-node job that may go on with 2, with a checkpoint written
     job = launch("--name", "cutmin", "--nodes", "3", "--epochs", "50", "--retry", "node-lost", "--min-nodes", "2",
@@ -227,8 +228,10 @@ def test_a_silent_node_with_min_nodes_trains_again_on_the_rest_within_120_s(cut_
         first = Attempt.objects.get(job=job, number=1)
         print(f"silent node, --min-nodes 2: training again {again:.1f} s after the cut")
         assert first.failure_kind == "NODE_LOST" and gone.name in first.failure_reason
-        assert gone.name not in job.ranks.values_list("node__name", flat=True)
-        assert job.resume_step and job.resume_step >= 10
+        rest = sorted(n.name for n in cut_lab.nodes if n is not gone)
+        assert sorted(job.ranks.values_list("node__name", flat=True)) == rest
+        assert f"without {gone.name}" in first.next_reason, first.next_reason
+        assert job.resume_step and job.resume_step >= 10 and job.resume_step % 10 == 0
         assert again <= 120, again
         call_command("cancel", "cutmin", stdout=io.StringIO())
     finally:

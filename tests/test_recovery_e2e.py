@@ -18,7 +18,6 @@ from django.core.management import CommandError, call_command
 
 from jobs import checkpoints
 from jobs.models import Attempt, Checkpoint, Job, Rank
-from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
 
 from .conftest import job_pids, training_pids, wait_for
@@ -298,49 +297,6 @@ def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_set
     time.sleep(3)  # three of the worker's reconciler passes
     job.refresh_from_db()
     assert job.attempt == 2 and job.state == Job.State.FAILED
-
-
-def test_a_lost_node_is_dropped_and_the_job_resumes_on_the_remaining_nodes(recovery_settings):
-    """Covers: a node's sshd stopped mid-run with --min-nodes 2: attempt 2 resumes on the other two nodes from the last
-    checkpoint (the refused-connection twin of tests/test_node_silent_e2e.py's silent cut).
-    """
-    lab = recovery_settings
-    # given a 3-node job that may go on with 2 nodes
-    run("launch", "--name", "lost", "--nodes", "3", "--retry", "node-lost", "--min-nodes", "2", "--detach", "--",
-        "--max-steps", "2000", "--seq-len", "16", "--batch-size", "4", "--log-every", "5", "--save-every", "10",
-        "--step-sleep", "0.1")  # fmt: skip
-    job = Job.objects.get(name="lost")
-    drive(job, lambda: checkpoints.offered(job) and last_step(job) >= 15, what="a checkpoint")
-    # the checkpoints are where global rank 0 runs (c10d: any node); the lost node is one without them
-    keeper = checkpoints.offered(job)[0].node.name
-    gone = next(n for n in ("node3", "node2") if n != keeper)
-    node3 = lab.nodes[int(gone[-1]) - 1]
-    try:
-        # when that node stops answering mid-run
-        node3.stop()
-        t0 = time.monotonic()
-        drive(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the job to fail")
-        detected = time.monotonic() - t0
-
-        def training_again() -> bool:
-            j = Job.objects.get(pk=job.pk)
-            return j.attempt == 2 and last_step(j) > (j.resume_step or 0)
-
-        drive(job, training_again, what="attempt 2 to train")
-        back = time.monotonic() - t0 - detected
-        job.refresh_from_db()
-        # then attempt 1 failed as NODE_LOST naming the node, and attempt 2 trains on the other two only
-        first = Attempt.objects.get(job=job, number=1)
-        assert first.failure_kind == "NODE_LOST" and gone in first.failure_reason
-        assert sorted(job.ranks.values_list("node__name", flat=True)) == sorted({"node1", "node2", "node3"} - {gone})
-        assert f"without {gone}" in first.next_reason and job.resume_step >= 10
-        assert job.state == Job.State.RUNNING and job.resume_step % 10 == 0
-        run("cancel", "lost")
-        print(f"node lost: detected after {detected:.1f}s, training again {back:.1f}s later")
-    finally:
-        node3.start()
-    wait_for(lambda: not reconcile().orphans_killed and not job_pids(first.tag), timeout=60,
-             what="the lost node's leftovers to be gone")  # fmt: skip
 
 
 def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_from_its_checkpoint(
