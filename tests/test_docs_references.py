@@ -5,8 +5,9 @@ Read statically (the markdown as text, Python by its syntax tree), no server, no
 1. Paths. Every `dir/...` whose first part is a top-level directory of the checkout (`jobs/lifecycle.py`,
    `cluster/node/`, `bin/start`, `bench/results/x.json`), in prose, code spans or code blocks, exists;
    `<...>`, `{...}` and `*` in it match anything. Directories made at run time (`data/`, `outputs/`, ...)
-   are not checked; `app/0002_name` is that app's migration. A file named alone in backticks (`page_load.py`)
-   exists somewhere in the checkout. Every relative markdown link target exists (relative to its page).
+   are not checked; `app/0002_name` (or `app/0002`) is that app's migration. A file named alone in backticks
+   (`page_load.py`) exists somewhere in the checkout. Every relative markdown link target exists (relative to
+   its page).
 2. Environment variables. Every `UGRO_...` name anywhere in the docs occurs in the code.
 3. Code names in backticks, where they occur in the code (see CODE_SUFFIXES) as a word unless they are
    outside UGRO's code (EXTERNAL):
@@ -201,8 +202,8 @@ def path_problem(text: str) -> str | None:
     path = text.rstrip(".,:;")
     if path in NOT_PATHS:
         return None
-    if m := re.fullmatch(r"(\w+)/(\d{4}_\w+)", path):  # a migration, as Django names it: accounts/0002_roles
-        path = f"{m[1]}/migrations/{m[2]}.py"
+    if m := re.fullmatch(r"(\w+)/(?:migrations/)?(\d{4})(_\w+)?", path):  # a migration: accounts/0002_roles, jobs/0009
+        path = f"{m[1]}/migrations/{m[2]}{m[3] or '_*'}.py"
     if re.search(r"[<{*]", path):
         pattern = re.sub(r"<[^>/]*>|\{[^}/]*\}", "*", path).rstrip("/")
         return None if next(REPO.glob(pattern), None) else f"{path}: nothing matches"
@@ -269,7 +270,7 @@ def problems(text: str, where: str, page: Path = REPO / "README.md") -> list[str
                 if span not in {p.name for p in code_files()}:
                     report(f"`{span}`: no file of that name", span)
                 continue
-            if UPPER.fullmatch(span) or SNAKE.fullmatch(span):
+            if (UPPER.fullmatch(span) and not ENV.fullmatch(span)) or SNAKE.fullmatch(span):  # UGRO_*: above
                 if span.removesuffix("()") not in words:
                     report(f"`{span}`: no such name in the code", span)
             elif DOTTED.fullmatch(span) and not FILE_EXT.search(span):
@@ -312,7 +313,7 @@ def test_a_stale_reference_of_each_kind_is_found():
         "",
         "| a | `jobs/recovery.py` `HANG_FACTOR_GONE` |",  # 6
         "`FOLLOW_LEASE_S` in `jobs/lifecycle.py`, and `STARTING_GRACE_S` (60 s, `jobs/follow.py`).",  # 7
-        "Run `gone_helper.py` once.",  # 8
+        "Run `gone_helper.py` once, after migration jobs/0999.",  # 8
         "```",
         "bin/no-such-script --flag",  # 10
         "```",
@@ -333,9 +334,10 @@ def test_a_stale_reference_of_each_kind_is_found():
         "page.md:6: `HANG_FACTOR_GONE`: no such name in the code",
         "page.md:7: `FOLLOW_LEASE_S` is not defined in jobs/lifecycle.py",
         "page.md:7: `STARTING_GRACE_S` is not defined in jobs/follow.py",
+        "page.md:8: jobs/migrations/0999_*.py: nothing matches",
         "page.md:8: `gone_helper.py`: no file of that name",
         "page.md:10: bin/no-such-script: no such file or directory",
     ], found
     # and what exists is not
-    real = "`jobs/recovery.py` `RETRY_BACKOFF_S`, `lifecycle.judge`, `_move`, `jobs.Job`, cluster/node/, UGRO_DATA_DIR"
+    real = "`jobs/recovery.py` `RETRY_BACKOFF_S`, `lifecycle.judge`, `_move`, `jobs.Job`, cluster/node/, jobs/0001"
     assert problems(real, "real.md") == []
