@@ -11,9 +11,9 @@ loopback sshd nodes, in the same format). Lines that start with `ugro` run in th
 cluster.yaml is), the others in the checkout. A README line that no longer runs, or says what it did not do,
 fails here.
 
-Cancelling a running job on real nodes is test_launch_e2e's and test_cli_process's; here the cancel comes as
-fast as a user types it. tests/test_docs_commands.py checks in a second that these blocks are where this
-test reads them.
+Cancelling a running job on real nodes is test_cli_process's, one that is starting test_launch_e2e's; here the
+cancel comes as fast as a user types it, whatever state the job has reached. tests/test_docs_commands.py checks
+in a second that these blocks are where this test reads them.
 """
 
 from __future__ import annotations
