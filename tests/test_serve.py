@@ -81,59 +81,6 @@ def ready(name: str, count: int) -> list[Replica] | None:
     return rows if len(rows) == count else None
 
 
-def test_replicas_start_restart_when_they_die_and_stop_with_nothing_left(lab, tender):
-    """Covers: fake-engine replicas started through real agents on two nodes (the checkpoint copied to the second), one
-    killed and restarted in place by the worker, stop leaving no process.
-    """
-    # given a job's checkpoint
-    trained_job()
-
-    # when a service of two replicas is asked for
-    said = serve("chat", "--from", "trained:10", "--replicas", "2", "--engine", "custom", "--command", FAKE)
-    assert "service chat: 2 replica(s) of custom" in said and "/serve/chat/v1/" in said
-
-    # then both come up, on two nodes, each holding its node (these nodes have no GPUs) as a job would
-    replicas = wait_for(lambda: ready("chat", 2), timeout=90, what="two ready replicas")
-    assert len({r.node_id for r in replicas}) == 2
-    holds = Allocation.objects.filter(active=True, job=None)
-    assert sorted(holds.values_list("holder", flat=True)) == ["serve:chat/0", "serve:chat/1"]
-    held = Snapshot().holders  # the scheduler counts them busy
-    assert {name for _, name in held.values()} == {"serve:chat/0", "serve:chat/1"}
-    for r in replicas:
-        assert httpx.get(r.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "chat"
-    # the copy on the second node was made from the first's checkpoint
-    assert {r.model_path for r in replicas} == {f"{n.workdir}/outputs/trained/checkpoint-10" for n in
-                                                 Node.objects.filter(pk__in=[r.node_id for r in replicas])}
-
-    # when one replica's engine dies
-    first = Replica.objects.select_related("node").get(service__name="chat", index=0)
-    old_tag = first.tag
-    for pid in engine_pids(first):
-        os.kill(pid, signal.SIGKILL)
-
-    # then the worker starts it again, where it was, and it is ready again
-    def restarted():
-        r = Replica.objects.get(pk=first.pk)
-        return r if r.restarts == 1 and r.state == Replica.State.READY and r.tag != old_tag else None
-
-    again = wait_for(restarted, timeout=60, what="replica 0 restarted")
-    assert again.node_id == first.node_id
-    listing = serve("--list")
-    assert "chat  running  custom  from trained step 10" in listing
-    assert "replica 0  ready" in listing and "restarts 1" in listing
-
-    # when the service is stopped
-    said = serve("chat", "--stop")
-
-    # then no process of it is left, its slots are free, and the list says so
-    assert "service chat stopped" in said
-    tags = list(Replica.objects.filter(service__name="chat").values_list("tag", flat=True))
-    assert [t for t in [*tags, old_tag] if job_pids(t)] == []
-    assert not Allocation.objects.filter(active=True, job=None).exists()
-    assert set(Replica.objects.filter(service__name="chat").values_list("state", flat=True)) == {"stopped"}
-    assert "chat  stopped" in serve("--list")
-
-
 def test_an_engine_that_keeps_dying_is_given_up_after_its_restarts_and_frees_its_slot(lab, tender):
     """Covers: an engine that exits at once on a real node, tried 1 + 3 times by the worker, then given up with its
     reason and its slot freed.
@@ -218,8 +165,10 @@ def test_with_no_worker_serve_refuses_in_one_line(lab):
 def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_replica_killed_under_load(
     lab, tender, controller_env, os_account, tmp_path
 ):
-    """Covers: real `transformers serve` replicas of a tiny GPT-2 answering through the controller's endpoint (streamed
-    too), one killed under load and restarted, every request answered whole.
+    """Covers: real `transformers serve` replicas of a tiny GPT-2 started through real agents on two nodes, each
+    holding its node, the checkpoint copied to the second; answering through the controller's endpoint (streamed
+    too); one killed under load and restarted in place by the worker, every request answered whole; `serve --list`
+    after the restart and after the stop; stop leaving no process and no slot held.
     """
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
@@ -227,8 +176,19 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
                    capture_output=True, timeout=300)  # fmt: skip
 
     # when it is served by two `transformers serve` replicas (CPU) and asked through the controller's endpoint
-    serve("gpt", "--from", "trained:latest", "--replicas", "2")
-    wait_for(lambda: ready("gpt", 2), timeout=300, interval=1, what="two transformers serve replicas ready")
+    said = serve("gpt", "--from", "trained:latest", "--replicas", "2")
+    assert "service gpt: 2 replica(s) of transformers" in said and "/serve/gpt/v1/" in said
+    replicas = wait_for(lambda: ready("gpt", 2), timeout=300, interval=1, what="two transformers serve replicas ready")
+    # then both come up, on two nodes, each holding its node (these nodes have no GPUs) as a job would
+    assert len({r.node_id for r in replicas}) == 2
+    holds = Allocation.objects.filter(active=True, job=None)
+    assert sorted(holds.values_list("holder", flat=True)) == ["serve:gpt/0", "serve:gpt/1"]
+    held = Snapshot().holders  # the scheduler counts them busy
+    assert {name for _, name in held.values()} == {"serve:gpt/0", "serve:gpt/1"}
+    # the copy on the second node was made from the first's checkpoint
+    assert {r.model_path for r in replicas} == {
+        f"{n.workdir}/outputs/trained/checkpoint-10" for n in Node.objects.filter(pk__in=[r.node_id for r in replicas])
+    }
     token = create_token(os_account, "app", "infer")[1]
     headers = {"Authorization": f"Bearer {token}"}
     with daphne_serving(controller_env, tmp_path / "daphne.log") as web:
@@ -258,6 +218,10 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
                 return r if r.restarts == 1 and r.state == Replica.State.READY and r.tag != victim.tag else None
 
             again = wait_for(back, timeout=300, interval=0.5, what="the killed replica restarted and ready")
+            assert again.node_id == victim.node_id  # where it was
+            listing = serve("--list")
+            assert "gpt  running  transformers  from trained step 10" in listing
+            assert "replica 0  ready" in listing and "restarts 1" in listing
             wait_for(lambda: ReplicaTraffic.objects.filter(replica=again, started_at__gte=again.ready_at,
                                                            requests__gt=0).exists(),
                      timeout=60, what="the restarted replica serving again")  # fmt: skip
@@ -273,10 +237,13 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
     stats = describe(Service.objects.get(name="gpt"))["replicas"]
     assert all(r["stats"]["requests_total"] > 0 and r["stats"]["tokens_total"] > 0 for r in stats), stats
 
-    # and stopping leaves nothing
-    assert "stopped" in serve("gpt", "--stop")
-    assert [t for t in Replica.objects.values_list("tag", flat=True) if job_pids(t)] == []
+    # and stopping leaves no process (the killed engine's included), no slot held, and the list says so
+    assert "service gpt stopped" in serve("gpt", "--stop")
+    tags = list(Replica.objects.filter(service__name="gpt").values_list("tag", flat=True))
+    assert [t for t in [*tags, victim.tag] if job_pids(t)] == []
     assert not Allocation.objects.filter(active=True, job=None).exists()
+    assert set(Replica.objects.filter(service__name="gpt").values_list("state", flat=True)) == {"stopped"}
+    assert "gpt  stopped" in serve("--list")
 
 
 @contextmanager
