@@ -184,33 +184,6 @@ def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_star
         blocker.unlink()
 
 
-@pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
-def test_a_tree_over_a_megabyte_streams_to_each_node_as_one_tar_and_arrives_whole(project, lab, client, monkeypatch):
-    """Covers: a 2.5 MB tree streamed as one tar to two real nodes, through the OpenSSH client or on the link's own
-    connection, arriving whole with no part file left.
-    """
-    # given a tree with 2.5 MB to send (more than travels inside a request), through the OpenSSH client or,
-    # where there is none, on a second channel of the node's own SSH connection
-    if client != "openssh":
-        from cluster import links
-
-        monkeypatch.setattr(links, "SSH_CLIENT", None)
-    weights = os.urandom(2_500_000)
-    (project / "assets").mkdir()
-    (project / "assets" / "vocab.bin").write_bytes(weights)
-    tree(project, {f"configs/c{i}.yaml": f"lr: {i}\n" for i in range(40)})
-    run("launch", "--name", "big", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
-    job = finish(Job.objects.get(name="big"))
-    assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    # then every byte arrived on both nodes, checked, and the nodes' stores hold no part file left over
-    total = sum(f["size"] for f in manifest.build(str(project)).files)  # less what earlier tests' runs left there
-    assert 2 * len(weights) <= JobCode.objects.get(job=job).sync_sent_bytes <= 2 * total
-    for rank in job.ranks.select_related("node"):
-        copy = Path(rank.node.workdir) / "outputs" / "big" / "code"
-        assert (copy / "assets" / "vocab.bin").read_bytes() == weights and (copy / "configs" / "c39.yaml").exists()
-        assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".part-*"))
-
-
 def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_keeps_nothing(project, lab, tmp_path,
                                                                                           monkeypatch):  # fmt: skip
     """Covers: the OpenSSH client refusing a node's host key in a streamed sync: the attempt fails in one line naming
@@ -243,8 +216,9 @@ def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_kee
 @pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
 def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_of_its_own(project, lab, client,
                                                                                           monkeypatch):  # fmt: skip
-    """Covers: a real sshd with AllowTcpForwarding no: its stream goes to a receiver its agent starts, beside a node
-    whose forwarding works, for both clients.
+    """Covers: a tree over 1 MB streamed as one tar to two real nodes, through the OpenSSH client or on the link's own
+    connection, arriving whole with no part file left: node1's sshd forwards it to its agent's listener, node2's
+    (AllowTcpForwarding no) to a receiver its agent starts.
     """
     from cluster import links
     from cluster.models import Node
@@ -263,14 +237,19 @@ def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_
         weights = os.urandom(1_500_000)
         (project / "assets").mkdir()
         (project / "assets" / "vocab.bin").write_bytes(weights)
+        tree(project, {f"configs/c{i}.yaml": f"lr: {i}\n" for i in range(40)})
         run("launch", "--name", "noforward", "--node", "node1", "--node", "node2", "--sync", str(project),
             "--script", "train.py", "--detach")  # fmt: skip
         job = finish(Job.objects.get(name="noforward"))
-        # then both nodes have the copy and ran it: node1's stream went to its agent, node2's to a receiver
+        # then both nodes have the copy whole and ran it: node1's stream went to its agent, node2's to a receiver;
+        # every byte arrived, checked, and the nodes' stores hold no part file left over
         assert job.state == Job.State.SUCCEEDED, job.failure_reason
+        total = sum(f["size"] for f in manifest.build(str(project)).files)  # less what earlier tests' runs left there
+        assert 2 * len(weights) <= JobCode.objects.get(job=job).sync_sent_bytes <= 2 * total
         for rank in job.ranks.select_related("node"):
             copy = Path(rank.node.workdir) / "outputs" / "noforward" / "code"
-            assert (copy / "assets" / "vocab.bin").read_bytes() == weights
+            assert (copy / "assets" / "vocab.bin").read_bytes() == weights and (copy / "configs" / "c39.yaml").exists()
+            assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".part-*"))
         assert [Node.objects.get(name=n).link().forward_refused for n in ("node1", "node2")] == [False, True]
     finally:
         node.config.write_text(original)
