@@ -62,7 +62,9 @@ def project(lab, tmp_path):
 
 def test_a_changed_file_reaches_every_node_and_an_unchanged_tree_copies_nothing(project, lab):
     """Covers: a synced directory reaching two real nodes, each rank running in its copy, then only a changed file
-    travelling and an unchanged tree sending nothing; the store's rules alone are tests/test_sync.py's.
+    travelling and an unchanged tree sending nothing; the store's rules alone are tests/test_sync.py's. And what ran,
+    recorded from real nodes (`results --json`): the synced tree's git state (clean, then an uncommitted diff) and
+    each node's python, torch and packages as its agent read them.
     """
     code_bytes = sum(f["size"] for f in manifest.build(str(project)).files)
     # given a directory synced to two nodes
@@ -84,28 +86,11 @@ def test_a_changed_file_reaches_every_node_and_an_unchanged_tree_copies_nothing(
     second = finish(Job.objects.get(name="s2"))
     assert second.state == Job.State.SUCCEEDED and run("logs", "s2").count("VERSION=2 in ") == 2
     assert JobCode.objects.get(job=second).sync_sent_bytes == 2 * len("VERSION = 2\n")
-    # and an unchanged tree copies nothing
-    run("launch", "--name", "s3", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
-    third = finish(Job.objects.get(name="s3"))
-    assert third.state == Job.State.SUCCEEDED and JobCode.objects.get(job=third).sync_sent_bytes == 0
-    status = run("status", "s3")
-    assert f"code: {project} synced (4 files" in status and "(0 bytes sent)" in status
-
-
-def test_what_ran_is_recorded_per_node_and_two_runs_differ_in_their_code(project, lab):
-    """Covers: what ran, recorded from real nodes: the synced tree's git state (a dirty diff) and each node's python,
-    torch and packages as its agent read them.
-    """
-    run("launch", "--name", "p1", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
-    one = finish(Job.objects.get(name="p1"))
-    (project / "lib" / "version.py").write_text("VERSION = 3\n")  # uncommitted
-    run("launch", "--name", "p2", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
-    two = finish(Job.objects.get(name="p2"))
-    # each job's record: the synced directory, its git commit (and the uncommitted diff), per node versions
-    record = json.loads(run("results", "p2", "--json"))["code"]
+    # and each job records what ran: the synced directory, its git commit (the uncommitted diff too), per node versions
+    record = json.loads(run("results", "s2", "--json"))["code"]
     assert record["sync"]["source"] == str(project) and record["git"]["branch"] == "main"
-    assert record["git"]["dirty"] is True and "+VERSION = 3" in record["git"]["diff"]
-    assert json.loads(run("results", "p1", "--json"))["code"]["git"]["dirty"] is False
+    assert record["git"]["dirty"] is True and "+VERSION = 2" in record["git"]["diff"]
+    assert json.loads(run("results", "s1", "--json"))["code"]["git"]["dirty"] is False
     nodes = record["nodes"]
     env_python = subprocess.run([f"{NODE_ENV}/bin/python", "-c", "import platform; print(platform.python_version())"],
                                 capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
@@ -113,9 +98,14 @@ def test_what_ran_is_recorded_per_node_and_two_runs_differ_in_their_code(project
     assert all(v["torch"].startswith("2.13.0") and v["packages_count"] > 5 for v in nodes.values())
     assert len({v["packages_sha256"] for v in nodes.values()}) == 1  # the same env on both
     assert len({v["script_sha256"] for v in nodes.values()}) == 1
-    packages = JobCode.objects.get(job=two).packages
+    packages = JobCode.objects.get(job=second).packages
     assert any(p.startswith("torch==2.13.0") for p in next(iter(packages.values())))
-    assert one.state == two.state == Job.State.SUCCEEDED
+    # and an unchanged tree copies nothing
+    run("launch", "--name", "s3", "--nodes", "2", "--sync", str(project), "--script", "train.py", "--detach")
+    third = finish(Job.objects.get(name="s3"))
+    assert third.state == Job.State.SUCCEEDED and JobCode.objects.get(job=third).sync_sent_bytes == 0
+    status = run("status", "s3")
+    assert f"code: {project} synced (4 files" in status and "(0 bytes sent)" in status
 
 
 def test_a_script_that_differs_between_nodes_is_refused_by_name(lab):
