@@ -31,10 +31,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import REPO, cluster_yaml, free_port, wait_for
+from .conftest import REPO, cluster_yaml, free_port, started_by, wait_for
 from .test_browser import CHROMIUM, CHROMIUM_ARGS, http_ok
 from .test_dashboard_browser import BLUE, INK
-from .test_start_supervisor_e2e import started_by
 from .worker_env import redis_url_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -222,7 +221,11 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
 
         # 5. Ctrl-C: everything stops, PostgreSQL included, with exit status 0
         os.killpg(start.pid, signal.SIGINT)
-        assert start.wait(timeout=60) == 0, logs()
+        try:
+            stopped = start.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say what is still running, and what bin/start and its services said
+            raise AssertionError(f"bin/start runs 60 s after Ctrl-C; left: {started_by(data)}\n{logs()}") from None
+        assert stopped == 0, logs()
         wait_for(lambda: not started_by(data), timeout=30, what="every process bin/start started to stop")
         for name in ("web.log", "worker.log"):
             assert "Traceback" not in (run_dir / name).read_text(), f"{name}:\n{tail(run_dir / name, 20000)}"
