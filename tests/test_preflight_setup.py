@@ -23,7 +23,7 @@ from jobs.models import Job
 from jobs.preflight import check_nodes, python_missing, tell_setup
 from jobs.scheduler import place_queued
 
-from .conftest import FAST_TRAIN, NODE_ENV, REPO, free_port
+from .conftest import FAST_TRAIN, NODE_ENV, REPO, free_port, rendezvous_ports
 from .jobrows import update_jobs
 
 ENV_TORCHRUN = str(NODE_ENV / "bin" / "torchrun")
@@ -230,7 +230,8 @@ def test_demo_node_without_torchrun_is_refused_then_follows_setup(test_worker, f
     bin/start makes it, a real agent on the local transport, real torchrun (no faster test launches for real).
 
     Covers: bin/start's demo node refused by pre-flight while no torchrun exists, then a real launch on it once
-    .venv-node does, its alert resolved.
+    .venv-node does (the local transport: the agent a local process, no sshd), its alert resolved, and the reading
+    commands (status, logs, results, queue, export_cluster) on that real job.
     """
     # given a fresh checkout where no torchrun exists yet, and bin/start's demo node for it
     repo = tmp_path / "repo"
@@ -239,6 +240,9 @@ def test_demo_node_without_torchrun_is_refused_then_follows_setup(test_worker, f
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     call_command("demo_node", stdout=io.StringIO())
     Node.objects.update(gpu_count=0)  # whatever this machine has: the job trains on CPU
+    cs = ClusterSettings.load()
+    cs.rendezvous_port = rendezvous_ports()  # c10d's store listens on every address: not another run's 29500
+    cs.save()
     # when the first job is launched
     with pytest.raises(CommandError, match="pre-flight failed"):
         call_command("launch", "--name", "exp1", "--nodes", "1", "--", *FAST_TRAIN, stdout=io.StringIO())
@@ -265,3 +269,22 @@ def test_demo_node_without_torchrun_is_refused_then_follows_setup(test_worker, f
     node = Node.objects.get()
     assert node.torchrun_command == str(repo / ".venv-node" / "bin" / "torchrun")
     assert not Alert.objects.filter(resolved_at__isnull=True, severity__in=["warning", "critical"]).exists()
+    assert b"training complete" in job.ranks.get().local_log.read_bytes()
+
+    # and the reading commands show what happened on that real job
+    def run(*args: str) -> str:
+        buf = io.StringIO()
+        call_command(*args, stdout=buf)
+        return buf.getvalue()
+
+    assert "exp1" in run("status") and "succeeded" in run("status")
+    detail = run("status", "exp1")
+    assert "rank 0 on local" in detail and "exit      0" in detail
+    assert run("logs", "exp1").splitlines()[0].startswith("[rank 0] ")
+    only = run("logs", "exp1", "--rank", "0", "--tail", "2")
+    assert only.splitlines()[-1].startswith("training complete") and len(only.splitlines()) == 2, only
+    results = run("results", "exp1")
+    assert "(last loss logged by rank 0)" in results
+    assert "checkpoints: 2" in results and "checkpoint_step12.pt" in results
+    assert run("queue").strip() == "queue is empty"
+    assert "local:" in run("export_cluster")

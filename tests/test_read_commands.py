@@ -123,6 +123,12 @@ def test_bad_input_is_one_line_and_changes_nothing(jobs):
             call_command(*args, stdout=io.StringIO())
 
 
+def test_reading_commands_fail_with_one_line_for_unknown_jobs(db):
+    for cmd in ("status", "logs", "results", "cancel"):
+        with pytest.raises(CommandError, match="no job named 'ghost'"):
+            call_command(cmd, "ghost", stdout=io.StringIO())
+
+
 def test_status_and_results_agree_on_every_field_they_share(jobs, monkeypatch):
     # given a finished job whose bar reached 300 of 300, seen at one fixed moment (age_s is computed per call)
     from django.contrib.auth.models import Group
