@@ -220,3 +220,14 @@ def test_another_jobs_own_directory_is_that_jobs(rank, tmp_path):
     checkpoints.record_found(rank, found)
     assert files.adopt(rank.job, rank, found) == 0
     assert list(Checkpoint.objects.filter(job=rank.job).values_list("step", flat=True)) == [20]
+
+
+def test_a_job_without_metric_files_asks_the_nodes_nothing(db, tmp_path):
+    node = Node.objects.create(name="node1", address="127.0.0.9", workdir=str(tmp_path))
+    job = Job.objects.create(name="nofiles", script="x.py", state=Job.State.RUNNING)
+    rank = Rank.objects.create(job=job, node=node, index=0, state=Rank.State.RUNNING)
+
+    def request(*args, **kwargs):
+        raise AssertionError("no request expected")
+
+    assert files.follow_metric_files(job, [rank], request) == []

@@ -1,4 +1,5 @@
-"""The health monitor on real sshd nodes: DOWN, alerts, recovery, webhook, samples, `manage.py health`.
+"""The health monitor on real sshd nodes: DOWN, alerts, recovery, webhook, samples, `manage.py health`; and,
+without a node (fast), the samples' prune, a job's alert posted and mailed, `alerts`, and the knock on a DOWN node.
 
 No GPU exists here: nodes that need GPUs read them from a JSON fixture through the probe's
 `fixture:<path>` reader (Node.gpu_reader).
@@ -23,7 +24,9 @@ from cluster.models import Alert, HealthSample, Node
 
 from .conftest import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]  # each test drives the monitor itself
+# Each test drives the monitor itself; those that reach the loopback nodes are marked e2e one by one, the rest
+# (database rows, a local HTTP receiver, a TCP knock) run with the fast tests.
+pytestmark = pytest.mark.no_test_worker
 
 GPU = {
     "index": 0,
@@ -80,6 +83,7 @@ def gpu_fixture(lab, index: int, gpus: list[dict], count: int | None = None) -> 
     return node
 
 
+@pytest.mark.e2e
 def test_stopped_node_is_down_within_two_polls_alerts_and_recovers(lab, webhook):
     """Covers: the monitor polling real sshd nodes, one stopped (its sessions cut): DOWN after two polls, one critical
     alert posted to a real webhook, then recovered; the rules alone are tests/test_health.py's.
@@ -129,6 +133,7 @@ def test_stopped_node_is_down_within_two_polls_alerts_and_recovers(lab, webhook)
     assert HealthSample.objects.filter(node__name="node1").first().gpu_temp_c == 54
 
 
+@pytest.mark.e2e
 def test_missing_and_hot_gpus_degrade_the_node_and_alert_until_cleared(lab):
     """Covers: GPU readings from the fixture reader through a real agent degrading the node, then opening, lowering and
     resolving its alerts over three polls.
@@ -156,6 +161,7 @@ def test_missing_and_hot_gpus_degrade_the_node_and_alert_until_cleared(lab):
     assert node.status == Node.Status.HEALTHY
 
 
+@pytest.mark.e2e
 def test_adaptive_interval_skips_nodes_polled_moments_ago(lab):
     """Covers: which nodes a tick polls after a real first poll; beyond that poll it is the due-time and lease rule on
     rows (a fast test could hold it).
@@ -172,12 +178,9 @@ def test_adaptive_interval_skips_nodes_polled_moments_ago(lab):
     assert Node.objects.get(name="node1").poll_lease_until is None
 
 
-def test_prune_turns_old_raw_samples_into_minute_aggregates(lab):
-    """Covers: no node: the prune's aggregation in the database; e2e only by its module's pytestmark: it belongs in a
-    fast file.
-    """
+def test_prune_turns_old_raw_samples_into_minute_aggregates(db):
     # given raw samples 25 h old (two in one minute) and a 31-day-old aggregate
-    node = Node.objects.get(name="node1")
+    node = Node.objects.create(name="node1", address="127.0.0.9")
     old = (timezone.now() - timedelta(hours=25)).replace(second=10, microsecond=0)
     HealthSample.objects.create(node=node, time=old, cpu_percent=10, ram_percent=50, score=90)
     HealthSample.objects.create(node=node, time=old + timedelta(seconds=20), cpu_percent=30, ram_percent=70, score=80)
@@ -192,10 +195,7 @@ def test_prune_turns_old_raw_samples_into_minute_aggregates(lab):
     assert HealthSample.objects.filter(node=node, kind="raw").count() == 1
 
 
-def test_job_finished_alert_is_info_posted_and_mailed(lab, webhook, settings, mailoutbox):
-    """Covers: no node: an alert posted to a real HTTP receiver and mailed; e2e only by its module's pytestmark: it
-    belongs in a fast file.
-    """
+def test_job_finished_alert_is_info_posted_and_mailed(transactional_db, webhook, settings, mailoutbox):
     # given a finished job and an alert address in the environment
     from jobs.models import Job
 
@@ -210,6 +210,7 @@ def test_job_finished_alert_is_info_posted_and_mailed(lab, webhook, settings, ma
     assert mailoutbox[0].to == ["ops@example.org"] and "exp9 succeeded" in mailoutbox[0].body
 
 
+@pytest.mark.e2e
 def test_a_failing_webhook_does_not_block_the_poll(lab, settings):
     """Covers: a poll through a real agent completing while the webhook's address refuses the post."""
     # given a webhook address where nothing listens
@@ -225,6 +226,7 @@ def test_a_failing_webhook_does_not_block_the_poll(lab, settings):
     assert Alert.objects.filter(node=node, key="gpu_count", resolved_at__isnull=True).exists()
 
 
+@pytest.mark.e2e
 def test_health_command_lists_every_node_and_exits_1_when_one_is_down(lab):
     """Covers: `health` polling three real sshd nodes with fixture GPUs: a line per node, the failing checks under the
     bad one, exit 1, and the same verdicts in --json.
@@ -252,6 +254,7 @@ def test_health_command_lists_every_node_and_exits_1_when_one_is_down(lab):
     assert data["node3"]["status"] == "degraded" and data["node1"]["status"] == "healthy"
 
 
+@pytest.mark.e2e
 def test_health_command_exits_0_when_all_nodes_are_healthy(lab):
     """Covers: `health` over SSH on three healthy nodes exiting 0 (about a second)."""
     out = io.StringIO()
@@ -259,14 +262,11 @@ def test_health_command_exits_0_when_all_nodes_are_healthy(lab):
     assert out.getvalue().count("✓") == 3
 
 
-def test_alerts_command_lists_open_alerts_and_all_with_flag(lab):
-    """Covers: no node: `alerts` reads the database only; e2e only by its module's pytestmark: it belongs in a fast
-    file.
-    """
+def test_alerts_command_lists_open_alerts_and_all_with_flag(db):
     # given one open and one resolved alert
     from cluster.alerts import open_alert, record_event
 
-    node = Node.objects.get(name="node2")
+    node = Node.objects.create(name="node2", address="127.0.0.9")
     open_alert(node, "ram", "warning", "RAM 92 % used")
     record_event(node, "recovered", "node2 recovered")
     out = io.StringIO()
@@ -277,6 +277,7 @@ def test_alerts_command_lists_open_alerts_and_all_with_flag(lab):
     assert "node2 recovered" in out.getvalue()
 
 
+@pytest.mark.e2e
 def test_monitor_command_polls_in_the_foreground(lab):
     """Covers: `monitor`, the foreground loop, making one step of real polls of three sshd nodes."""
     # given no poll yet; when the foreground monitor runs briefly
@@ -288,6 +289,7 @@ def test_monitor_command_polls_in_the_foreground(lab):
     assert HealthSample.objects.values("node").distinct().count() == 3
 
 
+@pytest.mark.e2e
 def test_poll_pushes_node_status_to_the_cluster_group(lab):
     """Covers: a real poll's node events arriving on the dashboard's cluster group over the Redis channel layer."""
     # given a listener in the dashboard's "cluster" group (real Redis channel layer)
@@ -320,9 +322,7 @@ def test_poll_pushes_node_status_to_the_cluster_group(lab):
 
 
 def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(db, monkeypatch):
-    """Covers: a real TCP knock on a port that starts listening (the probe itself is stubbed, no SSH); e2e only by its
-    module's pytestmark: it belongs in a fast file.
-    """
+    """A real TCP knock on a port that starts listening (the probe itself is stubbed, no SSH)."""
     import socket
     import time
 
@@ -357,9 +357,7 @@ def test_a_down_node_that_answers_again_is_probed_at_once_not_after_its_backoff(
 
 
 def test_a_node_back_while_an_older_probe_still_holds_it_is_probed_on_the_next_tick(db, monkeypatch):
-    """Covers: a real TCP knock answered while another probe holds the lease (the probe is stubbed, no SSH); e2e only by
-    its module's pytestmark: it belongs in a fast file.
-    """
+    """A real TCP knock answered while another probe holds the lease (the probe is stubbed, no SSH)."""
     import socket
     import time
     from datetime import timedelta

@@ -94,18 +94,3 @@ def test_tensorboard_events_are_read_with_tensorboards_reader_record_by_record(j
     assert sorted(first + second) == sorted((s, n, v) for (s, n), v in whole.items())
     assert follow(job) == []
     assert MetricFile.objects.get(job=job).offset == len(data)
-
-
-def test_a_job_without_metric_files_asks_the_nodes_nothing(lab):
-    """Covers: no node is asked (the request raises if called): plain logic; e2e only by its module's pytestmark: it
-    belongs in a fast file.
-    """
-    from cluster.models import Node
-
-    job = Job.objects.create(name="nofiles", script="x.py", state=Job.State.RUNNING)
-    rank = Rank.objects.create(job=job, node=Node.objects.get(name="node1"), index=0, state=Rank.State.RUNNING)
-
-    def request(*args, **kwargs):
-        raise AssertionError("no request expected")
-
-    assert follow_metric_files(job, [rank], request) == []

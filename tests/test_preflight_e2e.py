@@ -16,7 +16,7 @@ from django.core.management import CommandError, call_command
 
 from cluster.models import ClusterSettings, Node
 from jobs.models import Job, Rank
-from jobs.preflight import check_nodes, env_python
+from jobs.preflight import check_nodes
 
 from .conftest import FAST_TRAIN, job_pids
 
@@ -145,15 +145,6 @@ def test_loopback_rendezvous_with_a_node_on_another_host_fails(lab, rdzv_port):
         p.startswith("lan1: rendezvous address 127.0.0.2 is loopback but lan1 (192.0.2.10) is another host")
         for p in report.problems
     ), report.problems
-
-
-def test_env_python_is_found_next_to_torchrun_only():
-    """Covers: nothing end to end: a pure function (no node, milliseconds); e2e only by its module's pytestmark: it
-    belongs in a fast file.
-    """
-    assert env_python(Node(torchrun_command="/opt/venv/bin/torchrun")) == "/opt/venv/bin/python"
-    assert env_python(Node(torchrun_command="pixi run -e cuda torchrun")) is None
-    assert env_python(Node(torchrun_command="torchrun")) is None
 
 
 def test_preflight_command_names_an_unreachable_node(lab, rdzv_port):

@@ -20,7 +20,7 @@ from jobs import lifecycle
 from jobs.failure import FailureKind
 from jobs.launch import LaunchRequest, create_job, launch
 from jobs.models import Job
-from jobs.preflight import check_nodes, python_missing, tell_setup
+from jobs.preflight import check_nodes, env_python, python_missing, tell_setup
 from jobs.scheduler import place_queued
 
 from .conftest import FAST_TRAIN, NODE_ENV, REPO, free_port, rendezvous_ports
@@ -288,3 +288,9 @@ def test_demo_node_without_torchrun_is_refused_then_follows_setup(test_worker, f
     assert "checkpoints: 2" in results and "checkpoint_step12.pt" in results
     assert run("queue").strip() == "queue is empty"
     assert "local:" in run("export_cluster")
+
+
+def test_env_python_is_found_next_to_torchrun_only():
+    assert env_python(Node(torchrun_command="/opt/venv/bin/torchrun")) == "/opt/venv/bin/python"
+    assert env_python(Node(torchrun_command="pixi run -e cuda torchrun")) is None
+    assert env_python(Node(torchrun_command="torchrun")) is None

@@ -151,17 +151,6 @@ def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
     serve("taken", "--stop")
 
 
-@pytest.mark.no_test_worker
-def test_with_no_worker_serve_refuses_in_one_line(lab):
-    """Covers: no node is contacted: `serve` refusing with no worker heartbeat; e2e only by its module's pytestmark: it
-    belongs in a fast file.
-    """
-    trained_job()
-    with pytest.raises(CommandError, match="no UGRO worker is running"):
-        serve("chat", "--from", "trained", "--engine", "custom", "--command", FAKE)
-    assert not Service.objects.exists()
-
-
 def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_replica_killed_under_load(
     lab, tender, controller_env, os_account, tmp_path
 ):

@@ -5,6 +5,8 @@ service end to end is tests/test_serve.py's."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.test import Client
 
@@ -96,6 +98,15 @@ def test_with_no_worker_the_form_says_so_and_records_nothing(trained):
     answer = client_in("launcher").post("/services/start", FORM)
     assert answer.status_code == 400 and "no UGRO worker is running: start it with bin/start" in answer.content.decode()
     assert not Service.objects.exists()
+
+
+def test_with_no_worker_the_serve_command_refuses_in_one_line(trained):
+    from django.core.management import CommandError, call_command
+
+    with pytest.raises(CommandError, match="no UGRO worker is running") as err:
+        call_command("serve", "chat", "--from", "trained", "--engine", "custom", "--command",
+                     "{python} engine.py --port {port}", stdout=io.StringIO())  # fmt: skip
+    assert "\n" not in str(err.value) and not Service.objects.exists()
 
 
 def test_a_replicas_log_is_read_from_its_node_and_shown_as_text(trained, monkeypatch):
