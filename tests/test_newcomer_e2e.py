@@ -19,7 +19,6 @@ in a second that these blocks are where this test reads them.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import re
 import shlex
@@ -161,6 +160,7 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
         nodes = len(yaml.safe_load(readme_cluster)["nodes"])
         (workdir / "cluster.yaml").write_text(cluster_yaml(loopback, nodes))
         ended: dict[str, str] = {}  # job -> its state as the README's commands showed it
+        ids: dict[str, int] = {}  # job -> its id, as its launch said it
         for line in lines:
             argv = argv_of(line)
             verb, name = argv[1], (argv[2] if len(argv) > 2 else "")
@@ -170,7 +170,9 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
                 assert said[0].startswith(f"imported {name}: "), done.stdout
             elif verb == "launch":
                 name = argv[argv.index("--name") + 1]
-                assert said[0].startswith(f"job {name} queued (id "), done.stdout
+                queued = re.match(rf"job {name} queued \(id (\d+)\)", said[0])
+                assert queued, done.stdout
+                ids[name] = int(queued[1])
                 assert "no UGRO worker is running" not in done.stdout
                 if "--detach" not in argv:  # followed live to its end, every rank's lines
                     assert said[-1] == f"-- job {name} succeeded", done.stdout[-3000:] + logs()
@@ -188,10 +190,9 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
                 assert done.stdout.strip() == f"job {name} cancelled; no process of it remains on its nodes"
                 ended[name] = "cancelled"
         assert sorted(ended.values()) == ["cancelled", "succeeded"], ended  # a job run to its end, one cancelled
-        first = next(n for n, state in ended.items() if state == "succeeded")
-        first_id = json.loads(run(f"ugro status {first} --json").stdout)["id"]
+        first_id = next(ids[n] for n, state in ended.items() if state == "succeeded")
 
-        # 4. the dashboard: log in with the printed password; the first job's page draws its loss curve
+        # 4. the dashboard: the first job's page asks to log in; with the printed password, it draws its loss curve
         from playwright.sync_api import sync_playwright
 
         errors: list[str] = []
@@ -202,13 +203,12 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
                 page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
                 page.on("pageerror", lambda e: errors.append(str(e)))
                 page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400 else None)
-                page.goto(base + "/")
+                page.goto(f"{base}/jobs/{first_id}/")
                 assert "/accounts/login/" in page.url
                 page.fill("#id_username", admin)
                 page.fill("#id_password", password)
                 page.click("button[type=submit]")
-                page.wait_for_url(base + "/", timeout=30_000)
-                page.goto(f"{base}/jobs/{first_id}/")
+                page.wait_for_url(f"{base}/jobs/{first_id}/", timeout=30_000)
                 try:
                     page.wait_for_selector("#panels[data-ready]", state="attached", timeout=30_000)
                 except Exception as exc:
