@@ -33,6 +33,9 @@ ACTIONS = {
     "serve": "accounts.launch_job",  # start and stop a service (serving/)
     "infer": "accounts.view_cluster",  # call a service's endpoint, /serve/<name>/v1/...
 }
+# how a refusal names an action that is not a verb of its own
+ACTION_WORDS = {"view": "view the cluster", "nodes": "manage nodes", "audit": "read the audit log",
+                "infer": "call a service's model"}  # fmt: skip
 JOB_ACTIONS = ("cancel", "resume")
 LAUNCHER_MAX_PRIORITY = 50  # a launcher's highest priority: the upper half is left for operators to jump the queue
 LAUNCHER_MAX_QUEUED = 10  # a launcher's most queued jobs: one person's sweep cannot fill the queue for everyone
@@ -74,9 +77,9 @@ def reason(user, action: str, job=None, *, priority: int | None = None, scope: s
     if not user.has_perm(ACTIONS[action]):
         role = role_of(user)
         have = f"role {role}" if role != "none" else "no role (ask an operator for one)"
-        return f"{who} has {have}: not allowed to {action}"
+        return f"{who} has {have}: not allowed to {ACTION_WORDS.get(action, action)}"
     if scope is not None and action not in SCOPES.get(scope, set()):
-        return f"this token's scope is {scope}: it cannot {action}"
+        return f"this token's scope is {scope}: it cannot {ACTION_WORDS.get(action, action)}"
     if action in JOB_ACTIONS and job is not None and job.owner_id != user.pk:
         if not user.has_perm("accounts.manage_any_job"):
             owner = job.owner.get_username() if job.owner_id else "the system"

@@ -149,6 +149,11 @@ def test_a_token_is_narrowed_to_its_scope(world):
     assert response.status_code == 403
     assert response.json() == {"error": "this token's scope is read: it cannot launch"}
     assert client.get("/api/v1/jobs/", HTTP_AUTHORIZATION=f"Bearer {read}").status_code == 200
+    # an action that is no verb of its own is named in words: what README's set-up token must be able to do
+    _, launch = create_token(user, "lt", "launch")
+    response = client.post("/api/v1/nodes/gpu1/drain", {}, content_type="application/json",
+                           HTTP_AUTHORIZATION=f"Bearer {launch}")  # fmt: skip
+    assert response.json() == {"error": "this token's scope is launch: it cannot manage nodes"}
 
 
 def test_commands_run_as_the_os_users_account_and_refuse_without_one(world, os_account):
@@ -171,7 +176,7 @@ def test_a_refused_page_action_says_why_in_one_line(world):
     assert response.status_code == 200
     client.force_login(make_user("none"))
     assert client.get(f"/api/jobs/{world['other_job'].pk}/logs").json() == {
-        "error": "u-none has no role (ask an operator for one): not allowed to view"
+        "error": "u-none has no role (ask an operator for one): not allowed to view the cluster"
     }
 
 
