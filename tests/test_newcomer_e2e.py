@@ -226,6 +226,7 @@ def test_a_newcomer_follows_the_readme(loopback, private_data_dir, tmp_path):
         except subprocess.TimeoutExpired:  # say what is still running, and what bin/start and its services said
             raise AssertionError(f"bin/start runs 60 s after Ctrl-C; left: {started_by(data)}\n{logs()}") from None
         assert stopped == 0, logs()
+        assert "exited" not in out.read_text(), logs()  # no service died and was started again on the way
         wait_for(lambda: not started_by(data), timeout=30, what="every process bin/start started to stop")
         for name in ("web.log", "worker.log"):
             assert "Traceback" not in (run_dir / name).read_text(), f"{name}:\n{tail(run_dir / name, 20000)}"
