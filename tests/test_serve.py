@@ -216,11 +216,12 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
                      timeout=60, what="the restarted replica serving again")  # fmt: skip
 
         # and every request was answered whole, those sent while the replica was dead too: its row says ready until
-        # the worker has restarted it, so the endpoint sent it requests that failed, and retried them once
+        # the worker has taken it out, so a request the endpoint sent it then failed and was retried once (whether
+        # one reached it first is the race of the client against the worker's health check: the retry and its
+        # count are checked where they are certain, test_serve_proxy's dead-replica test)
         assert len(load.statuses) > killed_at + 2
         assert [s for s in load.statuses if s != 200] == []
         assert job_pids(victim.tag) == []
-        assert Replica.objects.get(pk=victim.pk).errors_total >= 1
 
     # and its stats count what it answered (tokens from the engine's usage field)
     stats = describe(Service.objects.get(name="gpt"))["replicas"]
