@@ -118,6 +118,10 @@ class Job(models.Model):
     )  # fmt: skip
     batch = models.JSONField(default=dict, blank=True, help_text='{"batch": B, "accum": A} for batch_template.')
     hang_after_s = models.FloatField(null=True, blank=True, help_text="Silence that makes it HUNG; blank: default.")
+    keep = models.CharField(
+        max_length=200, blank=True,
+        help_text="Checkpoint retention: LATEST[,best:METRIC:K] (blank: the cluster default, else keep all).",
+    )  # fmt: skip
     owner = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,
@@ -407,6 +411,8 @@ class Checkpoint(models.Model):
     ready = models.BooleanField(default=False, help_text="Complete and no longer changing: may be resumed from.")
     attempt = models.PositiveIntegerField(default=1, help_text="The attempt that was running when it appeared.")
     sha256 = models.CharField(max_length=64, blank=True, help_text="Set when it was copied to another node.")
+    removed_at = models.DateTimeField(null=True, blank=True, help_text="When retention deleted it on every node.")
+    keep_reason = models.CharField(max_length=200, blank=True, help_text="Why retention kept (or freed) it.")
 
     class Meta:
         ordering = ["job", "path"]
@@ -505,6 +511,14 @@ class JobCode(models.Model):
     nodes = models.JSONField(default=dict, help_text="node -> versions and hashes, from the latest attempt.")
     packages = models.JSONField(default=dict, help_text="node -> installed packages (name==version).")
     attempt = models.PositiveIntegerField(default=0, help_text="The attempt `nodes` describes.")
+    data = models.JSONField(
+        default=list, blank=True,
+        help_text="--data items: [{src, dest, node, digest, files, bytes}] (docs/data.md), staged at launch.",
+    )  # fmt: skip
+    transfer = models.JSONField(
+        default=dict, blank=True,
+        help_text="The last attempt's data delivery: node -> {bytes, total, rate, state, from}, and its totals.",
+    )  # fmt: skip
 
     def __str__(self) -> str:
         return f"code of {self.job_id}"
