@@ -29,7 +29,7 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, lifecycle, locks, spec, sync
+from . import checkpoints, data, lifecycle, locks, spec, sync
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
@@ -107,6 +107,7 @@ class LaunchRequest:
     hang_after_s: float | None = None
     sync: str = ""  # a directory on the controller copied to every node; the ranks start in the copy
     sync_upload: str = ""  # the digest of a directory a client uploaded (POST /api/v1/sync/...)
+    data: list[str] = field(default_factory=list)  # SRC[:DEST] items put in the job's directory on every node
     allow_mismatch: bool = False  # start even if the script's sha256 differs between nodes
 
     @classmethod
@@ -262,7 +263,7 @@ def create_job(req: LaunchRequest) -> Job:
 def _snapshot_code(job: Job, req: LaunchRequest) -> JobCode:
     """The job's code record; with a directory to sync, its files taken into the controller's store now
     (the job runs them as they are at launch, however long it queues). LaunchError in one line."""
-    code = JobCode(allow_mismatch=req.allow_mismatch)
+    code = JobCode(allow_mismatch=req.allow_mismatch, data=getattr(job, "data_planned", []))
     if not job.sync_planned:
         return code
     kind, value = job.sync_planned
@@ -347,6 +348,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         # Any of these may run it: the script must be under an allowed root on each of them.
         runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
         check("script", _check_script_roots, script, runners, cs)
+    data_items = check("data", _check_data, req, cs)
     vram, vram_source = None, ""
     if enabled and not any(f in ("nodes", "count") for f, _ in problems):
         vram, vram_source = check("gpus", _check_gpus, req, enabled, count, script or cs.default_script) or (None, "")
@@ -391,7 +393,19 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         **recovery,
     )  # fmt: skip
     job.sync_planned = synced  # (source directory or upload digest): the ranks start in the job's copy
+    job.data_planned = [item.as_dict() for item in data_items or []]
     return job, pattern, files
+
+
+def _check_data(req: LaunchRequest, cs: ClusterSettings) -> list[data.Item]:
+    """The job's --data items and the cluster's training.data, each checked (jobs/data.py); LaunchError in one
+    line."""
+    names = set(Node.objects.values_list("name", flat=True))
+    try:
+        items = [data.parse(v, names) for v in [*data.cluster_items(cs), *req.data]]
+        return data.check(items, cs)
+    except data.DataError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def _default_sync(cs: ClusterSettings) -> str:
@@ -786,6 +800,14 @@ def _launch(job: Job) -> Job:
             return job
         log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
                  pushed.seconds, pushed.sent_bytes)  # fmt: skip
+    try:  # and its data (--data), node to node, before pre-flight
+        delivered = data.deliver(job, [r.node for r in ranks])
+    except ValueError as exc:
+        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+        return job
+    if delivered is not None:
+        log.info("job %s: data on %d nodes in %.2fs (%d bytes from the controller, %d node to node)", job.name,
+                 len(ranks), delivered.seconds, delivered.controller_bytes, delivered.peer_bytes)  # fmt: skip
     bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
     problems = run_preflight(job, ranks, bases)
     if problems:

@@ -286,6 +286,10 @@ LAUNCH: tuple[Option, ...] = (
            help="copy DIR to every node before the ranks start, and start them there (none: not even the "
            "cluster's default); the API takes the digest of the directory the client uploaded",
            shown_default="the cluster's training.sync"),
+    Option("data", "--data", "paths", default=[], example=["~/datasets/tiny:tiny", "gpu1:/mnt/models/llama:model"],
+           section=CODE, help="SRC[:DEST]: a directory or file on the controller, or NODE:PATH on one node, put at "
+           "DEST in the job's directory ({job_dir}/DEST) on every node before the ranks start, read-only "
+           "(docs/data.md; repeatable)", shown_default="the cluster's training.data"),
     Option("allow_mismatch", "--allow-mismatch", "bool", default=False, example=True, section=CODE,
            help="start even if the script's sha256 differs between nodes"),
     EXTRA_ARGS,

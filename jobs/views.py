@@ -393,6 +393,14 @@ class LaunchForm(forms.Form):
     gpus_per_node = forms.IntegerField(
         required=False, min_value=1, max_value=NPROC_MAX, label="GPUs per node", help_text="with a node count"
     )
+    data = forms.CharField(
+        required=False,
+        max_length=8000,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Data",
+        help_text="one per line, SRC[:DEST]: a directory or file on the controller, or NODE:PATH; at {job_dir}/DEST "
+        "on every node",
+    )
     after = forms.CharField(required=False, max_length=64, help_text="start only after this job succeeded")
     batch_per_gpu = forms.IntegerField(
         required=False, min_value=1, max_value=BATCH_MAX, label="Batch per GPU", help_text="fills {local_batch}"
@@ -484,6 +492,7 @@ class LaunchForm(forms.Form):
             priority=d.get("priority") or 0,
             metrics_pattern=d.get("metrics_pattern") or "",
             metrics_files=[line.strip() for line in (d.get("metrics_files") or "").splitlines() if line.strip()],
+            data=[line.strip() for line in (d.get("data") or "").splitlines() if line.strip()],
             gpus_per_node=d.get("gpus_per_node"),
             after=(d.get("after") or "").strip(),
             batch_per_gpu=d.get("batch_per_gpu"),

@@ -86,6 +86,8 @@ def build_parser() -> Parser:
     p.add_argument("--priority", type=int, default=0, help="0-100 (launchers: up to the server's bound)")
     p.add_argument("--metrics-pattern", default="", dest="metrics_pattern")
     p.add_argument("--metrics-file", action="append", default=[], dest="metrics_files")
+    p.add_argument("--data", action="append", default=[], metavar="SRC[:DEST]",
+                   help="a directory or file on the controller, or NODE:PATH, at {job_dir}/DEST on every node")
     p.add_argument("--batch-per-gpu", type=int, dest="batch_per_gpu", help="the even split's batch per GPU")
     p.add_argument("--batch-weights", default="", dest="batch_weights", help="NODE=WEIGHT,... or auto")
     rec = p.add_argument_group("recovery (docs/recovery.md)")
@@ -362,7 +364,7 @@ LAUNCH_FIELDS = [
     ("batch_weights", "batch_weights"), ("retry", "retry"), ("max_attempts", "max_attempts"),
     ("min_nodes", "min_nodes"), ("resume_template", "resume_template"), ("checkpoint_glob", "checkpoint_glob"),
     ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
-    ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"),
+    ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"), ("data", "data"),
 ]  # fmt: skip
 UPLOAD_BATCH_BYTES = 16 * 1024 * 1024  # objects sent together in one tar, up to this much a request
 
