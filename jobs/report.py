@@ -16,6 +16,7 @@ from metrics.models import LAST_FIRST, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
 from . import sync
+from .data import summary as data_summary
 from .models import Checkpoint, Job, JobCode
 
 
@@ -216,6 +217,9 @@ def code_record(job: Job) -> dict | None:
         "allow_mismatch": code.allow_mismatch,
         "attempt": code.attempt or None,
         "nodes": code.nodes,
+        "data": code.data or [],
+        "transfer": code.transfer or None,
+        "data_line": data_summary(code),
     }  # fmt: skip
 
 
@@ -230,6 +234,8 @@ def code_lines(job: Job) -> list[str]:
         took = f", copied to the nodes in {synced['seconds']:.2f}s ({synced['sent_bytes']} bytes sent)" if (
             synced["seconds"] is not None) else ""  # fmt: skip
         out.append(f"  code: {synced['source']} synced ({synced['files']} files, {synced['bytes']} bytes){took}")
+    if record["data_line"]:
+        out.append(f"  {record['data_line']}")
     git = record["git"]
     if git:
         dirty = ", uncommitted changes" if git.get("dirty") else ""

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import time
@@ -96,6 +97,7 @@ def build_parser() -> Parser:
     rec.add_argument("--min-nodes", type=int, dest="min_nodes", help="a node-lost retry may run on this few")
     rec.add_argument("--resume-template", default="", dest="resume_template", help="e.g. '--resume-from {checkpoint}'")
     rec.add_argument("--checkpoint-glob", default="", dest="checkpoint_glob", help="more checkpoints to record")
+    rec.add_argument("--keep", default="", help="checkpoints kept: LATEST[,best:METRIC:K], e.g. 2,best:eval_loss:1")
     rec.add_argument("--batch-template", default="", dest="batch_template", help="e.g. '--batch-size {batch}'")
     rec.add_argument("--batch", type=int, help="per-rank batch for --batch-template")
     rec.add_argument("--grad-accum", type=int, dest="grad_accum", help="accumulation for --batch-template")
@@ -363,6 +365,7 @@ LAUNCH_FIELDS = [
     ("time_limit", "time_limit"), ("min_vram", "min_vram"), ("after", "after"), ("batch_per_gpu", "batch_per_gpu"),
     ("batch_weights", "batch_weights"), ("retry", "retry"), ("max_attempts", "max_attempts"),
     ("min_nodes", "min_nodes"), ("resume_template", "resume_template"), ("checkpoint_glob", "checkpoint_glob"),
+    ("keep", "keep"),
     ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
     ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"), ("data", "data"),
 ]  # fmt: skip
@@ -464,7 +467,7 @@ def follow(client: Client, name: str, rank: int | None, tail: int, announce_stat
         show(first["lines"], rank, as_json)
     offsets = first["offsets"]
     state = None
-    waiting = Waiting(client, name)
+    waiting, delivering = Waiting(client, name), Delivering(client, name)
     while True:
         answer = client.get(f"jobs/{name}/logs", rank=rank, since=",".join(f"{k}:{v}" for k, v in offsets.items()))
         show(answer["lines"], rank, as_json)
@@ -474,6 +477,8 @@ def follow(client: Client, name: str, rank: int | None, tail: int, announce_stat
             print(f"[{time.strftime('%H:%M:%S')}] {name} {state}")
         if announce_states and state == "queued":
             waiting.say_why()
+        if announce_states and state == "starting":
+            delivering.show()
         if answer["settled"]:
             job = client.get(f"jobs/{name}/")
             print(f"-- job {name} {job['state']}" + (f": {job['failure_reason']}" if job["failure_reason"] else ""))
@@ -503,6 +508,36 @@ class Waiting:
             self.said = why
             print(f"[{time.strftime('%H:%M:%S')}] {self.name} waits {why}")
             sys.stdout.flush()
+
+
+class Delivering:
+    """While a followed job starts: its data's delivery to the nodes (bytes and rate per node), again when it
+    changes; on a terminal one line rewritten in place, with a bar of the bytes the nodes hold of the total."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self.client, self.name = client, name
+        self.said = ""
+        self.asked_at = -WAIT_POLL_S
+
+    def show(self) -> None:
+        if time.monotonic() - self.asked_at < WAIT_POLL_S:
+            return
+        self.asked_at = time.monotonic()
+        code = self.client.get(f"jobs/{self.name}/").get("code") or {}
+        line = code.get("data_line") or ""
+        if not line or line == self.said:
+            return
+        self.said = line
+        if sys.stdout.isatty():
+            nodes = ((code.get("transfer") or {}).get("nodes") or {}).values()
+            held, total = sum(n.get("held", 0) for n in nodes), sum(n.get("total", 0) for n in nodes)
+            done = held / total if total else 0.0
+            bar = "[" + "#" * round(20 * done) + "." * (20 - round(20 * done)) + f"] {100 * done:3.0f}% "
+            width = shutil.get_terminal_size().columns
+            print("\r" + (bar + line)[: width - 1].ljust(width - 1), end="\n" if "delivered" in line else "")
+        else:
+            print(f"[{time.strftime('%H:%M:%S')}] {self.name} {line}")
+        sys.stdout.flush()
 
 
 def show(lines: list, rank: int | None, as_json: bool = False) -> None:
