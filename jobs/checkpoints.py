@@ -19,7 +19,6 @@ Pages and commands read the rows; no request asks a node.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
 import re
@@ -28,7 +27,7 @@ from pathlib import PurePosixPath
 from cluster.fanout import node_request, on_each
 from cluster.models import Node
 
-from . import sync
+from . import sync, transfer
 from .models import Checkpoint, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -40,8 +39,7 @@ STEP_PATTERNS = (
     re.compile(r"checkpoint-(\d+)$", re.I),  # Hugging Face checkpoint-500/
     re.compile(r"(?:step|global_step|iter)[_=-]?(\d+)", re.I),  # epoch=1-step=500.ckpt, iter_0001000
 )
-COPY_CHUNK = 2 * 1024 * 1024  # bytes per request when a checkpoint travels between nodes
-COPY_TIMEOUT_S = 60.0  # one chunk's request: 2 MB crosses even a slow LAN in seconds, a silent node fails
+COPY_TIMEOUT_S = 60.0  # a request while a checkpoint is copied: a silent node fails
 
 
 def step_of(name: str) -> int | None:
@@ -153,8 +151,10 @@ def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
                 kind=kind, ready=is_ready, attempt=job.attempt,
             )  # fmt: skip
         elif not (unchanged and old.ready == is_ready):
+            # written again where retention had deleted it: there again, to be judged again (jobs/retention.py)
+            back = {"removed_at": None, "keep_reason": ""} if old.removed_at and not unchanged else {}
             Checkpoint.objects.filter(pk=old.pk).update(
-                size=entry["size"], mtime=entry["mtime"], step=step, kind=kind, ready=is_ready
+                size=entry["size"], mtime=entry["mtime"], step=step, kind=kind, ready=is_ready, **back
             )
         ready += is_ready
     return ready
@@ -162,8 +162,10 @@ def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
 
 def offered(job: Job) -> list[Checkpoint]:
     """The job's checkpoints that a resume may use, newest step first; one seen from several nodes that share a
-    working directory is offered once (as the first of them recorded it)."""
-    ready = job.checkpoints.select_related("node").filter(ready=True, step__isnull=False)
+    working directory is offered once (as the first of them recorded it). One that retention deleted, or is
+    deleting, is not (jobs/retention.py)."""
+    ready = job.checkpoints.select_related("node").filter(ready=True, step__isnull=False, removed_at__isnull=True)
+    ready = ready.exclude(keep_reason__startswith="freeing")
     out, seen = [], set()
     for c in ready.order_by("-step", "-mtime", "pk"):
         where = (c.node.workdir_id or f"node {c.node_id}", c.path)
@@ -231,103 +233,62 @@ def target_path(checkpoint: Checkpoint, node: Node) -> str:
 
 def ensure_on(checkpoint: Checkpoint, nodes: list[Node]) -> None:
     """Make the checkpoint present on every node of an attempt: rank 0 reads it in the reference script,
-    but frameworks such as the Hugging Face Trainer load it on every rank. A node that already holds the
-    same files (by sha256) gets nothing; the copies run at once. Nodes that share a working directory (the
-    same workdir id, asked now) are one place: the source's sharers see it already, and of any other such group
-    one node gets the copy and the rest see it (each checked: one that does not gets its own). ValueError with a
-    one-line reason."""
+    but frameworks such as the Hugging Face Trainer load it on every rank. It travels by the one transfer path
+    (jobs/transfer.py): taken into its node's store, sent in checked chunks along a chain of the nodes that lack
+    it (a node that holds the same bytes gets nothing; a cut copy resumes), and put at its place on each node as
+    read-only hard links. Nodes that share a working directory (the same workdir id, asked now) are one place: the
+    source's sharers see it already, and of any other such group one node gets the copy and the rest see it (each
+    checked: one that does not gets its own). ValueError with a one-line reason."""
     source = checkpoint.node
     places = [source, *[n for n in nodes if n.pk != source.pk]]
     if len(places) == 1:
         return
-    timeout = COPY_TIMEOUT_S
-    asked = on_each(places, lambda n: node_request(n, "workdir_id", timeout=timeout, workdir=n.workdir))
+    asked = on_each(places, lambda n: node_request(n, "workdir_id", timeout=COPY_TIMEOUT_S, workdir=n.workdir))
     ids = {node.pk: (answer or {}).get("workdir_id") for node, answer, _ in asked}  # a node that did not say: alone
     # the checkpoint's node gone: its workdir's id as its last probe read it (the others of its directory see it)
     ids[source.pk] = ids[source.pk] or source.workdir_id or None
     firsts, sharers = sync.one_per_workdir(places, ids)
     targets = firsts[1:]  # the source is first: its sharers are checked like any other
     paths = {n.pk: target_path(checkpoint, n) for n in places}  # here: the job's rows read once, not per thread
-    want: list[dict] = []
+    staged: list[dict] = []
+
+    def copy(to: list[Node]) -> None:
+        if not staged:
+            staged.append(_stage(checkpoint))
+        manifest = staged[0]
+        try:
+            transfer.deliver(transfer.objects_of(manifest), to, holders=[source], what=f"checkpoint {label}")
+            transfer.place(to, lambda n: paths[n.pk], manifest["files"], what=f"checkpoint {label}", copies=True)
+        except transfer.TransferError as exc:
+            raise ValueError(f"copying checkpoint {label}: {exc}") from None
+        if not checkpoint.sha256:
+            files = manifest["files"]
+            digest = files[0]["sha256"] if manifest.get("file") else _list_digest(
+                [{"name": f["path"], "sha256": f["sha256"]} for f in files])  # fmt: skip
+            Checkpoint.objects.filter(pk=checkpoint.pk).update(sha256=digest)
+        log.info("checkpoint %s on %s", label, ", ".join(n.name for n in to))
+
+    label = f"{source.name}:{checkpoint.path}"
     if targets:
-        try:
-            want = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
-        except Exception as exc:  # the node that holds it does not answer, or the files are gone
-            raise ValueError(f"checkpoint {source.name}:{checkpoint.path} cannot be read: {exc}") from None
-
-    def one(node: Node) -> str | None:
-        try:
-            have = node_request(node, "files", timeout=timeout, path=paths[node.pk])["files"]
-        except Exception:  # absent (or unreadable): copy it
-            have = None
-        if have == want:
-            return None
-        try:
-            copy_to(checkpoint, node)
-        except ValueError as exc:
-            return str(exc)
-        return None
-
-    def seen_or_copied(node: Node) -> str | None:
-        """A node sharing another's working directory sees what was copied there, or it gets its own copy."""
-        path = paths[node.pk]
-        try:
-            if node_request(node, "stat", timeout=timeout, paths=[path])["exists"].get(path):
-                return None
-        except Exception as exc:
-            return f"{node.name}: {exc}"
-        log.warning("%s shares a workdir id but does not see %s: copying it there", node.name, path)
-        nonlocal want
-        if not want:
-            want = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
-        return one(node)
-
-    for batch, act in ((targets, one), (sharers, seen_or_copied)):
-        failed = [msg or f"{node.name}: {err}" for node, msg, err in on_each(batch, act) if msg or err]
-        if failed:
-            raise ValueError("; ".join(failed))
+        copy(targets)
+    astray = []
+    for node, answer, err in on_each(sharers, lambda n: node_request(n, "stat", timeout=COPY_TIMEOUT_S,
+                                                                       paths=[paths[n.pk]])):  # fmt: skip
+        if err is not None:
+            raise ValueError(f"{node.name}: {err}")
+        if not answer["exists"].get(paths[node.pk]):
+            log.warning("%s shares a workdir id but does not see %s: copying it there", node.name, paths[node.pk])
+            astray.append(node)
+    if astray:
+        copy(astray)
 
 
-def copy_to(checkpoint: Checkpoint, node: Node) -> str:
-    """Copy a checkpoint (file or directory) to another node over the existing links, checked by sha256.
-
-    Each file is read from the source node in COPY_CHUNK pieces and written to a part of the target's agent
-    (`<path>.ugro-part-<host>-<pid>`), which checks the whole file's sha256 before moving it into place. Returns
-    the sha256 of the file (or of the directory's sorted file list). Raises ValueError with a one-line reason.
-    """
-    source = checkpoint.node
-    dest = target_path(checkpoint, node)
-    timeout = COPY_TIMEOUT_S
+def _stage(checkpoint: Checkpoint) -> dict:
+    """The checkpoint's files taken into its node's store, with their sha256 and chunk sums."""
     try:
-        files = node_request(source, "files", timeout=timeout, path=checkpoint.path)["files"]
-        for f in files:
-            src_path = f"{checkpoint.path}/{f['name']}" if f["name"] else checkpoint.path
-            dst_path = f"{dest}/{f['name']}" if f["name"] else dest
-            offset = 0
-            while True:
-                item = node_request(
-                    source, "tail", timeout=timeout,
-                    files=[{"key": 0, "path": src_path, "offset": offset, "max_bytes": COPY_CHUNK}],
-                )["files"][0]  # fmt: skip
-                data = base64.b64decode(item["data"])
-                last = offset + len(data) >= f["size"]
-                node_request(
-                    node, "put", timeout=timeout, path=dst_path, offset=offset, data=item["data"],
-                    sha256=f["sha256"] if last else None,
-                )  # fmt: skip
-                offset += len(data)
-                if last:
-                    break
-                if not data:
-                    raise ValueError(f"{source.name}:{src_path} shrank while it was copied")
-    except ValueError:
-        raise
-    except Exception as exc:  # a link or agent error: one line for the job's reason
-        raise ValueError(f"copying checkpoint {source.name}:{checkpoint.path} to {node.name} failed: {exc}") from None
-    digest = files[0]["sha256"] if len(files) == 1 and not files[0]["name"] else _list_digest(files)
-    Checkpoint.objects.filter(pk=checkpoint.pk).update(sha256=digest)
-    log.info("copied checkpoint %s:%s to %s:%s (sha256 %s)", source.name, checkpoint.path, node.name, dest, digest)
-    return digest
+        return transfer.stage_on(checkpoint.node, checkpoint.path)
+    except Exception as exc:  # the node that holds it does not answer, or the files are gone
+        raise ValueError(f"checkpoint {checkpoint.node.name}:{checkpoint.path} cannot be read: {exc}") from None
 
 
 def _list_digest(files: list[dict]) -> str:

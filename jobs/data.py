@@ -20,12 +20,11 @@ from pathlib import Path
 
 from django.conf import settings
 
-from cluster.fanout import node_request
 from cluster.models import ClusterSettings, Node
 
 from . import transfer
 from .models import Job, JobCode
-from .sync import check_source, node_store
+from .sync import check_source
 
 RESERVED = ("code", ".ugro")  # the synced copy's place, UGRO's records
 STAGE_TIMEOUT_S = 3600.0
@@ -187,24 +186,12 @@ def stage_node(item: Item) -> tuple[Node, dict, list[transfer.Obj]]:
     except Node.DoesNotExist:
         raise DataError(f"--data {item.label()}: no node {item.node}") from None
     try:
-        task = node_request(node, "xfer_stage", timeout=transfer.REQUEST_TIMEOUT_S, store=node_store(node),
-                            path=item.src, chunk=transfer.CHUNK)["task"]  # fmt: skip
-        deadline = time.monotonic() + STAGE_TIMEOUT_S
-        while True:
-            answer = node_request(node, "xfer_task", timeout=transfer.REQUEST_TIMEOUT_S, task=task)
-            if answer["done"]:
-                manifest = answer["result"]
-                break
-            if time.monotonic() > deadline:
-                raise DataError(f"--data {item.label()}: hashing it there took over {STAGE_TIMEOUT_S:.0f} s")
-            time.sleep(0.5)
-    except DataError:
-        raise
+        manifest = transfer.stage_on(node, item.src, STAGE_TIMEOUT_S)
     except Exception as exc:
         raise DataError(f"--data {item.label()}: {exc}") from None
     if not manifest["files"]:
         raise DataError(f"--data {item.label()}: no files there")
-    objs = [transfer.Obj(f["sha256"], f["size"], f.get("chunks") or []) for f in manifest["files"]]
+    objs = transfer.objects_of(manifest)
     files = [{"path": f["path"], "sha256": f["sha256"], "size": f["size"], "mode": 0o444} for f in manifest["files"]]
     return node, {"files": files}, objs
 
@@ -231,7 +218,7 @@ def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
         _save(code, record)
 
     items = []
-    for i, raw in enumerate(code.data):
+    for raw in code.data:
         item = Item(raw["src"], raw["dest"], raw.get("node") or "")
         if item.node:
             holder, manifest, objs = stage_node(item)

@@ -190,6 +190,25 @@ def _ask(nodes: list[Node], objs: list[Obj]) -> list:
                                                  objects=pairs, chunk=CHUNK, workdir=n.workdir))  # fmt: skip
 
 
+def stage_on(node: Node, path: str, timeout: float = 3600.0) -> dict:
+    """A file or directory of a node taken into that node's store (hashed there, on a thread of its agent: tens of
+    GB take minutes): its manifest, each file with its sha256, size and chunk sums; 'file' when path is a file."""
+    task = node_request(node, "xfer_stage", timeout=REQUEST_TIMEOUT_S, store=node_store(node), path=path,
+                        chunk=CHUNK)["task"]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = node_request(node, "xfer_task", timeout=REQUEST_TIMEOUT_S, task=task)
+        if answer["done"]:
+            return answer["result"]
+        if time.monotonic() > deadline:
+            raise TransferError(f"{node.name}:{path}: hashing it there took over {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def objects_of(manifest: dict) -> list[Obj]:
+    return [Obj(f["sha256"], f["size"], f.get("chunks") or []) for f in manifest["files"]]
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
@@ -231,7 +250,7 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
     why: dict[str, str] = {}
     holders_now = [h for h in others if h.pk in held]
     for rnd in range(ROUNDS):
-        needy = [n for n in receivers if any(h != o.size for h, o in zip(held[n.pk], objs))]
+        needy = [n for n in receivers if any(h != o.size for h, o in zip(held[n.pk], objs, strict=True))]
         if not needy:
             break
         done.rounds = rnd + 1
@@ -261,7 +280,7 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
                 held[n.pk] = a["held"]
             else:
                 why[n.name] = str(err)
-    still = [n for n in receivers if any(h != o.size for h, o in zip(held[n.pk], objs))]
+    still = [n for n in receivers if any(h != o.size for h, o in zip(held[n.pk], objs, strict=True))]
     done.seconds = time.monotonic() - t0
     for n in receivers:
         got = sum(max(0, h) for h in held[n.pk]) - first_held[n.pk]
@@ -353,10 +372,12 @@ class _Watcher:
             self.thread.join(timeout=10)
 
 
-def place(nodes: list[Node], dest_of: Callable[[Node], str], files: list[dict], *, what: str = "data") -> None:
+def place(nodes: list[Node], dest_of: Callable[[Node], str], files: list[dict], *, what: str = "data",
+          copies: bool = False) -> None:  # fmt: skip
     """The manifest's files at dest_of(node) on every node, hard links to its store (cluster/node/transfer.py
     op_xfer_place); of nodes that share a working directory one places them and the others are asked whether they
-    see them. TransferError naming the nodes that failed."""
+    see them. copies: writable copies instead (a checkpoint a resumed job may write over). TransferError naming the
+    nodes that failed."""
     answers = on_each(nodes, lambda n: node_request(n, "workdir_id", timeout=REQUEST_TIMEOUT_S, workdir=n.workdir))
     ids = {n.pk: (a or {}).get("workdir_id") for n, a, _ in answers}
     firsts, sharers = one_per_workdir(nodes, ids)
@@ -365,7 +386,7 @@ def place(nodes: list[Node], dest_of: Callable[[Node], str], files: list[dict], 
 
     def put(node: Node) -> None:
         node_request(node, "xfer_place", timeout=REQUEST_TIMEOUT_S * 5, store=node_store(node), dest=dest_of(node),
-                     files=files)  # fmt: skip
+                     files=files, copy=copies)  # fmt: skip
 
     def sees(node: Node) -> None:
         dest = dest_of(node)

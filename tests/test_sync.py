@@ -680,7 +680,7 @@ def test_a_checkpoint_seen_from_nodes_sharing_a_workdir_is_recorded_and_offered_
 
 def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_where_it_is_seen(db, tmp_path, recorded):
     from cluster.models import Node
-    from jobs import checkpoints
+    from jobs import checkpoints, transfer
     from jobs.models import Checkpoint, Job
 
     # given a checkpoint on n1, whose workdir n2 shares; n3 and n4 on another workdir; n5 on its own
@@ -695,10 +695,11 @@ def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_w
     ckpt = Checkpoint.objects.create(job=job, node=nodes[0], path=str(saved), size=5000, mtime=1.0, step=10,
                                      ready=True)  # fmt: skip
     sent = recorded(checkpoints)
+    recorded(transfer)  # the copies go by the one transfer path
     # when a resume on all five needs it everywhere
     checkpoints.ensure_on(ckpt, nodes)
     # then it was written once to w2 (by n3) and once to w3, never to w1, and n2 and n4 were only asked to look
-    assert sorted({node for node, op in sent if op == "put"}) == ["n3", "n5"], sent
+    assert sorted({node for node, op in sent if op == "xfer_place"}) == ["n3", "n5"], sent
     assert {node for node, op in sent if op == "stat"} == {"n2", "n4"}
     for w in (w2, w3):
         assert (w / "outputs" / "ck" / "checkpoint_step10.pt").read_bytes() == saved.read_bytes()
@@ -708,6 +709,8 @@ def test_a_checkpoint_is_copied_once_to_each_other_working_directory_and_never_w
     sent.clear()
     checkpoints.ensure_on(ckpt, nodes[:2])
     assert {op for _, op in sent} == {"workdir_id", "stat"}
+    # (a writable copy: a resumed job may save over it in place without touching the store's object)
+    assert (w2 / "outputs" / "ck" / "checkpoint_step10.pt").stat().st_nlink == 1
     gone = Node.objects.create(name="gone", address="127.0.0.1", transport="local", workdir=str(w1),
                                agent_python=str(tmp_path / "no-python"), workdir_id=nodes[0].link().request(
                                    "workdir_id", workdir=str(w1))["workdir_id"])  # fmt: skip

@@ -434,6 +434,26 @@ def _xfer_hash(path, chunk):
     return whole.hexdigest(), size, (sums if size > chunk else [])
 
 
+def _xfer_keep(full, obj, sha):
+    """A file of this node kept in its store as object sha: a hard link when no one may write the file (its bytes
+    cannot change under the store's name), else a copy (in the kernel; a reflink where the filesystem has them),
+    checked again against sha (a file written meanwhile is refused)."""
+    import shutil
+
+    tmp = "%s.stage-%s-%d" % (os.path.join(os.path.dirname(obj), ".xfer", sha), socket.gethostname(), os.getpid())
+    try:
+        if os.stat(full).st_mode & 0o222:
+            raise OSError("writable: copied")
+        os.link(full, tmp)
+    except OSError:
+        shutil.copyfile(full, tmp)
+        if _xfer_hash(tmp, 8 << 20)[0] != sha:
+            os.unlink(tmp)
+            raise AgentError("%s changed while it was read" % full)  # noqa: F821
+        os.chmod(tmp, 0o444)
+    os.replace(tmp, obj)
+
+
 def _xfer_stage(root, path, chunk, limit):
     """A file or directory of this node taken into its store (hard links, a copy across filesystems): its
     manifest, each file with its sha256 and chunk sums."""
@@ -458,14 +478,7 @@ def _xfer_stage(root, path, chunk, limit):
         sha, size, sums = _xfer_hash(full, chunk)
         obj = os.path.join(root, sha)
         if not os.path.exists(obj):
-            tmp = os.path.join(root, ".xfer", "%s.stage-%d" % (sha, os.getpid()))
-            try:
-                os.link(full, tmp)
-            except OSError:  # another filesystem: a copy
-                import shutil
-
-                shutil.copyfile(full, tmp)
-            os.replace(tmp, obj)
+            _xfer_keep(full, obj, sha)
         mode = os.stat(full).st_mode & 0o777
         out.append({"path": name, "sha256": sha, "size": size, "mode": mode, "chunks": sums})
     return {"files": out, "links": [], "file": names == [""]}
@@ -484,9 +497,12 @@ def op_xfer_place(req):
     manifest says is kept. Each file is a hard link to the store's object (read-only)."""
     store, dest = req["store"], os.path.abspath(os.path.expanduser(req["dest"]))
     files = req["files"]
+    if req.get("copy"):
+        return _xfer_place_copies(_xfer_root(store), dest, files)
     if len(files) == 1 and files[0]["path"] == "":
         f = files[0]
         obj = os.path.join(_xfer_root(store), _xfer_sha(f["sha256"]))
+        _sync_touch(obj)  # noqa: F821 (codesync.py's)
         try:
             if os.path.samefile(obj, dest):
                 return {"files": 1, "kept": True}
@@ -501,6 +517,8 @@ def op_xfer_place(req):
         os.replace(tmp, dest)
         return {"files": 1, "kept": False}
     if _sync_built(store, dest, files, []):  # noqa: F821 (codesync.py's)
+        for f in files:
+            _sync_touch(_sync_object(store, f["sha256"]))  # noqa: F821
         return {"files": len(files), "kept": True}
     copy = _SyncCopy(store, dest, files)  # noqa: F821
     try:
@@ -509,6 +527,50 @@ def op_xfer_place(req):
         copy.abandon()
         raise
     return {"files": copy.files, "kept": False}
+
+
+def _xfer_place_copies(root, dest, files):
+    """The files at dest as writable copies of the store's objects (a checkpoint a resumed job may write over in
+    place: a hard link would let it change the store's object), made beside and moved into place whole; a dest
+    that holds the same bytes already is kept."""
+    import shutil
+
+    single = len(files) == 1 and files[0]["path"] == ""
+
+    def same(path, f):
+        try:
+            return os.path.getsize(path) == int(f["size"]) and _xfer_hash(path, 8 << 20)[0] == f["sha256"]
+        except OSError:
+            return False
+
+    if all(same(dest if single else os.path.join(dest, f["path"]), f) for f in files):
+        return {"files": len(files), "kept": True}
+    part = "%s.ugro-part-%s-%d" % (dest, socket.gethostname(), os.getpid())
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        for f in files:
+            obj = os.path.join(root, _xfer_sha(f["sha256"]))
+            target = part if single else os.path.join(part, _sync_rel(f["path"]))  # noqa: F821 (codesync.py's)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                shutil.copyfile(obj, target)
+            except FileNotFoundError:
+                raise AgentError("%s: object %s is not in the store" % (f["path"] or dest, f["sha256"][:12]))  # noqa: F821
+            os.chmod(target, 0o644)
+        if os.path.isdir(dest) and not single:
+            old = part + ".old"
+            os.rename(dest, old)
+            os.rename(part, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(part, dest)
+    except BaseException:
+        if os.path.isdir(part):
+            shutil.rmtree(part, ignore_errors=True)
+        elif os.path.lexists(part):
+            os.unlink(part)
+        raise
+    return {"files": len(files), "kept": False}
 
 
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
