@@ -200,6 +200,14 @@ class _XferObject:
         return None
 
 
+def _xfer_sendall(sock, data):
+    """sendall without SIGPIPE (the agent keeps SIGPIPE's default, which would end it when a peer is gone): EPIPE
+    is an OSError here."""
+    view = memoryview(data)
+    while view:
+        view = view[sock.send(view, socket.MSG_NOSIGNAL) :]
+
+
 def _xfer_connect(hop):
     """A connection to the next node's listener, its token and stream header sent."""
     sock = socket.create_connection((hop["host"], int(hop["port"])), timeout=_XFER_TOKEN_S)
@@ -223,7 +231,7 @@ class _XferDownstream:
             return
         try:
             self.sock = _xfer_connect(rest[0])
-            self.sock.sendall(_xfer_header(objects, chunk, rest))
+            _xfer_sendall(self.sock, _xfer_header(objects, chunk, rest))
         except OSError as exc:
             self._fail("%s cannot reach %s:%s: %s" % (source, rest[0]["host"], rest[0]["port"], exc))
 
@@ -240,7 +248,7 @@ class _XferDownstream:
         if self.sock is None:
             return
         try:
-            self.sock.sendall(data)
+            _xfer_sendall(self.sock, data)
         except OSError as exc:
             self._fail("the stream to %s broke: %s" % (self.rest[0]["name"], exc))
 
@@ -356,7 +364,7 @@ def _xfer_serve(srv, token, root, name):
             results = _xfer_receive(root, name, stream)
         except Exception as exc:  # the thread answers whatever happened
             results = {name: "%s: %s" % (type(exc).__name__, exc)}
-        conn.sendall(json.dumps(results).encode() + b"\n")
+        _xfer_sendall(conn, json.dumps(results).encode() + b"\n")
         conn.shutdown(socket.SHUT_WR)
         while stream.read(1 << 20):
             pass
