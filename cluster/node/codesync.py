@@ -53,6 +53,14 @@ def _sync_object(store, sha):
     return os.path.join(os.path.expanduser(store), _sync_sha(sha))
 
 
+def _sync_touch(path):
+    """Mark an object used now (its mtime): a store over its limit is trimmed least recently used first (cache.py)."""
+    try:
+        os.utime(path)
+    except OSError:  # another user's object in a shared store: it keeps its time
+        pass
+
+
 def _sync_flatten(store):
     """Move a store of the earlier layout (<sha256[:2]>/<sha256>) to this one, once ('.flat' says done)."""
     root = os.path.expanduser(store)
@@ -190,6 +198,7 @@ class _SyncCopy:
             raise AgentError("%s: object %s is not in the store" % (rel, f["sha256"][:12]))
         if int(f.get("mode", 0o644)) & 0o111:
             os.chmod(obj, 0o555)
+        _sync_touch(obj)
         try:
             os.link(obj, target)
         except OSError:  # another filesystem, or links not allowed: a copy
@@ -478,6 +487,8 @@ def op_sync_apply(req):
     links = manifest.get("links") or []
     if not req.get("blobs") and _sync_built(store, req["dest"], manifest["files"], links):
         # a resumed job's copy, of the same snapshot: kept, with what the job wrote in it (checkpoints, logs)
+        for f in manifest["files"]:
+            _sync_touch(_sync_object(store, f["sha256"]))
         return {"files": len(manifest["files"]), "bytes": sum(int(f["size"]) for f in manifest["files"]), "kept": True}
     copy = _SyncCopy(store, req["dest"], manifest["files"])
     try:
