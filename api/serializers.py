@@ -73,6 +73,8 @@ class LaunchSerializer(serializers.Serializer):
     resume_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
                                             help_text="the script's resume argument, with {checkpoint}")  # fmt: skip
     checkpoint_glob = serializers.CharField(required=False, allow_blank=True, default="", max_length=500)
+    keep = serializers.CharField(required=False, allow_blank=True, default="", max_length=200,
+                                 help_text="checkpoints kept: LATEST[,best:METRIC:K] (docs/recovery.md)")  # fmt: skip
     batch_template = serializers.CharField(required=False, allow_blank=True, default="", max_length=500,
                                            help_text="e.g. --batch-size {batch} --grad-accum {accum}")  # fmt: skip
     batch = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=BATCH_MAX)

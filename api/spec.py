@@ -72,6 +72,7 @@ def _property(option: launch_spec.Option) -> dict[str, Any]:
         "text": {"type": "string"},
         "duration": {"type": "string"},
         "size": {"type": ["string", "integer"]},
+        "keep": {"type": ["string", "integer"]},
         "dir": {"type": "string"},
         "int": {"type": "integer", **number},
         "count": {"type": "integer", **number},

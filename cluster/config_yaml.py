@@ -15,6 +15,7 @@ from __future__ import annotations
 import getpass
 import shlex
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -32,6 +33,9 @@ NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_po
 TOP_KEYS = {"cluster", "nodes", "training", "paths"}
 
 
+# `training.<key>` values an app above cluster reads, each with its check (ValueError in one line): registered by
+# that app at start (jobs: `keep`, the retention default), so that an import refuses what its launches would
+TRAINING_CHECKS: dict[str, Callable[[Any], object]] = {}
 class ConfigError(ValueError):
     """cluster.yaml cannot be used; the message names the key (and line) at fault."""
 
@@ -212,6 +216,12 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
     }
     if script:
         settings_fields["default_script"] = script
+    for key, check in TRAINING_CHECKS.items():
+        if training.get(key) is not None:
+            try:
+                check(training[key])
+            except ValueError as exc:
+                raise doc.error(str(exc), "training", key) from None
 
     out = []
     masters = []

@@ -8,8 +8,11 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
+        from cluster import config_yaml
         from cluster.monitor import set_job_context
 
+        from . import retention
         from .node_jobs import node_jobs
 
         set_job_context(node_jobs)  # cluster's monitor polls the nodes that run a job faster
+        config_yaml.TRAINING_CHECKS["keep"] = retention.check_default  # training.keep: the retention default

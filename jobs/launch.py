@@ -29,7 +29,7 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, data, lifecycle, locks, spec, sync
+from . import checkpoints, data, lifecycle, locks, retention, spec, sync
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
@@ -105,6 +105,7 @@ class LaunchRequest:
     batch: int | None = None
     grad_accum: int | None = None
     hang_after_s: float | None = None
+    keep: str = ""  # checkpoint retention, LATEST[,best:METRIC:K] (jobs/retention.py); blank: the cluster's
     sync: str = ""  # a directory on the controller copied to every node; the ranks start in the copy
     sync_upload: str = ""  # the digest of a directory a client uploaded (POST /api/v1/sync/...)
     data: list[str] = field(default_factory=list)  # SRC[:DEST] items put in the job's directory on every node
@@ -356,6 +357,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     check("", _check_queue_quota, req, cs)
     after = check("after", _find_after, req.after) if req.after else None
     per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
+    keep = check("keep", retention.resolve, req.keep, training)  # the cluster's default is taken now, once
     check("batch_weights", _check_batches, req, per_gpu)
     if problems:
         raise LaunchError(problems=problems)
@@ -391,6 +393,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         resumed_from=req.resumed_from,
         after=after,
         **recovery,
+        keep=keep or "",
     )  # fmt: skip
     job.sync_planned = synced  # (source directory or upload digest): the ranks start in the job's copy
     job.data_planned = [item.as_dict() for item in data_items or []]

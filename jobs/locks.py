@@ -26,6 +26,7 @@ SWEEP = 17  # keyed by the sweep: one median-stop judgment of a sweep at a time
 # Held by the launcher of a job while it starts the job's ranks: a teardown (a cancel during the start) waits
 # for it to let go, so that it stops every process the launch started, not those started before it looked
 LAUNCH = 18
+RETENTION = 19  # keyed by the job: one retention pass of a job at a time (jobs/retention.py)
 
 
 @contextmanager

@@ -18,6 +18,8 @@ from metrics.series import metric_names
 from . import sync
 from .data import summary as data_summary
 from .models import Checkpoint, Job, JobCode
+from .retention import summary as retention_summary
+from .retention import summary_text as retention_text
 
 
 def get_job(name: str) -> Job:
@@ -198,6 +200,7 @@ def job_record(job: Job) -> dict:
             for r in ranks
         ],
         "code": code_record(job),
+        "retention": retention_summary(job),  # what --keep kept and freed (jobs/retention.py)
     }
 
 
@@ -359,6 +362,8 @@ def job_detail(job: Job) -> list[str]:
             f"{r.log_lines} lines ({r.log_offset} bytes)"
         )
     out.extend(code_lines(job))
+    if kept := retention_text(job):
+        out.append(f"  {kept}")
     if job.failure_reason:
         out.append("  reason: " + job.failure_reason.replace("\n", "\n  "))
     if job.state == Job.State.QUEUED and job.wait_nodes:
@@ -413,6 +418,7 @@ def results(job: Job) -> list[str]:
     for c in ckpts:
         step = str(c.step) if c.step is not None else "-"
         note = "" if c.ready else "  (being written or incomplete: not offered)"
+        note = f"  ({c.keep_reason})" if c.removed_at or c.keep_reason.startswith(("freeing", "left")) else note
         out.append(f"    {step:>8} {c.node.name[:12]:12} {c.size / 1e6:>7.1f} MB {age(c.mtime):>9}  {c.path}{note}")
     for a in job.earlier_attempts:
         out.append(
@@ -442,7 +448,15 @@ def results_record(job: Job) -> dict:
             for m in job.final_metrics.order_by("rank", "name")
         ],
         "checkpoints": [
-            {"node": c.node.name, "path": c.path, "bytes": c.size, "step": c.step, "complete": c.ready}
+            {
+                "node": c.node.name,
+                "path": c.path,
+                "bytes": c.size,
+                "step": c.step,
+                "complete": c.ready,
+                "kept": c.keep_reason or None,
+                "removed_at": _when(c.removed_at),
+            }
             for c in checkpoints(job)
         ],
         "attempts": [

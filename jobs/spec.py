@@ -96,6 +96,7 @@ class Option:
             "weights": "node: weight pairs, or auto",
             "duration": "a duration: 90m, 2h, 1d or H:MM:SS",
             "size": "a size: 10G, 512M",
+            "keep": "LATEST[,best:METRIC:K]: the newest checkpoints, and the best by a metric",
             "dir": "a directory, relative to the job file",
             "choice": " or ".join(self.choices),
             "grid": "parameter: [values] pairs (or NAME=V1,V2 items)",
@@ -171,7 +172,7 @@ def _read(option: Option, value: Any) -> Any:
         if not isinstance(value, bool):
             raise TypeError(value)
         return value
-    if kind in ("name", "text", "duration", "size", "dir", "choice"):
+    if kind in ("name", "text", "duration", "size", "dir", "choice", "keep"):
         text = _scalar_text(value)
         if kind == "choice" and text not in option.choices:
             raise ValueError(text)
@@ -272,6 +273,10 @@ LAUNCH: tuple[Option, ...] = (
            "--resume_from_checkpoint {checkpoint})", shown_default="--resume-from {checkpoint}"),
     Option("checkpoint_glob", "--checkpoint-glob", "text", default="", example="runs/{job}/*.ckpt",
            section=RECOVERY, help="more checkpoints to record: a glob relative to the workdir ({job}: the name)"),
+    Option("keep", "--keep", "keep", default="", example="2,best:eval_loss:1", section=RECOVERY,
+           help="checkpoints kept: the newest LATEST and the K best by METRIC (lower is better for loss, ppl, "
+           "error, wer, cer; :min or :max says it); the others are deleted on every node (docs/recovery.md)",
+           shown_default="the cluster's training.keep, else all"),
     Option("batch_template", "--batch-template", "text", default="", section=RECOVERY,
            example="--batch-size {batch} --grad-accum {accum}",
            help="e.g. '--batch-size {batch} --grad-accum {accum}': an OOM retry halves the batch"),

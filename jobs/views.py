@@ -26,7 +26,7 @@ from metrics.final import final_loss, format_value
 from metrics.models import LAST_FIRST, FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from . import lifecycle, recovery, report
+from . import lifecycle, recovery, report, retention
 from .batches import parse_weights
 from .launch import LaunchError, LaunchRequest, build_job
 from .limits import parse_duration, parse_size_mb
@@ -177,7 +177,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         c.age = report.age(c.mtime)
     context.update(
         checkpoints=ckpts,
-        ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None],
+        ready_checkpoints=[c for c in ckpts if c.ready and c.step is not None and c.removed_at is None],
         resumable=job.state in lifecycle.RESUMABLE_STATES and policy.allowed(request.user, "resume", job),
         attempts=list(job.earlier_attempts),
         attempt_marks=marks,
@@ -185,6 +185,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         stragglers=recovery.stragglers(job) if job.state == Job.State.RUNNING else [],
         waiting=report.waiting_text(job) if job.state == Job.State.QUEUED and job.wait_nodes else "",
         code=report.code_record(job),
+        retention_text=retention.summary_text(job),
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
@@ -293,6 +294,7 @@ def relaunch_request(job: Job) -> LaunchRequest:
         min_nodes=job.min_nodes,
         resume_template=job.resume_template,
         checkpoint_glob=job.checkpoint_glob,
+        keep=job.keep,
         batch_template=job.batch_template,
         batch=(job.batch or {}).get("batch"),
         grad_accum=(job.batch or {}).get("accum"),
@@ -419,6 +421,10 @@ class LaunchForm(forms.Form):
         required=False, max_length=500, label="Resume argument", help_text="blank: --resume-from {checkpoint}"
     )
     checkpoint_glob = forms.CharField(required=False, max_length=500, label="Checkpoint glob")
+    keep = forms.CharField(
+        required=False, max_length=200, label="Keep checkpoints",
+        help_text="LATEST[,best:METRIC:K], e.g. 2,best:eval_loss:1 (blank: the cluster's, else all)",
+    )  # fmt: skip
     batch_template = forms.CharField(
         required=False, max_length=500, label="Batch arguments",
         help_text="e.g. --batch-size {batch} --grad-accum {accum}",
@@ -503,6 +509,7 @@ class LaunchForm(forms.Form):
             min_nodes=d.get("min_nodes"),
             resume_template=(d.get("resume_template") or "").strip(),
             checkpoint_glob=(d.get("checkpoint_glob") or "").strip(),
+            keep=(d.get("keep") or "").strip(),
             batch_template=(d.get("batch_template") or "").strip(),
             batch=d.get("batch"),
             grad_accum=d.get("grad_accum"),

@@ -19,6 +19,8 @@ from cluster.fanout import node_request
 from cluster.links import AgentRequestError, LinkError
 from jobs.checkpoints import ensure_on, target_path
 from jobs.follow import follower_id
+from jobs.models import Job
+from jobs.retention import Uses
 from jobs.stop import stop_tagged
 
 from .engines import EngineError, engine_argv
@@ -89,6 +91,19 @@ def _save(replica: Replica, **fields) -> None:
     for key, value in fields.items():
         setattr(replica, key, value)
     Replica.objects.filter(pk=replica.pk).update(**fields)
+
+
+def checkpoint_uses(job: Job) -> Uses:
+    """What checkpoint retention (jobs/retention.py) must know of a job's checkpoints: the one each service not
+    stopped serves stays, and the copies replicas were given go with their checkpoint."""
+    uses = Uses()
+    serving = Service.objects.filter(checkpoint__job=job).exclude(state=Service.State.STOPPED)
+    for pk, name in serving.values_list("checkpoint_id", "name"):
+        uses.needed.setdefault(pk, f"service {name} serves it")
+    copies = Replica.objects.filter(service__checkpoint__job=job, node__isnull=False).exclude(model_path="")
+    for r in copies.select_related("node", "service"):
+        uses.copies.append((r.service.checkpoint_id, r.node, r.model_path))
+    return uses
 
 
 def model_path(replica: Replica) -> str:

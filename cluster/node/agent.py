@@ -777,6 +777,56 @@ def op_put(req):
     return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
+
+
+def _removable(path, workdir, own, globbed):
+    """Whether retention may delete path: anything under the job's own directory <workdir>/outputs/<job>/ but
+    the job's synced code, or under the workdir (hidden directories aside) a checkpoint-<N>/ directory, a
+    checkpoint file by its suffix, or a path the job's own glob matches."""
+    if path.startswith(own + os.sep):
+        return path != os.path.join(own, "code")
+    if not path.startswith(workdir + os.sep):
+        return False
+    if any(part.startswith(".") for part in os.path.relpath(path, workdir).split(os.sep)):
+        return False
+    name = os.path.basename(path)
+    named = (name.startswith("checkpoint-") and name[11:].isdigit()) or name.endswith(CHECKPOINT_SUFFIXES)
+    return named or path in globbed
+
+
+def op_remove_checkpoints(req):
+    """Delete checkpoints of job req['job'] that retention freed (req['paths']); only what _removable allows
+    under req['workdir'] (with req['globs'], the job's checkpoint globs relative to it). One path it does not
+    allow refuses the whole request in one line, nothing deleted. A path already gone is reported absent.
+    Returns {"removed": {path: bytes}, "absent": [path]}."""
+    workdir = os.path.normpath(_expand(req.get("workdir") or "~"))
+    job = str(req.get("job") or "")
+    if workdir == os.sep or not job or os.sep in job or job in (".", ".."):
+        raise AgentError("refused: no job directory to delete in (workdir %r, job %r)" % (req.get("workdir"), job))
+    own = os.path.join(workdir, "outputs", job)
+    globbed = set()
+    for pattern in req.get("globs") or []:
+        globbed.update(os.path.normpath(p) for p in glob.glob(os.path.join(workdir, os.path.expanduser(pattern))))
+    wanted = []
+    for raw in req.get("paths") or []:
+        path = os.path.normpath(_expand(str(raw)))
+        if not _removable(path, workdir, own, globbed):
+            raise AgentError("refused to delete %s: neither under %s/ nor a checkpoint in %s" % (raw, own, workdir))
+        wanted.append((raw, path))
+    removed, absent = {}, []
+    for raw, path in wanted:
+        if not os.path.lexists(path):
+            absent.append(raw)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            removed[raw] = _tree(path)[0]
+            shutil.rmtree(path)
+        else:
+            removed[raw] = os.lstat(path).st_size
+            os.unlink(path)
+    return {"removed": removed, "absent": absent}
+
+
 def op_dump_stacks(req):
     """A stack dump of every process of a job on this node: `py-spy dump` where it is installed, else
     SIGUSR1 (the reference script's faulthandler prints every thread's stack to its output)."""
@@ -820,6 +870,7 @@ OPS = {
     "discover": op_discover,
     "files": op_files,
     "put": op_put,
+    "remove_checkpoints": op_remove_checkpoints,
     "dump_stacks": op_dump_stacks,
     "hello": op_hello,
     "start": op_start,

@@ -1,9 +1,10 @@
 """The worker's loops, one module per concern, each naming at its top the rules it enforces:
 
 - starts.py: a launch past its window, a job past its time limit, a sweep trial worse than the median
-- running.py: running ranks checked on their nodes (lost ones marked), the job judged; hangs, stragglers
+- running.py: running ranks checked on their nodes (lost ones marked), the job judged; hangs, stragglers;
+  checkpoints beyond --keep deleted
 - stopping.py: a stopping job whose teardown was lost, torn down again
-- ended.py: an ended job's nodes released, its lost output fetched, its points folded
+- ended.py: an ended job's nodes released, its lost output fetched, its points folded, its checkpoints trimmed
 - retries.py: the retry policy; queued attempts waiting for a lost node that answers again
 - orphans.py: processes of ended jobs still running on a node, killed (every node, less often)
 
@@ -52,6 +53,7 @@ class Report:
     retried: list[str] = field(default_factory=list)
     node_back: list[str] = field(default_factory=list)
     folded: list[str] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)  # checkpoints retention deleted (jobs/retention.py)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f) for f in self.__dataclass_fields__)

@@ -5,6 +5,8 @@
   fetched (jobs/follow.py recover_output).
 - A job ended within LEFTOVERS_S with points past its rollup's mark: folded (a follower killed before its
   last fold leaves them, and an ended job is not followed again).
+- Checkpoints beyond the job's --keep that its last scans found, or that a node that did not answer still
+  holds: deleted (jobs/retention.py, under locks.RETENTION).
 
 Processes an ended job left on a node are orphans.py's concern. Batch: the ended jobs each rule applies to,
 each claimed under locks.ENDED.
@@ -21,7 +23,7 @@ from django.utils import timezone
 from metrics import rollup
 from metrics.models import MetricPoint
 
-from .. import locks
+from .. import locks, retention
 from ..follow import follower_id, recover_output
 from ..models import Job, Rank
 from . import Report, each_claimed, run_rule, scope
@@ -35,6 +37,8 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     run_rule("release", lambda: report.released.extend(release_ended(job_ids, wait=wait)))
     run_rule("lost-output", lambda: report.recovered.extend(recover_lost_output(job_ids, wait=wait)))
     run_rule("rollup", lambda: report.folded.extend(fold_leftovers(job_ids, wait=wait)))
+    ended = scope(job_ids).filter(state__in=Job.ENDED_STATES)
+    run_rule("retention", lambda: report.freed.extend(retention.run(ended, wait=wait)))
 
 
 def release_ended(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:

@@ -5,8 +5,9 @@
   NODE_LOST_AFTER_S is LOST (a late answer is not silence). Then the job is judged (lifecycle.judge).
 - RUNNING with no metric line for longer than its hang limit: HUNG (jobs/recovery.py check_hang).
 - A rank much slower than the others: a straggler alert (jobs/recovery.py check_stragglers).
+- Checkpoints beyond the job's --keep: deleted on every node that holds them (jobs/retention.py).
 
-Batch: the RUNNING jobs, each claimed under locks.RUNNING.
+Batch: the RUNNING jobs, each claimed under locks.RUNNING (retention: under locks.RETENTION).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from django.utils import timezone
 
 from cluster.fanout import node_request, on_each, unreachable
 
-from .. import lifecycle, locks, recovery
+from .. import lifecycle, locks, recovery, retention
 from ..models import Job, Rank
 from . import Report, each_claimed, run_rule, scope
 
@@ -27,6 +28,7 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     """One pass of the loop over every job (job_ids None) or the given ones."""
     running = scope(job_ids).filter(state=Job.State.RUNNING)
     run_rule("running", lambda: each_claimed(locks.RUNNING, running, lambda job: check_job(job, report), wait=wait))
+    run_rule("retention", lambda: report.freed.extend(retention.run(running, wait=wait)))
 
 
 def check_job(job: Job, report: Report) -> None:
