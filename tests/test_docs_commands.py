@@ -202,7 +202,7 @@ def test_manage_py_the_client_and_the_api_take_the_same_options(command: str):
             assert as_api in api, f"the API's {command} lacks manage.py's {dest}"
 
 
-LISTS = {"extra_args", "metrics_files"}  # a text box on the form, a list in the API: lengths differ in kind
+LISTS = {"extra_args", "metrics_files", "data"}  # a text box on the form, a list in the API: lengths differ in kind
 
 
 def test_the_launch_form_takes_every_launch_field_with_the_apis_bounds(db):
