@@ -111,6 +111,17 @@ def _controller_source(item: Item, cs: ClusterSettings) -> str:
     return real
 
 
+def check_cluster_value(value) -> None:
+    """cluster.yaml's training.data, read at import: a list of SRC[:DEST] (a node's name before ':' is taken as a
+    NODE:PATH source); ValueError in one line. The sources themselves are checked at each launch."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError("must be a list of SRC[:DEST] items, e.g. ['~/datasets/tiny:tiny']")
+        head, _, rest = item.partition(":")
+        parse(item, {head} if rest.startswith(("/", "~")) else set())
+
+
 def cluster_items(cs: ClusterSettings) -> list[str]:
     """Data every job gets (cluster.yaml training.data: a list of SRC[:DEST])."""
     value = (cs.training or {}).get("data") or []

@@ -224,3 +224,46 @@ def test_a_jobs_data_is_placed_read_only_on_every_node_from_a_controller_dir_and
     # a second attempt's delivery sends nothing
     again = data.deliver(job, nodes)
     assert again.controller_bytes == 0 and again.peer_bytes == 0
+
+
+def test_cluster_yaml_training_data_is_checked_at_import_in_one_line(db):
+    from cluster.config_yaml import ConfigError, import_cluster
+
+    base = ("cluster:\n  name: lab\n  master_ip: 127.0.0.1\nnodes:\n  gpu1:\n    ip: 127.0.0.2\n    role: master\n"
+            "training:\n  data:\n")  # fmt: skip
+    import_cluster(base + "    - ~/datasets/tiny:tiny\n    - gpu1:/mnt/models/m:model\n")
+    for bad, says in [("    - /d:../up\n", "escapes the job's directory"), ("    - 3\n", "must be a list of SRC[:DEST]")]:
+        with pytest.raises(ConfigError) as err:
+            import_cluster(base + bad)
+        assert says in str(err.value) and "training" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_listener_drops_a_connection_without_its_token_unread_and_still_takes_the_one_with_it(tmp_path):
+    import json
+    import socket
+
+    from cluster.links import Endpoint, NodeLink
+
+    agent = NodeLink(Endpoint(name="local-agent", address="127.0.0.1", transport="local"), connect_timeout=10)
+    try:
+        root, data = tmp_path / "store", b"not for a stranger\n"
+        listen = agent.request("xfer_listen", store=str(root), name="n", bind="127.0.0.1")
+        body = json.dumps({"objects": [{"sha": sha(data), "size": len(data), "offset": 0, "chunks": []}],
+                           "chunk": 8 << 20, "rest": []}).encode()  # fmt: skip
+        stream = b"%d\n" % len(body) + body + data
+        # given a process that finds the port, without the token (none, a guess, the token cut short)
+        for token in (b"", b"0" * 48 + b"\n", listen["token"][:-1].encode() + b"\n"):
+            with socket.create_connection(("127.0.0.1", listen["port"]), timeout=15) as sock:
+                # then its stream is dropped unread: no answer, nothing written in the store
+                try:
+                    sock.sendall(token + stream)
+                    sock.shutdown(socket.SHUT_WR)
+                    answer = sock.recv(100)
+                except OSError:  # reset, or no longer connected
+                    answer = b""
+            assert answer == b"" and not (root / sha(data)).exists() and not os.listdir(root / ".xfer")
+        # and the controller's stream, with the token, still reaches the store
+        rc, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode() + stream, [], 30)
+        assert (rc, json.loads(answer)) == (0, {"n": None}) and (root / sha(data)).read_bytes() == data
+    finally:
+        agent.close()
