@@ -7,12 +7,10 @@ out, a size limit) is built and each file is kept once in the controller's conte
 long it queues. A `ugro` client uploads its directory's files into the same store through the API.
 
 Before an attempt starts, the job's copy is built on each node at <workdir>/outputs/<job>/code and moved
-into place whole. Only objects the node's own store lacks travel: a few small ones inside one request, more
-as one stream (the manifest, then a tar of the objects) to the node's agent, on a port of the node's
-127.0.0.1 reached through SSH (`ssh -W` held to the node's pinned host key, else a forwarded channel of the
-node's own SSH connection; where sshd forwards nothing, a receiver process started there). Each object is
-written at its path in the copy and kept in the node's store once checked against its sha256; every other
-file is a hard link to that store. A node that fails any step fails the attempt before a rank starts.
+into place whole. Only objects the node's own store lacks travel: a few small ones inside the request that builds
+the copy, more by the one transfer path (jobs/transfer.py: into each node's store in checked chunks, along a chain
+of the nodes that lack them, resumable), after which every file of the copy is a hard link to that store. A node
+that fails any step fails the attempt before a rank starts.
 """
 
 from __future__ import annotations
@@ -22,9 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import tarfile
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +27,7 @@ from pathlib import Path
 from django.conf import settings
 
 from cluster.fanout import node_request, on_each
-from cluster.links import AgentRequestError, node_file
+from cluster.links import AgentRequestError
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
@@ -40,9 +35,7 @@ from .models import Job, JobCode
 
 log = logging.getLogger(__name__)
 
-INLINE_BYTES = 1024 * 1024  # up to this much to send travels inside one request: no second channel to open
-STREAM_PIECE = 1024 * 1024  # bytes handed to the link at a time while objects stream to a node
-STREAM_TIMEOUT_S = 600.0  # a stream's every step, and its end: 200 MB over a slow Wi-Fi link
+INLINE_BYTES = 1024 * 1024  # up to this much to send travels inside one request: no transfer to set up
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -263,43 +256,50 @@ def _sees_copy(job: Job, node: Node) -> bool:
 
 def _build(job: Job, nodes: list[Node], digest: str, manifest: dict, known: dict[int, bool]) -> int:
     """Build the job's copy on each node (none of them sharing a working directory with another): what its store
-    lacks is sent first. The bytes sent; SyncError naming the nodes that failed."""
+    lacks is sent first, a few small objects inside the request that builds the copy, more by the one transfer path
+    (jobs/transfer.py: checked chunks along a chain of the nodes, resumable), after which the copy is linked from
+    the store alone. What left the controller for the code; SyncError naming the nodes that failed."""
+    from . import transfer  # it imports this module
+
     sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
     asked = on_each(nodes, lambda node: [] if known[node.pk] else _missing(node, digest, manifest))
     _fail_on(asked)
     lacking = {node.pk: missing for node, missing, _ in asked}
-    # Each distinct stream is built once, however many nodes take it (a cold cluster: one for all); the
-    # OpenSSH client of each node then reads it through the kernel, not through this process.
-    streams: dict[tuple[str, ...], StreamFile] = {}
-
-    def deliver(node: Node) -> int:
-        store, dest = node_store(node), code_dir_on(job, node)
-        missing = lacking[node.pk]
-        sent = sum(sizes[sha] for sha in missing)
-        if sent > INLINE_BYTES:
-            _stream(node, store, digest, dest, len(missing), streams[tuple(missing)])
-        else:
-            _apply(node, store, digest, dest, manifest, missing)
-        return sent
-
-    try:
-        # written on threads of their own while the nodes' connections for them are made; each begins the same
-        head = b""
-        for missing in lacking.values():
-            if tuple(missing) not in streams and sum(sizes[sha] for sha in missing) > INLINE_BYTES:
-                head = head or receiver_head(manifest)
-                streams[tuple(missing)] = StreamFile(TarStream(missing, sizes, head=head))
-        results = on_each(nodes, deliver)
-    finally:
-        for stream in streams.values():
-            stream.close()
-    for stream in streams.values():  # one line for all the nodes it failed (an object gone or cut short, no room)
+    streamed = [node for node in nodes if sum(sizes[sha] for sha in lacking[node.pk]) > INLINE_BYTES]
+    sent = 0
+    if streamed:
+        wanted = dict.fromkeys(sha for node in streamed for sha in lacking[node.pk])
+        objs = [transfer.Obj(sha, sizes[sha], _chunk_sums(sha, sizes[sha], transfer.CHUNK), path=str(_object(sha)))
+                for sha in wanted]  # fmt: skip
         try:
-            stream.wait()
-        except SyncError as exc:
-            raise SyncError(f"code sync failed: {exc}") from None
+            sent += transfer.deliver(objs, streamed, what="code").controller_bytes
+        except transfer.TransferError as exc:
+            raise SyncError(str(exc).replace("code transfer failed on ", "code sync failed on ", 1)) from None
+
+    def build(node: Node) -> int:
+        store, dest = node_store(node), code_dir_on(job, node)
+        if node in streamed:  # every object is in its store now
+            _apply(node, store, digest, dest, manifest, [])
+            return 0
+        _apply(node, store, digest, dest, manifest, lacking[node.pk])
+        return sum(sizes[sha] for sha in lacking[node.pk])
+
+    results = on_each(nodes, build)
     _fail_on(results)
-    return sum(sent for _, sent, _ in results)
+    return sent + sum(inline for _, inline, _ in results)
+
+
+def _chunk_sums(sha: str, size: int, chunk: int) -> list[str]:
+    """The sha256 of each chunk of a stored object larger than one chunk (a smaller one is checked whole)."""
+    if size <= chunk:
+        return []
+    sums = []
+    with open(_object(sha), "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            sums.append(hashlib.sha256(block).hexdigest())
+    if len(sums) != -(-size // chunk):
+        raise SyncError(f"object {sha[:12]} in the controller's store is shorter than recorded")
+    return sums
 
 
 def _knows(node: Node, digest: str) -> dict:
@@ -326,160 +326,6 @@ def _apply(node: Node, store: str, digest: str, dest: str, manifest: dict, missi
             raise
         node_request(node, "sync_apply", timeout=REQUEST_TIMEOUT_S, store=store, digest=digest, dest=dest,
                      blobs=blobs, manifest=manifest)  # fmt: skip
-
-
-def _stream(node: Node, store: str, digest: str, dest: str, count: int, stream: StreamFile) -> None:
-    """Build the job's copy on a node through one stream (`stream`, built by push: the receiver's source, the
-    manifest, then a tar of the objects the node lacks), raw bytes beside the node's link, read by
-    codesync.py _sync_receive: each object written once, at its path in the copy, and kept in the store once
-    checked against its sha256; the other files linked from the store. SyncError in one line (the copy
-    removed, dest as it was).
-
-    The stream goes to the node's agent, which runs the receiver in a thread of its own, on a port of the
-    node's 127.0.0.1 that its sshd forwards to (codesync.py op_sync_listen): nothing is started on the node,
-    not even the login shell and its .bashrc. Where the node's sshd forwards no connections, a receiver of its
-    own is run there instead, the stream its stdin."""
-    link = node.link()
-    if not link.forward_refused:
-        listen = node_request(node, "sync_listen", timeout=REQUEST_TIMEOUT_S, store=store, count=count,
-                              digest=digest, dest=dest)  # fmt: skip
-        token = f"{listen['token']}\n".encode()
-        got = link.forward(int(listen["port"]), token, stream, timeout=STREAM_TIMEOUT_S)
-        if got is not None:
-            rc, answer = got
-            if rc == 0 and answer.startswith("ok "):
-                return
-            detail = (answer.strip().splitlines() or ["no answer"])[-1].removeprefix("refused: ")
-            raise SyncError(f"receiving the code there failed: {detail}")
-    # -S: no site (site-packages, .pth files, sitecustomize): the stdlib-only receiver starts in about 6 ms less.
-    argv = [node.agent_python, "-S", "-c", RECEIVE_BOOTSTRAP, store, str(count), digest, dest]
-    rc, err = link.run_with_input(argv, stream, timeout=STREAM_TIMEOUT_S)
-    if rc != 0:
-        detail = (err.strip().splitlines() or ["no output"])[-1]
-        raise SyncError(f"receiving the code there failed (exit {rc}): {detail}")
-
-
-# The node's receiver is codesync.py run alone (its __name__ says so) by the python the agent runs on, its source
-# ahead of the stream on stdin as the agent's is: nothing installed on the node, and only the stream's bytes travel
-# beside the link. It writes each object once, hashing it as it goes (`tar -x` then a check read each file twice).
-RECEIVE_BOOTSTRAP = (
-    "import sys;b=sys.stdin.buffer;n=int(b.readline());"
-    "exec(compile(b.read(n),'ugro-sync-receive','exec'),{'__name__':'__ugro_sync_receive__'})"
-)
-
-
-def receiver_head(manifest: dict) -> bytes:
-    """What goes ahead of the objects in a stream: the receiver's source, then the manifest twice: as
-    NUL-terminated fields the receiver reads without importing json (codesync.py _sync_listing), and as the JSON
-    it keeps for the next sync (it is not parsed there)."""
-    fields: list[str] = []
-    for f in manifest["files"]:
-        fields += ["F", f["sha256"], str(int(f["size"])), str(int(f.get("mode", 0o644))), f["path"]]
-    for link in manifest.get("links") or []:
-        fields += ["L", link["path"], str(link["target"])]
-    if any("\0" in field for field in fields):
-        raise SyncError("a manifest path or symlink target holds a NUL byte")
-    listing = "".join(field + "\0" for field in fields).encode("utf-8", "surrogateescape")
-    saved = json.dumps({"files": manifest["files"], "links": manifest.get("links") or []}).encode()
-    src = node_file("codesync.py")
-    return b"%d\n" % len(src) + src + b"%d %d\n" % (len(listing), len(saved)) + listing + saved
-
-
-class TarStream:
-    """A tar stream (ustar) of the controller's objects, one member per sha256, after `head` (bytes that go
-    first), in pieces of about STREAM_PIECE bytes; iterable again from its start (a stream that must go
-    another way)."""
-
-    def __init__(self, shas: list[str], sizes: dict[str, int], head: bytes = b"") -> None:
-        self.shas, self.sizes, self.head = shas, sizes, head
-
-    def __iter__(self):
-        objects = str(store_dir() / "objects")
-        parts: list[bytes] = [self.head]
-        held = len(self.head)
-        for sha in self.shas:
-            size = self.sizes[sha]
-            parts.append(tar_header(sha, size))
-            fd = os.open(os.path.join(objects, sha[:2], sha), os.O_RDONLY)
-            try:
-                left = size
-                while left > 0:
-                    block = os.read(fd, min(STREAM_PIECE, left))
-                    if not block:
-                        raise SyncError(f"object {sha[:12]} in the controller's store is shorter than recorded")
-                    parts.append(block)
-                    left -= len(block)
-                    held += len(block)
-                    if held >= STREAM_PIECE:
-                        yield b"".join(parts)
-                        parts, held = [], 0
-            finally:
-                os.close(fd)
-            parts.append(b"\0" * (-size % tarfile.BLOCKSIZE))
-        parts.append(b"\0" * (2 * tarfile.BLOCKSIZE))
-        yield b"".join(parts)
-
-
-class StreamFile:
-    """A stream written once to an unnamed file beside the store, then sent to as many nodes as take it: it has
-    a fileno() (NodeLink.run_with_input's OpenSSH path hands it to the kernel), and as an iterable it yields
-    its bytes from the start in pieces of STREAM_PIECE bytes, each time it is iterated.
-
-    Written on a thread of its own, from the start: the nodes' connections (an SSH handshake and a Python start
-    each) are made meanwhile, and each waits for the file whole. A stream that could not be written (an object
-    gone or cut short in the store, no room) raises SyncError to each reader; `error` says why."""
-
-    def __init__(self, chunks) -> None:
-        store_dir().mkdir(parents=True, exist_ok=True)
-        self.file = tempfile.TemporaryFile(dir=store_dir())
-        self.size = 0
-        self.error: BaseException | None = None
-        self._written = threading.Event()
-        threading.Thread(target=self._write, args=(chunks,), name="ugro-sync-stream", daemon=True).start()
-
-    def _write(self, chunks) -> None:
-        try:
-            for chunk in chunks:
-                self.file.write(chunk)
-            self.file.flush()
-            self.size = self.file.tell()
-        except BaseException as exc:  # told to every reader
-            self.error = exc
-        finally:
-            self._written.set()
-
-    def wait(self) -> None:
-        """Until the file is whole; SyncError if it could not be written."""
-        self._written.wait()
-        if self.error is not None:
-            raise SyncError(f"the stream could not be built: {self.error}")
-
-    def fileno(self) -> int:
-        self.wait()
-        return self.file.fileno()
-
-    def __iter__(self):
-        self.wait()
-        fd, offset = self.file.fileno(), 0
-        while offset < self.size:
-            block = os.pread(fd, min(STREAM_PIECE, self.size - offset), offset)
-            if not block:
-                raise SyncError("the stream's file ended before its size")
-            offset += len(block)
-            yield block
-
-    def close(self) -> None:
-        self._written.wait()  # its thread writes to the file until then
-        self.file.close()
-
-
-def tar_header(name: str, size: int) -> bytes:
-    """The ustar header tarfile writes for a read-only file of that name (ASCII, under 100 bytes) and size,
-    owned by uid 0, mtime 0; built directly: tarfile's own takes longer than reading a small file."""
-    head = name.encode().ljust(100, b"\0") + b"0000444\x000000000\x000000000\x00%011o\x0000000000000\x00" % size
-    tail = b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 247
-    checksum = sum(head) + sum(tail) + 8 * 32
-    return head + b"%06o\x00 " % checksum + tail
 
 
 # -- uploads from a client ---------------------------------------------------------------------------

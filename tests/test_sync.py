@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import glob
 import hashlib
-import io
 import os
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -88,15 +86,6 @@ def test_git_info_names_the_commit_branch_and_the_uncommitted_diff(tmp_path):
     assert manifest.git_info(str(tmp_path.parent / "nowhere")) == {}
 
 
-def test_the_controllers_tar_headers_are_the_ones_tarfile_writes():
-    from jobs.sync import tar_header
-
-    for name, size in [("a" * 64, 0), ("b" * 64, 1), ("c" * 64, 200_000_000), ("x", 511)]:
-        info = tarfile.TarInfo(name)
-        info.size, info.mode = size, 0o444
-        assert tar_header(name, size) == info.tobuf(format=tarfile.USTAR_FORMAT)
-
-
 # -- the node agent's store and copy ----------------------------------------------------------------
 
 
@@ -107,61 +96,30 @@ def agent():
     link.close()
 
 
-def tar_of(objects: dict[str, bytes]) -> bytes:
-    """A tar (ustar, written by tarfile) of regular members: name -> bytes."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in objects.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
-
-
 def listing_of(objects: dict[str, bytes]) -> dict:
     """A manifest of one file per object, named after it."""
     return {"files": [{"path": f"f/{name[:8]}", "sha256": name, "size": len(data), "mode": 0o644}
                       for name, data in objects.items()], "links": []}  # fmt: skip
 
 
-WAYS_IN = ["the agent's listener", "a receiver process"]
+def put(agent, store: str, objects: dict[str, bytes]) -> dict:
+    """The objects into a node's store as the controller sends them (jobs/transfer.py): a stream to the agent's
+    transfer listener, after its token; the listener's answer, {node: None or why}."""
+    import json
+
+    listen = agent.request("xfer_listen", store=store, name="n")
+    specs = [{"sha": name, "size": len(data), "offset": 0, "chunks": []} for name, data in objects.items()]
+    body = json.dumps({"objects": specs, "chunk": 8 << 20, "rest": []}).encode()
+    head = f"{listen['token']}\n".encode() + b"%d\n" % len(body) + body
+    rc, answer = agent.forward(listen["port"], head, list(objects.values()), 30)
+    assert rc == 0, answer
+    return json.loads(answer)
 
 
-def stream(agent, store: str, data: bytes, count: int, listing: dict, dest: str, way: str = WAYS_IN[0]
-           ) -> tuple[int, str]:  # fmt: skip
-    """Send a stream to a node as UGRO does: the receiver's source, the manifest, then the tar `data`;
-    (0, the answer) or (1, why). Nothing but whole objects is left in the store after, whatever happened, and
-    a copy that failed leaves nothing either."""
-    from jobs.sync import receiver_head
-
-    rc = -1
-    try:
-        rc, err = deliver(agent, way, [receiver_head(listing), data], store, count, manifest.digest_of(listing), dest)
-        return rc, err
-    finally:
-        assert not [name for name in os.listdir(store) if name.startswith(".part-")]
-        assert not glob.glob(dest + ".ugro-part*")
-        assert rc == 0 or not os.path.exists(dest)
-
-
-def deliver(agent, way: str, chunks: list[bytes], store: str, count: int, digest: str, dest: str) -> tuple[int, str]:
-    """The chunks to the agent's listener (a thread of the agent, on a port of 127.0.0.1: they go after its
-    token) or to a receiver process beside the agent (its stdin); (0, the answer) or (1, why)."""
-    from jobs.sync import RECEIVE_BOOTSTRAP
-
-    if way == "a receiver process":
-        argv = [agent.ep.python, "-c", RECEIVE_BOOTSTRAP, store, str(count), digest, dest]
-        rc, err = agent.run_with_input(argv, chunks, 30)
-        return min(rc, 1), err
-    listen = agent.request("sync_listen", store=store, count=count, digest=digest, dest=dest)
-    sent, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode(), chunks, 30)
-    ok = sent == 0 and answer.startswith("ok ")
-    return (0, answer) if ok else (1, answer.removeprefix("refused: "))
-
-
-def send(agent, store: str, objects: dict[str, bytes], listing: dict, dest: str, way: str = WAYS_IN[0]) -> None:
-    rc, err = stream(agent, store, tar_of(objects), len(objects), listing, dest, way)
-    assert rc == 0, err
+def send(agent, store: str, objects: dict[str, bytes], listing: dict, dest: str) -> None:
+    """The objects by the transfer path, then the copy built from the store alone (jobs/sync.py _build)."""
+    assert put(agent, store, objects) == {"n": None}
+    agent.request("sync_apply", store=store, manifest=listing, dest=dest)
 
 
 def store_files(store: str) -> set[str]:
@@ -173,8 +131,7 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@pytest.mark.parametrize("way", WAYS_IN)
-def test_a_stream_builds_the_copy_and_keeps_its_objects_once_for_the_next_copies(agent, tmp_path, way):
+def test_objects_the_transfer_path_brought_build_the_copy_from_the_store_and_are_kept_once(agent, tmp_path):
     store, dest = str(tmp_path / "store"), str(tmp_path / "job" / "code")
     files = {"train.py": b"print('v1')\n", "lib/util.py": b"U = 1\n", "copy.py": b"print('v1')\n",
              "run.sh": b"#!/bin/sh\n"}  # fmt: skip
@@ -189,22 +146,24 @@ def test_a_stream_builds_the_copy_and_keeps_its_objects_once_for_the_next_copies
     assert agent.request("sync_have", store=store, digest=digest) == {"known": False, "missing": None}
     have = agent.request("sync_have", store=store, digest=digest, manifest=listing)
     assert sorted(have["missing"]) == sorted(objects)
-    # an object whose bytes are not its name is refused: nothing kept, no copy (stream() checks)
-    tampered = dict(objects)
-    tampered[sha(b"U = 1\n")] = wrong = b"U = 2\n"
-    rc, err = stream(agent, store, tar_of(tampered), len(objects), listing, dest, way)
-    assert rc == 1 and err.strip().endswith(f"has sha256 {sha(wrong)[:12]}"), err
-    lacks = agent.request("sync_have", store=store, manifest=listing)["missing"]
-    assert lacks == [sha(b"U = 1\n"), sha(b"#!/bin/sh\n")]  # the one before it was checked, and kept
-    # when the stream of what it lacks is whole, the copy is built from it and from the store: every file, its
+    # while an object is missing from the store, no copy is built and dest is left as it was
+    util = sha(b"U = 1\n")
+    assert put(agent, store, {k: v for k, v in objects.items() if k != util}) == {"n": None}
+    with pytest.raises(AgentRequestError, match=f"lib/util.py: object {util[:12]} is not in the store"):
+        agent.request("sync_apply", store=store, digest=digest, dest=dest)
+    assert not os.path.exists(dest) and not glob.glob(dest + ".ugro-part*")
+    # when the last object has come by the transfer path, the copy is built from the store alone: every file, its
     # mode, its link, one inode per object
-    send(agent, store, {name: objects[name] for name in lacks}, listing, dest, way)
+    assert agent.request("sync_have", store=store, manifest=listing)["missing"] == [util]
+    assert put(agent, store, {util: b"U = 1\n"}) == {"n": None}
+    assert agent.request("sync_apply", store=store, digest=digest, dest=dest)["files"] == 4
     assert Path(dest, "lib/util.py").read_bytes() == b"U = 1\n" and os.readlink(Path(dest, "latest.py")) == "train.py"
     assert os.stat(Path(dest, "train.py")).st_ino == os.stat(Path(dest, "copy.py")).st_ino
     assert os.access(Path(dest, "run.sh"), os.X_OK) and not os.stat(Path(dest, "train.py")).st_mode & 0o333
-    # and the store keeps each object, the same inode as the copy's file
+    # and the store keeps each object, the same inode as the copy's file, with nothing of the transfer left over
     for path, data in files.items():
         assert os.stat(Path(store, sha(data))).st_ino == os.stat(Path(dest, path)).st_ino
+    assert not os.listdir(Path(store, ".xfer"))
     # so the next copy of the tree is one small request, and builds from the store alone
     assert agent.request("sync_have", store=store, digest=digest) == {"known": True, "missing": []}
     other = str(tmp_path / "job2" / "code")
@@ -234,103 +193,6 @@ def test_a_few_small_objects_come_inside_the_request_that_builds_the_copy(agent,
     assert done == {"files": 2, "bytes": len(old) + len(new)}
     assert (dest / "lib.py").read_bytes() == new and Path(store, sha(new)).read_bytes() == new
     assert os.stat(dest / "train.py").st_ino == os.stat(Path(store, sha(old))).st_ino
-
-
-@pytest.mark.parametrize("way", WAYS_IN)
-def test_a_stream_cut_short_corrupted_or_not_of_objects_is_refused_in_one_line_and_leaves_nothing(agent, tmp_path, way):
-    from cluster.links import node_file
-
-    store, dest = str(tmp_path / "store"), str(tmp_path / "code")
-    first, big = b"checked before the fault\n", os.urandom(300_000)
-    objects = {sha(first): first, sha(big): big}
-    listing = listing_of(objects)
-    whole = tar_of(objects)
-    at_big = 1024 + 512  # where big's bytes start: first's header and data block, then big's header
-    flipped = bytearray(whole)
-    flipped[at_big + 1000] ^= 1
-    bad_header = bytearray(whole)
-    bad_header[1024 + 10] ^= 1  # inside big's name: its header checksum no longer holds
-    signed = bytearray(whole)  # big's size made "-1" (int() would take it), its checksum made to hold
-    signed[1024 + 124 : 1024 + 136] = b"-0000000001\0"
-    signed[1024 + 148 : 1024 + 156] = b" " * 8
-    signed[1024 + 148 : 1024 + 156] = b"%06o\0 " % sum(signed[1024 : 1024 + 512])
-    stranger = b"not in the manifest"
-    for data, count, why in (
-        (whole[: at_big + 4096], 2, f"the stream ended inside object {sha(big)[:12]}"),
-        (bytes(flipped), 2, f"object {sha(big)[:12]} has sha256 "),
-        (bytes(bad_header), 2, "a bad tar header after 1 objects (bad checksum)"),
-        (bytes(signed), 2, "a bad tar header after 1 objects (not an octal number)"),
-        (whole[: at_big - 512], 2, "the stream ended after 1 objects, before its end"),
-        (tar_of({sha(first): first, "../escape": b"x"}), 2, "not an object of the store: '../escape'"),
-        (tar_of({sha(first): first, sha(stranger): stranger}), 2, f"object {sha(stranger)[:12]} is not a file of"),
-        (whole, 3, "the stream held 2 objects, not 3"),  # these two: each object is right, and kept
-        (whole + b"more", 2, "data after the stream's end"),
-    ):
-        # when the receiver is sent a stream that is not whole and right, it refuses it in one line
-        rc, err = stream(agent, store, data, count, listing, dest, way)
-        assert rc == 1 and why in err and len(err.strip().splitlines()) == 1, (why, err)
-        # and keeps only the objects it checked: nothing unfinished, and no copy (stream() checks)
-        kept = store_files(store)
-        assert sha(first) in kept and kept <= set(objects)
-        assert (sha(big) in kept) == why.startswith(("the stream held", "data after")), why
-    assert not (tmp_path / "escape").exists()
-    # a symlink or directory member is not an object either
-    link = tarfile.TarInfo(sha(b"elsewhere"))
-    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
-    rc, err = stream(agent, store, link.tobuf(format=tarfile.USTAR_FORMAT) + b"\0" * 1024, 1, listing, dest, way)
-    assert rc == 1 and "not an object of the store" in err and not Path(store, sha(b"elsewhere")).exists()
-    # nor is a manifest that is not one
-    src = node_file("codesync.py")
-    for head, why in ((b"", "a stream without its manifest"), (b"6 2\nF\0abc\0{}", "a bad manifest ahead of the")):
-        rc, err = deliver(agent, way, [b"%d\n" % len(src) + src + head, whole], store, 1, "0" * 64, dest)
-        assert rc == 1 and why in err and not os.path.exists(dest), err
-
-
-def test_the_agents_listener_takes_only_a_stream_that_begins_with_its_token(agent, tmp_path):
-    import socket
-
-    from jobs.sync import receiver_head
-
-    store, dest, data = str(tmp_path / "store"), str(tmp_path / "code"), b"print('mine')\n"
-    listing = listing_of({sha(data): data})
-    payload = receiver_head(listing) + tar_of({sha(data): data})
-    listen = agent.request("sync_listen", store=store, count=1, digest=manifest.digest_of(listing), dest=dest)
-    # given a local process that finds the port (any user on the node can connect to 127.0.0.1)
-    for token in (b"0" * 64 + b"\n", b"guess\n", listen["token"][:-1].encode() + b"\n"):
-        with socket.create_connection(("127.0.0.1", listen["port"]), timeout=10) as sock:
-            # then without the token its stream is dropped unread (the connection closed, or reset): no answer
-            try:
-                sock.sendall(token + payload)
-                sock.shutdown(socket.SHUT_WR)
-                answer = sock.recv(100)
-            except OSError:  # reset, or no longer connected
-                answer = b""
-            assert answer == b""
-        assert not os.path.exists(dest) and not glob.glob(f"{dest}.ugro-part*")
-    # and the controller's stream, with the token, still builds the copy
-    sent, answer = agent.forward(listen["port"], f"{listen['token']}\n".encode(), [payload], 30)
-    assert (sent, answer) == (0, "ok 1\n") and Path(dest, f"f/{sha(data)[:8]}").read_bytes() == data
-
-
-def test_a_stream_whose_object_is_cut_short_in_the_controllers_store_fails_every_reader_in_one_line(settings, tmp_path):
-    from jobs.sync import StreamFile, SyncError, TarStream, _object
-
-    settings.DATA_DIR = tmp_path
-    whole, cut = b"a" * 5000, b"b" * 5000
-    for data in (whole, cut):
-        _object(sha(data)).parent.mkdir(parents=True, exist_ok=True)
-        _object(sha(data)).write_bytes(data)
-    _object(sha(cut)).write_bytes(cut[:100])  # the store's copy lost its end
-    # when the stream of both is written (on its own thread) and its readers wait for it
-    stream = StreamFile(TarStream([sha(whole), sha(cut)], {sha(whole): 5000, sha(cut): 5000}, b"head"))
-    try:
-        # then each of them is told why in one line, whether it reads the file itself or its bytes
-        for read in (stream.fileno, lambda: list(stream)):
-            with pytest.raises(SyncError, match=f"the stream could not be built: object {sha(cut)[:12]} in the "
-                                                "controller's store is shorter than recorded"):  # fmt: skip
-                read()
-    finally:
-        stream.close()
 
 
 def test_what_killed_receivers_left_in_a_store_is_removed_before_the_next_objects_come(agent, tmp_path):
@@ -578,6 +440,45 @@ def test_a_sync_to_nodes_sharing_a_workdir_builds_one_copy_there_and_a_copied_wo
     for workdir in (shared, own, copied):
         assert (workdir / "outputs" / "grp" / "code" / "lib" / "util.py").read_text() == "U = 1\n"
         assert [p.name for p in (workdir / "outputs" / "grp").iterdir()] == ["code"]
+
+
+def test_a_sync_over_a_megabyte_goes_by_the_transfer_path_leaving_the_controller_once_and_a_small_change_inline(
+    db, settings, tmp_path, recorded
+):
+    from jobs import sync, transfer
+    from jobs.models import Job, JobCode
+
+    settings.DATA_DIR = tmp_path / "data"
+    big = os.urandom(sync.INLINE_BYTES + 300_000)
+    project = tree(tmp_path / "proj", {"train.py": "print(1)\n", "assets/vocab.bin": big, "lib/util.py": "U = 1\n"})
+    nodes = local_nodes({"n1": tmp_path / "w1", "n2": tmp_path / "w2"})
+    sent = recorded(sync)
+    recorded(transfer)
+
+    def push(name: str):
+        listing, _ = sync.snapshot(str(project))
+        job = Job.objects.create(name=name, script="train.py")
+        JobCode.objects.create(job=job, sync_digest=listing.digest, sync_source=str(project))
+        return listing, sync.push(job, nodes)
+
+    # when a tree over INLINE_BYTES is pushed to two nodes that hold none of it
+    listing, pushed = push("big")
+    # then its objects went by the transfer path, one chain through both nodes: each byte left the controller once
+    code = sum(f["size"] for f in listing.files)
+    assert pushed.sent_bytes == code and pushed.nodes == 2
+    assert sorted(n for n, op in sent if op == "xfer_listen") == ["n1", "n2"]
+    # and each copy was linked from its store alone: the same inode as the store's object
+    for w in ("w1", "w2"):
+        copy = tmp_path / w / "outputs" / "big" / "code"
+        assert (copy / "assets" / "vocab.bin").read_bytes() == big and (copy / "train.py").read_text() == "print(1)\n"
+        obj = tmp_path / w / ".ugro" / "objects" / sha(big)
+        assert (copy / "assets" / "vocab.bin").stat().st_ino == obj.stat().st_ino
+    # and a small change travels inside the request that builds the copy, no transfer set up
+    (project / "lib" / "util.py").write_text("U = 2\n")
+    sent.clear()
+    _, pushed = push("small")
+    assert pushed.sent_bytes == 2 * len("U = 2\n") and not [op for _, op in sent if op.startswith("xfer_")]
+    assert (tmp_path / "w2" / "outputs" / "small" / "code" / "lib" / "util.py").read_text() == "U = 2\n"
 
 
 def test_two_builders_of_one_copy_at_once_end_with_it_whole_and_leave_nothing_of_theirs(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ name, and what ran (code, environment) recorded with each job."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -176,39 +177,42 @@ def test_a_node_that_cannot_take_the_code_fails_the_attempt_before_any_rank_star
 
 def test_a_node_the_openssh_client_refuses_fails_the_attempt_in_one_line_and_keeps_nothing(project, lab, tmp_path,
                                                                                           monkeypatch):  # fmt: skip
-    """Covers: the OpenSSH client refusing a node's host key in a streamed sync: the attempt fails in one line naming
-    the node, no part file nor copy kept on it.
+    """Covers: the OpenSSH client refusing a node's host key on the transfer path's first hop (ssh -W from the
+    controller): the attempt fails in one line naming the node, no object nor copy kept on either node.
     """
-    # given an OpenSSH client that meets another host key than the one pinned for node2 (and a tree over 1 MB)
+    # given an OpenSSH client that meets another host key than the one pinned for node1, the chain's first hop (the
+    # hops after it are node to node, not through the OpenSSH client), and a tree over 1 MB
     from cluster import links
 
     fake = tmp_path / "ssh"
-    fake.write_text(f'#!/bin/sh\ncase "$*" in *{lab.nodes[1].address}*) echo "Host key verification failed." >&2; '
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *{lab.nodes[0].address}*) echo "Host key verification failed." >&2; '
                     f'exit 255;; esac\nexec {links.SSH_CLIENT} "$@"\n')  # fmt: skip
     fake.chmod(0o755)
     monkeypatch.setattr(links, "SSH_CLIENT", str(fake))
     (project / "assets").mkdir()
     (project / "assets" / "vocab.bin").write_bytes(os.urandom(1_500_000))
-    # when it is launched on node1 and node2, the launch fails naming node2's key, before any rank starts
+    # when it is launched on node1 and node2, the launch fails naming node1's key, before any rank starts
     with pytest.raises(CommandError) as err:
         run("launch", "--name", "wrongkey", "--node", "node1", "--node", "node2", "--sync", str(project),
             "--script", "train.py", "--detach")  # fmt: skip
     message = str(err.value).strip()
-    assert "code sync failed on node2: node2 (" in message and "host key changed" in message and "\n" not in message
+    assert "code sync failed on node1: node1 (" in message and "host key changed" in message and "\n" not in message
     job = Job.objects.get(name="wrongkey")
     assert job.state == Job.State.FAILED and not job.ranks.exclude(pid=None).exists()
-    # and node2 kept no part file, nor the job's copy
-    node2 = Path(lab.nodes[1].workdir)
-    assert not list((node2 / ".ugro" / "objects").glob(".part-*"))
-    assert not (node2 / "outputs" / "wrongkey" / "code").exists()
+    # and neither node kept the tree's large object, nor the job's copy
+    vocab = hashlib.sha256((project / "assets" / "vocab.bin").read_bytes()).hexdigest()
+    for node in lab.nodes[:2]:
+        assert not (Path(node.workdir) / ".ugro" / "objects" / vocab).exists()
+        assert not (Path(node.workdir) / "outputs" / "wrongkey" / "code").exists()
 
 
 @pytest.mark.parametrize("client", ["openssh", "the link's own connection"])
-def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_of_its_own(project, lab, client,
-                                                                                          monkeypatch):  # fmt: skip
-    """Covers: a tree over 1 MB streamed as one tar to two real nodes, through the OpenSSH client or on the link's own
-    connection, arriving whole with no part file left: node1's sshd forwards it to its agent's listener, node2's
-    (AllowTcpForwarding no) to a receiver its agent starts.
+def test_a_node_whose_sshd_forwards_nothing_takes_the_code_by_a_direct_connection(project, lab, client,
+                                                                                   monkeypatch):  # fmt: skip
+    """Covers: a tree over 1 MB going by the transfer path to two real nodes, arriving whole with nothing of the
+    transfer left, node2's sshd forwarding nothing (AllowTcpForwarding no): through the OpenSSH client or on the
+    link's own connection to the first hop, node to node to the second; where node2 leads the chain, the controller
+    connects straight to its listener (jobs/transfer.py _direct).
     """
     from cluster import links
     from cluster.models import Node
@@ -228,19 +232,23 @@ def test_a_node_whose_sshd_forwards_nothing_takes_the_stream_through_a_receiver_
         (project / "assets").mkdir()
         (project / "assets" / "vocab.bin").write_bytes(weights)
         tree(project, {f"configs/c{i}.yaml": f"lr: {i}\n" for i in range(40)})
-        run("launch", "--name", "noforward", "--node", "node1", "--node", "node2", "--sync", str(project),
+        order = ["node1", "node2"] if client == "openssh" else ["node2", "node1"]
+        run("launch", "--name", "noforward", "--node", order[0], "--node", order[1], "--sync", str(project),
             "--script", "train.py", "--detach")  # fmt: skip
         job = finish(Job.objects.get(name="noforward"))
-        # then both nodes have the copy whole and ran it: node1's stream went to its agent, node2's to a receiver;
-        # every byte arrived, checked, and the nodes' stores hold no part file left over
+        # then both nodes have the copy whole and ran it; every byte arrived, checked, and the nodes' stores hold
+        # nothing of the transfer left over
         assert job.state == Job.State.SUCCEEDED, job.failure_reason
         total = sum(f["size"] for f in manifest.build(str(project)).files)  # less what earlier tests' runs left there
-        assert 2 * len(weights) <= JobCode.objects.get(job=job).sync_sent_bytes <= 2 * total
+        # the controller sent the tree's new objects once: the second node took them from the first
+        assert len(weights) <= JobCode.objects.get(job=job).sync_sent_bytes <= total
         for rank in job.ranks.select_related("node"):
             copy = Path(rank.node.workdir) / "outputs" / "noforward" / "code"
             assert (copy / "assets" / "vocab.bin").read_bytes() == weights and (copy / "configs" / "c39.yaml").exists()
-            assert not list((Path(rank.node.workdir) / ".ugro" / "objects").glob(".part-*"))
-        assert [Node.objects.get(name=n).link().forward_refused for n in ("node1", "node2")] == [False, True]
+            assert not os.listdir(Path(rank.node.workdir) / ".ugro" / "objects" / ".xfer")
+        # (node2's link learns its sshd refuses forwarding only when node2 is the chain's first hop: the chain's order
+        # is the attempt's node order, not --node's, so either node may lead)
+        assert Node.objects.get(name="node1").link().forward_refused is False
     finally:
         node.config.write_text(original)
         node.stop()

@@ -1,30 +1,23 @@
 # UGRO node code sync: a content-addressed store of the files a job's directory holds, and the job's own
 # copy made from it. Sent after probe.py and before agent.py, exec'd together: stdlib only, Python >= 3.8,
-# no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run;
-# the receiver, run alone, names its own).
+# no __future__ imports, module-level names start with _sync_ (AgentError is agent.py's, looked up at run).
 #
 # The store (<workdir>/.ugro/objects/<sha256>) keeps every file once, read-only, whatever directory or job
 # it came from: a file unchanged since the node's last copy is never sent again. Flat: 256 <sha256[:2]>
 # directories would cost a cold copy 256 more inodes (a 2,000-file tree: an eighth more). A job's copy is built
 # beside its place and moved into place only once whole, so a rank never starts in a partial tree. An object
-# that comes with the copy (a stream, or a request's blobs) is written once, at its path in the copy, and
+# that comes inside the request that builds the copy (its blobs) is written once, at its path in the copy, and
 # linked into the store only once its bytes are checked: in the store whole or not at all, and one inode and
 # two directory entries per file, as a copy plus a store needs at the least. Every other file of the copy
-# is a hard link to the store's object.
+# is a hard link to the store's object; larger objects reach the store by the one transfer path (transfer.py).
+import base64
 import errno
 import hashlib
+import json
 import os
-import sys
+import shutil
+import stat as _sync_stat
 import time
-
-if __name__ != "__ugro_sync_receive__":  # for the agent's ops; the receiver would spend 15 ms importing them
-    import base64
-    import hmac
-    import json
-    import shutil
-    import socket
-    import stat as _sync_stat
-    import threading
 
 
 _SYNC_HEX = frozenset("0123456789abcdef")
@@ -95,8 +88,6 @@ def _sync_part_name(sha):
 
 
 def _sync_rmtree(path):
-    import shutil  # here, not at the top: the receiver needs it only to clear what a failure left
-
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -202,8 +193,6 @@ class _SyncCopy:
         try:
             os.link(obj, target)
         except OSError:  # another filesystem, or links not allowed: a copy
-            import shutil
-
             shutil.copyfile(obj, target)
             os.chmod(target, int(f.get("mode", 0o644)) & 0o777)
         self.files += 1
@@ -334,120 +323,6 @@ def _sync_save_manifest(store, digest, data):
     os.replace(tmp, path)
 
 
-class _SyncRefused(Exception):
-    """A stream of objects that is not what UGRO sends, or an object whose bytes are not its name."""
-
-
-def _sync_read(stream, size, what):
-    data = stream.read(size)
-    if len(data) != size:
-        raise _SyncRefused("the stream ended %s" % what)
-    return data
-
-
-_SYNC_END = bytes(512)  # a tar's end: a block of zeros (two, and more may follow)
-_SYNC_OCTAL = frozenset(b"01234567")
-
-
-def _sync_octal(field):
-    """Octal digits only (int() would take a sign, '0o' or '_')."""
-    digits = field.strip(b" \0")
-    if not digits or not _SYNC_OCTAL.issuperset(digits):
-        raise ValueError(field)
-    return int(digits, 8)
-
-
-def _sync_header(head, kept):
-    """(sha256, size) of a regular member's tar header, None at the end, else _SyncRefused. Not tarfile's
-    parser: it costs 25 us a member."""
-    if head == _SYNC_END:
-        return None
-    try:
-        checksum, size = _sync_octal(head[148:156]), _sync_octal(head[124:136])
-    except ValueError:
-        raise _SyncRefused("a bad tar header after %d objects (not an octal number)" % kept)
-    if checksum != sum(head) - sum(head[148:156]) + 8 * 32:  # summed with its own field as spaces
-        raise _SyncRefused("a bad tar header after %d objects (bad checksum)" % kept)
-    name, kind = head[:100].rstrip(b"\0").decode("utf-8", "replace"), head[156:157]
-    if kind not in (b"0", b"\0") or len(name) != 64 or not _SYNC_HEX.issuperset(name) or head[345:500].strip(b"\0"):
-        raise _SyncRefused("not an object of the store: %r (type %r)" % (name[:80], kind))
-    return name, size
-
-
-def _sync_listing(data):
-    """The manifest ahead of a stream's objects (jobs/sync.py receiver_head; not JSON: the receiver would spend
-    15 ms importing json): NUL-terminated fields, "F" sha256 size mode path for a file, "L" path target for a
-    symlink. (files, links)."""
-    fields = data.decode("utf-8", "surrogateescape").split("\0")
-    files, links, i = [], [], 0
-    try:
-        if fields.pop() != "":
-            raise ValueError(data[-20:])
-        while i < len(fields):
-            if fields[i] == "F":
-                sha, size, mode = _sync_sha(fields[i + 1]), int(fields[i + 2]), int(fields[i + 3])
-                files.append({"sha256": sha, "size": size, "mode": mode, "path": fields[i + 4]})
-                i += 5
-            elif fields[i] == "L":
-                links.append({"path": fields[i + 1], "target": fields[i + 2]})
-                i += 3
-            else:
-                raise ValueError(fields[i][:20])
-    except (IndexError, ValueError, AgentError):
-        raise _SyncRefused("a bad manifest ahead of the objects (field %d)" % i)
-    return files, links
-
-
-def _sync_receive(store, count, digest, dest, stream):
-    """Build the job's copy at dest from a stream: its manifest (_sync_listing, then the manifest's JSON, kept
-    as it is once the copy is whole), then a tar (jobs/sync.py TarStream: one regular member per object,
-    named by its sha256) of the objects the store lacks. Each object is written once, at its first path in
-    the copy, while it is hashed, and kept in the store only when its bytes are its name; every other file
-    is linked from the store. Returns how many objects came; _SyncRefused at the first bad header, short
-    object or wrong checksum, and then the copy is removed and dest left as it was (the objects checked
-    before stay in the store)."""
-    head = stream.readline(40).split()
-    if len(head) != 2 or not all(n.isdigit() for n in head):
-        raise _SyncRefused("a stream without its manifest")
-    files, links = _sync_listing(_sync_read(stream, int(head[0]), "inside its manifest"))
-    saved = _sync_read(stream, int(head[1]), "inside its manifest")
-    copy = _SyncCopy(store, dest, files)
-    kept = 0
-    try:
-        while True:
-            header = _sync_header(_sync_read(stream, 512, "after %d objects, before its end" % kept), kept)
-            if header is None:
-                break
-            sha, size = header
-            fd, target, group = copy.create(sha, size)
-            try:
-                h, left = hashlib.sha256(), size
-                while left:
-                    data = stream.read(min(left, 1 << 20))
-                    if not data:
-                        raise _SyncRefused("the stream ended inside object %s" % sha[:12])
-                    h.update(data)
-                    _sync_write_all(fd, data)
-                    left -= len(data)
-            finally:
-                os.close(fd)
-            if h.hexdigest() != sha:
-                raise _SyncRefused("object %s has sha256 %s" % (sha[:12], h.hexdigest()[:12]))
-            _sync_read(stream, -size % 512, "inside object %s" % sha[:12])
-            copy.created(target, sha, size, group)
-            kept += 1
-        if stream.read().strip(b"\0"):
-            raise _SyncRefused("data after the stream's end")
-        if kept != count:
-            raise _SyncRefused("the stream held %d objects, not %d" % (kept, count))
-        copy.finish(links)
-    except BaseException:
-        copy.abandon()
-        raise
-    _sync_save_manifest(store, digest, saved)
-    return kept
-
-
 def _sync_built(store, dest, files, links):
     """Whether dest holds this manifest's copy already: each file the store's object itself (a hard link to it:
     its bytes), each symlink as listed. Files the job added there do not count."""
@@ -471,7 +346,7 @@ def _sync_built(store, dest, files, links):
 def op_sync_apply(req):
     """Build the job's copy at req['dest'] (_SyncCopy): every file of the manifest (given, or the one
     sync_have was given, or saved by digest), its mode, and its symlinks. A few small objects may come inside
-    the request ('blobs', each checked against its sha256 first): a change of a file or two costs no stream.
+    the request ('blobs', each checked against its sha256 first): a change of a file or two costs no transfer.
     An object missing from the store, or a blob whose bytes are not its name, fails the request and leaves
     dest as it was. A copy of the same manifest at dest is kept as it is (_sync_built): a resume's."""
     store = req["store"]
@@ -513,82 +388,6 @@ def op_sync_apply(req):
     return {"files": copy.files, "bytes": copy.bytes}
 
 
-_SYNC_ACCEPT_S = 120.0  # how long a listener waits for its stream (an SSH login to the node comes first)
-_SYNC_STEP_S = 600.0  # a stream's every read: 200 MB over a slow Wi-Fi link
-_SYNC_TOKEN_S = 10.0  # the token is the stream's first bytes: a connection that holds them back is dropped
-
-
-def op_sync_listen(req):
-    """Take one stream (jobs/sync.py receiver_head, then the objects) on a port of 127.0.0.1, in a thread
-    of this agent: the controller forwards it there through its SSH connection (`ssh -W`, a direct-tcpip
-    channel), so no shell, no .bashrc and no new python start on the node. The stream must begin with the
-    token this answer holds (the port is open to every local user; the token travelled only on this link).
-    The thread answers on the connection itself: "ok <objects>" or "refused: <why>", one line; it gives up
-    after _SYNC_ACCEPT_S without the right token."""
-    args = (req["store"], int(req["count"]), _sync_sha(req["digest"]), str(req["dest"]))
-    token = base64.b16encode(os.urandom(32)).lower() + b"\n"
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(8)
-    except OSError:
-        srv.close()
-        raise
-    threading.Thread(target=_sync_serve, args=(srv, token, args), name="ugro-sync-listen", daemon=True).start()
-    return {"port": srv.getsockname()[1], "token": token.strip().decode()}
-
-
-def _sync_serve(srv, token, args):
-    deadline = time.monotonic() + _SYNC_ACCEPT_S
-    conn = None
-    try:
-        while conn is None:
-            srv.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                conn, _ = srv.accept()
-            except OSError:  # the time is up (socket.timeout), or the listener failed
-                return
-            conn.settimeout(_SYNC_TOKEN_S)
-            stream = conn.makefile("rb")
-            try:
-                given = stream.read(len(token))
-            except OSError:
-                given = b""
-            if not hmac.compare_digest(given, token):  # not the controller: dropped, the listener waits on
-                stream.close()
-                conn.close()
-                conn = None
-    finally:
-        srv.close()
-    conn.settimeout(_SYNC_STEP_S)
-    try:
-        try:
-            head = stream.readline(20)  # the receiver's own source, which this agent runs already
-            if not head.strip().isdigit():
-                raise _SyncRefused("a stream without the receiver's source")
-            _sync_read(stream, int(head), "inside the receiver's source")
-            reply = "ok %d" % _sync_receive(*args, stream)
-        except (_SyncRefused, AgentError, OSError, ValueError) as exc:
-            reply = "refused: %s" % exc
-        conn.sendall(reply.replace("\n", " ").encode("utf-8", "replace") + b"\n")
-        conn.shutdown(socket.SHUT_WR)
-        while stream.read(1 << 20):  # what a refused stream still sends: closing with it unread would reset
-            pass  # the connection, and the answer with it
-    except OSError:  # the controller is gone: it has its own error
-        pass
-    finally:
-        stream.close()
-        conn.close()
-
-
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
-EXTRA_OPS.update({"sync_have": op_sync_have, "sync_apply": op_sync_apply, "sync_listen": op_sync_listen})
+EXTRA_OPS.update({"sync_have": op_sync_have, "sync_apply": op_sync_apply})
 
-
-if __name__ == "__ugro_sync_receive__":  # run alone beside the agent, its stdin the stream (jobs/sync.py _stream)
-    AgentError = _SyncRefused
-    try:
-        _sync_receive(sys.argv[1], int(sys.argv[2]), _sync_sha(sys.argv[3]), sys.argv[4], sys.stdin.buffer)
-    except (_SyncRefused, OSError) as exc:
-        sys.stderr.write("%s\n" % exc)
-        sys.exit(1)
