@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.fanout import node_request, on_each
+from cluster.links import HostKeyError
 from cluster.models import Node
 
 from .sync import node_store, one_per_workdir
@@ -259,9 +260,16 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
             break
         watcher = _Watcher(needy, objs, held, total, progress)
         try:
-            on_each(chains, lambda c: c.run())
+            ran = on_each(chains, lambda c: c.run())
         finally:
             watcher.stop()
+        for chain, _, err in ran:
+            if err is None:
+                continue
+            if isinstance(err, HostKeyError):  # a node answering with another key: no round will change that
+                raise TransferError(f"{what} transfer failed on {chain.nodes[0].name}: {err}")
+            # a link that failed before any answer: its line, for each node of the chain without one
+            chain.results.update({n.name: str(err) for n in chain.nodes if not chain.results.get(n.name)})
         for chain in chains:
             src = chain.source.name if chain.source else "controller"
             if chain.source is None:

@@ -232,7 +232,8 @@ def test_cluster_yaml_training_data_is_checked_at_import_in_one_line(db):
     base = ("cluster:\n  name: lab\n  master_ip: 127.0.0.1\nnodes:\n  gpu1:\n    ip: 127.0.0.2\n    role: master\n"
             "training:\n  data:\n")  # fmt: skip
     import_cluster(base + "    - ~/datasets/tiny:tiny\n    - gpu1:/mnt/models/m:model\n")
-    for bad, says in [("    - /d:../up\n", "escapes the job's directory"), ("    - 3\n", "must be a list of SRC[:DEST]")]:
+    refused = [("    - /d:../up\n", "escapes the job's directory"), ("    - 3\n", "must be a list of SRC[:DEST]")]
+    for bad, says in refused:
         with pytest.raises(ConfigError) as err:
             import_cluster(base + bad)
         assert says in str(err.value) and "training" in str(err.value) and "\n" not in str(err.value)
