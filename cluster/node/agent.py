@@ -722,61 +722,6 @@ def op_files(req):
     return {"files": out}
 
 
-PUT_PART = ".ugro-part"
-
-
-def _put_sweep(path):
-    """Remove the parts of path that copies cut off left: this host's of agents gone, and the earlier code's
-    '<path>.ugro-part' (another host's are left to it)."""
-    parent, name = os.path.split(path)
-    mine = "%s%s-%s-" % (name, PUT_PART, socket.gethostname())
-    try:
-        entries = os.listdir(parent)
-    except OSError:
-        return
-    for entry in entries:
-        pid = entry[len(mine) :] if entry.startswith(mine) else ""
-        if entry == name + PUT_PART or (pid.isdigit() and not _proc_alive(int(pid), None)):
-            try:
-                os.unlink(os.path.join(parent, entry))
-            except OSError:
-                pass
-
-
-def op_put(req):
-    """Write a chunk of a file being copied here at its offset into '<path>.ugro-part-<host>-<pid>' (this
-    agent's: two nodes that share a directory may be sent the same file at once); with 'sha256' (the last
-    chunk) check the whole part against it, then move it to path. A mismatch removes the part."""
-    path = _expand(req["path"])
-    part = "%s%s-%s" % (path, PUT_PART, _here())
-    offset = int(req["offset"])
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if offset == 0:
-        _put_sweep(path)
-    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.ftruncate(fd, offset)
-        os.lseek(fd, offset, os.SEEK_SET)
-        data = base64.b64decode(req.get("data") or "")
-        while data:
-            data = data[os.write(fd, data) :]
-    finally:
-        os.close(fd)
-    if req.get("sha256") is None:
-        return {"size": os.path.getsize(part)}
-    digest = hashlib.sha256()
-    with open(part, "rb") as fh:
-        for block in iter(lambda: fh.read(1024 * 1024), b""):
-            digest.update(block)
-    if digest.hexdigest() != req["sha256"]:
-        os.unlink(part)
-        raise AgentError(
-            "checksum mismatch writing %s: got %s, expected %s" % (path, digest.hexdigest(), req["sha256"])
-        )
-    os.replace(part, path)
-    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
-
-
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin", ".ckpt")
 
 
@@ -869,7 +814,6 @@ OPS = {
     "checkpoints": op_checkpoints,
     "discover": op_discover,
     "files": op_files,
-    "put": op_put,
     "remove_checkpoints": op_remove_checkpoints,
     "dump_stacks": op_dump_stacks,
     "hello": op_hello,
