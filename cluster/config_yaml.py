@@ -5,7 +5,8 @@ The format (from the user's setup guide): `cluster.{name,master_ip,master_port}`
 every node before each job, docs/sync.md), `paths.*` (`paths.sync_roots`: where on the controller it may be).
 UGRO also reads optional per-node keys for what the original scripts hard-coded:
 `ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`,
-`gpu_reader`;
+`gpu_reader`, `cache_limit` (its store's size, docs/data.md; `paths.cache_limit` for every node, `paths.store_limit`
+for the controller's);
 and under `training:`, `script` and `args` (the script's argument template, with {model} {dataset}
 {epochs} {lr} {job}) for scripts that do not take train_production.py's arguments.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import yaml
 from django.db import transaction
 
+from .cache import format_size, parse_size
 from .models import ClusterSettings, Node
 from .names import check_name
 
@@ -29,7 +31,7 @@ MAX_EXPANDED_NODES = 100_000  # YAML values after every alias is expanded (an al
 MAX_DEPTH = 50
 
 NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
-             "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader"}  # fmt: skip
+             "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader", "cache_limit"}  # fmt: skip
 TOP_KEYS = {"cluster", "nodes", "training", "paths"}
 
 
@@ -166,6 +168,16 @@ def _get(
     return value
 
 
+def _size(doc: _Doc, mapping: dict, key: str, path: tuple) -> int | None:
+    """A size key (cluster/cache.py parse_size: 500MB, 50GB, 1.5TB) in bytes, None when not given."""
+    if mapping.get(key) is None:
+        return None
+    try:
+        return parse_size(mapping[key])
+    except ValueError as exc:
+        raise doc.error(str(exc), *path, key) from None
+
+
 def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Validate the file fully; return (cluster settings fields, node fields). Raises ConfigError."""
     doc = _Doc(text)
@@ -199,6 +211,8 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
     if not all(isinstance(r, str) and r.strip() and ".." not in r.split("/") for r in sync_roots):
         raise doc.error("must be a list of directories on the controller (no '..'), e.g. ['~/projects']",
                         "paths", "sync_roots")  # fmt: skip
+    for key in ("cache_limit", "store_limit"):
+        _size(doc, paths, key, ("paths",))
     sync_dir = _get(doc, training, "sync", str, ("training",), "")
     if sync_dir and ("\0" in sync_dir or not sync_dir.strip()):
         raise doc.error("must be a directory on the controller to copy to every node, or none", "training", "sync")
@@ -290,6 +304,7 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
             "enabled": bool(_get(doc, spec, "enabled", bool, path, True)),
             "env": {str(k): str(v) for k, v in env.items()},
             "gpu_reader": gpu_reader,
+            "cache_limit": _size(doc, spec, "cache_limit", path),
         })  # fmt: skip
     if len(masters) > 1:
         raise doc.error(f"more than one node has role master ({', '.join(masters)})", "nodes")
@@ -337,6 +352,8 @@ def export_cluster() -> str:
             "env": n.env or {},
             "gpu_reader": n.gpu_reader or "auto",
         }
+        if n.cache_limit:
+            nodes[n.name]["cache_limit"] = format_size(n.cache_limit)
         if not n.user:  # none set: left out, so an import takes its default (the importing user), not '' (refused)
             del nodes[n.name]["user"]
     training = dict(cs.training or {})

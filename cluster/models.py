@@ -147,6 +147,13 @@ class Node(models.Model):
         help_text="The id the last probe read in <workdir>/.ugro/workdir-id (written there once, by the first node "
         "to look): nodes with the same id share their working directory (a shared filesystem such as NFS).",
     )
+    cache_limit = models.BigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Bytes its store (<workdir>/.ugro/objects) may hold before the least recently used is trimmed "
+        "(cluster.yaml cache_limit: 50GB); blank: the cluster's paths.cache_limit, else 50 GB.",
+    )
     env = models.JSONField(default=dict, blank=True, help_text="Extra environment for ranks on this node.")
     enabled = models.BooleanField(default=True)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.UNKNOWN)

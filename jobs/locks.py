@@ -27,6 +27,7 @@ SWEEP = 17  # keyed by the sweep: one median-stop judgment of a sweep at a time
 # for it to let go, so that it stops every process the launch started, not those started before it looked
 LAUNCH = 18
 RETENTION = 19  # keyed by the job: one retention pass of a job at a time (jobs/retention.py)
+CACHE = 20  # keyed by a store (its first node's pk, 0 the controller's): one trim of a store at a time (jobs/cache.py)
 
 
 @contextmanager

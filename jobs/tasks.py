@@ -13,7 +13,7 @@ from celery.signals import worker_shutting_down
 
 from ugro_site.celery import send_task
 
-from . import lifecycle
+from . import cache, lifecycle
 from .follow import follow
 from .models import Job
 from .reconcile import TICK_LOOPS, reconcile
@@ -68,6 +68,13 @@ def scan_orphans() -> None:
     """Beat's orphan scan (every ORPHAN_SCAN_EVERY_S): it asks every node, so it runs less often than the
     per-job loops."""
     reconcile(loops=["orphans"], wait=False)
+
+
+@shared_task(ignore_result=True, expires=600)
+def trim_caches() -> None:
+    """Beat's pass over every store (every TRIM_CACHES_EVERY_S): each node's and the controller's under its limit,
+    never what a job or a service needs."""
+    cache.trim_all()
 
 
 @shared_task(ignore_result=True, acks_late=True)

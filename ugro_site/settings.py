@@ -154,12 +154,15 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # The orphan scan (jobs/loops/orphans.py) asks every node for its tagged processes: less often than the
 # per-job loops, and still soon after a cut-off node answers again.
 ORPHAN_SCAN_EVERY_S = 30.0
+# Every store (each node's, the controller's) brought under its size limit (jobs/cache.py); deliveries trim too.
+TRIM_CACHES_EVERY_S = 600.0
 CELERY_BEAT_SCHEDULE = {
     "schedule-jobs": {"task": "jobs.tasks.schedule_jobs", "schedule": 10.0},
     "follow-jobs": {"task": "jobs.tasks.follow_jobs", "schedule": 5.0},
     "reconcile-jobs": {"task": "jobs.tasks.reconcile_jobs", "schedule": 5.0},
     "scan-orphans": {"task": "jobs.tasks.scan_orphans", "schedule": ORPHAN_SCAN_EVERY_S},
     "tend-services": {"task": "serving.tasks.tend_services", "schedule": 5.0},
+    "trim-caches": {"task": "jobs.tasks.trim_caches", "schedule": TRIM_CACHES_EVERY_S},
 }
 CELERY_BEAT_SCHEDULER = "ugro_site.celery:LockedScheduler"  # runs in every worker; one fires (bin/worker)
 
