@@ -56,6 +56,7 @@ urlpatterns = [
     path("v1/spec/<str:kind>", api(views.SpecView), name="spec-read"),
     path("v1/cluster", api(views.ClusterConfigView), name="cluster"),
     path("v1/nodes/<str:name>/trust", api(views.NodeTrustView), name="node-trust"),
+    path("v1/nodes/<str:name>/disk", api(views.NodeDiskView), name="node-disk"),
     path("v1/services/", api(serving_views.ServicesView), name="services"),
     path("v1/services/<str:name>/", api(serving_views.ServiceView), name="service"),
     path("v1/services/<str:name>/stop", api(serving_views.ServiceStopView), name="service-stop"),

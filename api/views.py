@@ -29,9 +29,9 @@ from accounts.tokens import create_token, revoke
 from cluster.alerts import alert_record
 from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
-from cluster.links import LinkError
+from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
-from jobs import report, sync
+from jobs import cache, report, sync
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -519,6 +519,26 @@ class NodeTrustView(APIView):
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
         audit.record(request.user, "trust", name, source=source, old=old, new=new)
         return Response({"node": name, "old": old, "new": new})
+
+
+class NodeDiskView(APIView):
+    """What a node's store holds and why (`ugro node disk NAME`, jobs/cache.py): like trust, a request that asks
+    the node (its agent walks the store and the job trees)."""
+
+    policy_actions = {"GET": "nodes"}
+
+    @extend_schema(summary="A node's store: its size against its limit, the disk's free space, and each item (a "
+                   "job's code copy or data, objects no job uses, partial transfers) with its size, last use and what "
+                   "keeps it; `lines` is what `ugro node disk` prints. Asks the node")  # fmt: skip
+    def get(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        try:
+            return Response(cache.disk(node))
+        except (LinkError, AgentRequestError, OSError) as exc:
+            return Response({"error": f"{name} did not say what its store holds: {exc}"},
+                            status=status.HTTP_409_CONFLICT)  # fmt: skip
 
 
 def _sweep(name: str) -> Sweep:

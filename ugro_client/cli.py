@@ -34,6 +34,7 @@ GROUPS = [
         ("import_cluster", "import cluster.yaml: nodes and settings, all or nothing (operators)"),
         ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
         ("trust", "pin the SSH host key a node offers now (operators)"),
+        ("node", "node disk NAME: what a node's store holds and why, against its limit (operators)"),
         ("preflight", "the checks every launch runs first, on all or the given nodes"),
     ]),
     ("Account", [
@@ -213,6 +214,11 @@ def build_parser() -> Parser:
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("node", help="a node's own state: disk NAME")
+    verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    v = verbs.add_parser("disk", help="what its store holds and why: size against its limit, free disk, each item")
+    v.add_argument("node")
+    v.add_argument("--json", action="store_true")
     p = sub.add_parser("whoami", help="account, role, scope")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("audit", help="the audit log")
@@ -747,6 +753,15 @@ def cmd_trust(client: Client, a) -> int:
     return EXIT_OK
 
 
+def cmd_node(client: Client, a) -> int:
+    report = client.get(f"nodes/{a.node}/{a.verb}")
+    if a.json:
+        emit_json(report)
+    else:
+        print("\n".join(report["lines"]))
+    return EXIT_OK
+
+
 def cmd_queue(client: Client, a) -> int:
     jobs = client.get("queue")
     if a.json:
@@ -867,7 +882,7 @@ COMMANDS = {
     "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
     "whoami": cmd_whoami, "audit": cmd_audit, "sweep": cmd_sweep, "alerts": cmd_alerts,
     "import_cluster": cmd_import_cluster, "export_cluster": cmd_export_cluster, "trust": cmd_trust,
-    "preflight": cmd_preflight, "token": cmd_token, "serve": cmd_serve,
+    "preflight": cmd_preflight, "token": cmd_token, "serve": cmd_serve, "node": cmd_node,
 }  # fmt: skip
 
 if __name__ == "__main__":
