@@ -24,7 +24,7 @@ from cluster.models import ClusterSettings, Node
 
 from . import transfer
 from .models import Job, JobCode
-from .sync import check_source
+from .sync import check_source, save_manifest
 
 RESERVED = ("code", ".ugro")  # the synced copy's place, UGRO's records
 STAGE_TIMEOUT_S = 3600.0
@@ -238,7 +238,8 @@ def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
             manifest, objs = stage_controller(item, cs)
             holders = []
         raw.update(files=len(manifest["files"]), bytes=sum(f["size"] for f in manifest["files"]),
-                   digest=hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest())
+                   digest=hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest(),
+                   manifest=save_manifest({"files": manifest["files"]}))  # what the caches keep (jobs/cache.py)
         items.append((item, manifest, objs, holders))
     JobCode.objects.filter(pk=code.pk).update(data=code.data)
     for item, manifest, objs, holders in items:

@@ -293,6 +293,10 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
     for n in receivers:
         got = sum(max(0, h) for h in held[n.pk]) - first_held[n.pk]
         done.nodes[n.name] = {"bytes": got, "total": total, "held": sum(max(0, h) for h in held[n.pk])}
+    if any(n["bytes"] for n in done.nodes.values()):  # stores that grew: each back under its limit (never raises)
+        from . import cache  # here: jobs.cache imports jobs.sync
+
+        cache.trim(receivers, protected=[o.sha for o in objs])
     if still:
         raise TransferError(f"{what} transfer failed on " + "; ".join(
             f"{n.name}: {why.get(n.name) or 'objects still missing'}" for n in still))  # fmt: skip
