@@ -243,6 +243,8 @@ class Group:
             return "left"
         if any(c.keep_reason.startswith(FREEING) for c in live):
             return "freeing"
+        if len(live) < len(self.rows) and not any(c.ready for c in live):
+            return "freeing"  # parts of a freed one recorded since (a rank's share); one written again is complete
         return "live"
 
 
@@ -335,6 +337,8 @@ def retain(job: Job) -> Outcome | None:
             _note(g.live, "kept: no step in its name")
         elif g.ready:
             candidates.append(g)
+        elif job.is_ended:  # its writer is gone: it stays as it is, never offered, never deleted
+            _note(g.live, "kept: never complete")
     values = {g.key: metric_at(job, keep.metric, g.step) for g in candidates} if keep.best else {}
     chosen = choose([Candidate(g.key, g.step, g.first.mtime, values.get(g.key)) for g in candidates], keep,
                     protected)  # fmt: skip
@@ -481,8 +485,10 @@ def _size(detail: str) -> int:
 
 
 def _work_left() -> Exists:
-    """A job with a checkpoint retention has not decided on, is still deleting, or keeps for a use that may end."""
-    pending = Q(ready=True, keep_reason="") | Q(keep_reason__startswith=FREEING) | Q(keep_reason__startswith=PROTECTED)
+    """A job with a checkpoint retention has not decided on (complete, or left incomplete by an ended job), is still
+    deleting, or keeps for a use that may end."""
+    undecided = Q(keep_reason="") & (Q(ready=True) | Q(job__state__in=Job.ENDED_STATES))
+    pending = undecided | Q(keep_reason__startswith=FREEING) | Q(keep_reason__startswith=PROTECTED)
     return Exists(Checkpoint.objects.filter(pending, job=OuterRef("pk"), removed_at__isnull=True))
 
 

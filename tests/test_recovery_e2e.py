@@ -429,7 +429,9 @@ def test_a_rank_sleeping_half_again_per_step_is_flagged_as_a_straggler(recovery_
 
 def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_nodes(recovery_settings):
     """Covers: an unmodified Hugging Face Trainer's checkpoint-N directory found where it wrote it, copied to other
-    nodes and resumed through its own --resume_from_checkpoint.
+    nodes and resumed through its own --resume_from_checkpoint; retention (`--keep 1,best:eval_loss:1`) keeping the
+    latest and the best by the Trainer's own eval_loss across the three nodes, every copy of the others deleted by
+    the nodes' agents (the resume's copies too), as status NAME says.
     """
     import shutil
 
@@ -439,18 +441,25 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
         shutil.copy(frameworks / "hf_trainer.py", node.workdir / "frameworks" / "hf_trainer.py")
     # given an unmodified Trainer script with its own output_dir (not outputs/<job>: UGRO is told nothing of
     # it), saving checkpoint-<N>/ every 10 steps and crashing at step 25
+    # (evaluating every 10 steps; keeping the latest checkpoint and the best by eval_loss)
     run("launch", "--name", "hfr", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
-        "--resume-template=--resume_from_checkpoint {checkpoint}", "--detach", "--",
-        "--max-steps", "30", "--logging-steps", "5", "--save-steps", "10", "--fail-at-step", "25",
-        "--output-dir", "my_runs/hf")  # fmt: skip
+        "--resume-template=--resume_from_checkpoint {checkpoint}", "--keep", "1,best:eval_loss:1", "--detach", "--",
+        "--max-steps", "30", "--logging-steps", "5", "--save-steps", "10", "--eval-steps", "10",
+        "--fail-at-step", "25", "--output-dir", "my_runs/hf")  # fmt: skip
     job = Job.objects.get(name="hfr")
     follow_until(job, lambda: Job.objects.get(pk=job.pk).is_ended, what="the crash")
     job.refresh_from_db()
     assert job.state == Job.State.FAILED, job.state
     # then both of its checkpoints were found where it wrote them (the worker's follower records them as it
-    # scans, its last scan at the end), and the latest is offered
-    follow_until(job, lambda: len(checkpoints.offered(job)) >= 2, timeout=30, what="its checkpoints")
-    assert [c.step for c in checkpoints.offered(job)] == [20, 10]
+    # scans, its last scan at the end) and judged by retention; the latest is offered, step 10 only if its
+    # eval_loss is the best so far
+    rows = Checkpoint.objects.filter(job=job)  # (a Trainer's rank 1 writes its part of checkpoint-N on its node)
+    follow_until(job, lambda: set(rows.values_list("step", flat=True)) == {10, 20} and not rows.filter(
+        keep_reason="").exists(), timeout=60, what="its checkpoints, judged")  # fmt: skip
+    evals = dict(MetricPoint.objects.filter(job=job, name="eval_loss").values_list("step", "value"))
+    assert sorted(evals) == [10, 20], evals
+    follow_until(job, lambda: [c.step for c in checkpoints.offered(job)] == ([20, 10] if evals[10] < evals[20] else
+                 [20]), timeout=60, what="retention's first choice")  # fmt: skip
     ckpt = checkpoints.choose(job, "latest")
     assert (ckpt.step, ckpt.kind) == (20, "dir") and ckpt.path.endswith("my_runs/hf/checkpoint-20")
     # when it is resumed on two nodes without that directory
@@ -460,10 +469,25 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
     job.refresh_from_db()
     # then the Trainer went on from step 20 (its own global step) with the copied directory, and finished
     assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    rank0 = job.ranks.select_related("node").get(index=0).node
-    copied = Path(rank0.workdir) / "my_runs" / "hf" / "checkpoint-20"
-    assert (copied / "trainer_state.json").read_bytes() == (Path(ckpt.path) / "trainer_state.json").read_bytes()
     steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
     assert steps == [25, 30], steps
     config = json.loads((job.job_dir / "config.json").read_text())
     assert config["ranks"][0]["command"][-2:] == ["--resume_from_checkpoint", "my_runs/hf/checkpoint-20"]
+    # and retention kept the newest (30) and the best by eval_loss; every copy of the others is gone from the three
+    # nodes (step 20 from where it was written and from both nodes the resume copied it to), the kept ones stay
+    evals = dict(MetricPoint.objects.filter(job=job, name="eval_loss", superseded=False).values_list("step", "value"))
+    assert sorted(evals) == [10, 20, 30], evals
+    kept = {30, min(evals, key=lambda s: (evals[s], -s))}
+    # (the seeded run's eval_loss rises on its random tokens: 10 is the best, 20 the one to free everywhere)
+    assert kept == {10, 30}, evals
+    follow_until(job, lambda: not Checkpoint.objects.filter(job=job, removed_at__isnull=True).exclude(
+        step__in=kept).exists(), timeout=60, what="retention")  # fmt: skip
+    runs = {n.name: Path(n.workdir) / "my_runs" / "hf" for n in recovery_settings.nodes[:3]}
+    held = {(n, s) for n, d in runs.items() for s in (10, 20, 30) if (d / f"checkpoint-{s}").exists()}
+    assert {s for _, s in held} == kept, held
+    whole = Checkpoint.objects.filter(job=job, ready=True, removed_at__isnull=True)
+    assert sorted(c.step for c in whole) == [10, 30] and all(Path(c.path).exists() for c in whole)
+    freed = Checkpoint.objects.filter(job=job, removed_at__isnull=False).select_related("node")
+    assert {c.node.name for c in freed} == {"node1", "node2", "node3"} and {c.step for c in freed} == {20}, freed
+    said = f"checkpoints: kept {len(kept)} (latest 1, best eval_loss 1), freed {3 - len(kept)} ("
+    assert said in run("status", "hfr")

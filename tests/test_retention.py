@@ -271,9 +271,7 @@ def deletions(monkeypatch) -> list[tuple[str, str]]:
     return sent
 
 
-def test_the_latest_and_the_best_stay_and_every_copy_of_the_others_goes_once_per_shared_directory(
-    three, monkeypatch
-):
+def test_the_latest_and_the_best_stay_and_every_copy_of_the_others_goes_once_per_shared_directory(three, monkeypatch):
     # given a job that keeps its newest checkpoint and its best by eval_loss, with four on three nodes
     job, rows, copy = two_attempts(three, "1,best:eval_loss:1")
     sent = deletions(monkeypatch)
@@ -372,6 +370,27 @@ def test_a_checkpoint_written_again_where_it_was_deleted_is_judged_again(three):
     assert back.removed_at is None and back.keep_reason == "" and back.size == 30
     retention.retain(job)
     assert Checkpoint.objects.get(pk=first.pk).removed_at is not None and not path.exists()
+
+
+def test_parts_recorded_after_their_checkpoint_was_judged_go_with_it_and_an_unfinished_one_stays(three):
+    # given an ended job that keeps one: its step 10 freed, its step 20 kept
+    job = Job.objects.create(name="late", script="train.py", keep="1", state=Job.State.SUCCEEDED)
+    first = saved(job, three["n1"], 10)
+    saved(job, three["n1"], 20)
+    reconcile([job.pk], loops=["ended"])
+    assert Checkpoint.objects.get(pk=first.pk).removed_at is not None
+    # when what another rank wrote of both (a Trainer's rank 1 writes its part of checkpoint-N on its own node), and
+    # a checkpoint it never finished, are recorded afterwards
+    parts = [saved(job, three["n3"], step) for step in (10, 20, 30)]
+    Checkpoint.objects.filter(pk__in=[p.pk for p in parts]).update(ready=False)
+    reconcile([job.pk], loops=["ended"])
+    # then the freed one's part goes too, the kept one's is kept with it, and the unfinished one stays, said so
+    on_n3 = Checkpoint.objects.filter(job=job, node__name="n3")
+    got = {c.step: (c.keep_reason, c.removed_at is not None) for c in on_n3}
+    assert got[10][1] and not Path(parts[0].path).exists()
+    assert got[20] == ("latest", False) and got[30] == ("kept: never complete", False) and Path(parts[2].path).exists()
+    # and retention has nothing left to do for it
+    assert not Job.objects.filter(pk=job.pk).filter(retention._work_left()).exists()
 
 
 def test_a_job_that_keeps_everything_is_left_alone(three):
