@@ -182,6 +182,12 @@ class Node(models.Model):
     )
     host_key_source = models.CharField(max_length=20, blank=True, help_text="first use, known_hosts or trust")
     host_key_pinned_at = models.DateTimeField(null=True, blank=True)
+    probed = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="What `ugro node add` / `ugro node probe` found on the machine (cluster/provision.py): GPUs, CPUs, "
+        "RAM, disk, its Python environments with their torch/CUDA/NCCL, and the route the controller takes to it.",
+    )
 
     class Meta:
         ordering = ["order", "name"]
