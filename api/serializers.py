@@ -147,6 +147,7 @@ class JobDetailSerializer(JobSerializer):
     ranks = RankSerializer(many=True)
     lines = serializers.ListField(child=serializers.CharField(), help_text="what `ugro status NAME` prints")
     code = serializers.JSONField(allow_null=True, help_text="synced directory, git, per-node versions (docs/sync.md)")
+    retention = serializers.JSONField(allow_null=True, help_text="what --keep kept and freed (docs/recovery.md)")
 
 
 class LogsSerializer(serializers.Serializer):

@@ -31,7 +31,7 @@ from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
-from jobs import cache, report, sync
+from jobs import cache, report, retention, sync
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -138,6 +138,7 @@ def job_detail(job: Job) -> dict:
         ],  # fmt: skip
         "lines": report.job_detail(job),
         "code": report.code_record(job),
+        "retention": retention.summary(job),
     }
 
 

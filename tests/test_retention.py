@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
+from django.test import Client
 from django.utils import timezone
 
 from cluster.config_yaml import ConfigError, export_cluster, import_cluster
@@ -293,6 +295,15 @@ def test_the_latest_and_the_best_stay_and_every_copy_of_the_others_goes_once_per
     assert retention.summary_text(job) == (
         "checkpoints: kept 2 (latest 1, best eval_loss 1), freed 2 (300 B); --keep 1,best:eval_loss:1"
     )
+    # and the job page and the API's job record say the same, the freed copies struck through on the page
+    client = Client()
+    client.force_login(User.objects.create_user("vic"))
+    page = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="retention">checkpoints: kept 2 (latest 1, best eval_loss 1), freed 2 (300 B)' in page
+    assert f"<del><code>{rows[30].path}</code></del>" in page and "best eval_loss 0.5</span>" in page
+    record = client.get("/api/v1/jobs/ret/").json()["retention"]
+    counts = [record[k] for k in ("kept", "latest", "best", "freed", "freed_bytes")]
+    assert counts == [2, 1, 1, 2, 300] and record["keep"] == "1,best:eval_loss:1"
     # and a second pass has nothing left to do
     assert reconcile([job.pk], loops=["ended"]).freed == [] and len(sent) == 3
 
