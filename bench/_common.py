@@ -79,6 +79,26 @@ def os_operator() -> None:
     user.groups.add(Group.objects.get(name="operator"))
 
 
+def node_rows(cluster) -> list:
+    """One Node row per node of a tests.loopback.LoopbackCluster (the first the master), in its order."""
+    from cluster.models import Node
+
+    return [
+        Node.objects.create(
+            name=n.name,
+            address=n.address,
+            ssh_port=n.port,
+            user=cluster.user,
+            key_path=str(cluster.client_key),
+            workdir=str(n.workdir),
+            gpu_count=0,
+            order=i,
+            role="master" if i == 0 else "worker",
+        )  # fmt: skip
+        for i, n in enumerate(cluster.nodes)
+    ]
+
+
 def make_tmp(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
