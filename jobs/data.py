@@ -213,7 +213,8 @@ def dest_on(job: Job, node: Node, dest: str) -> str:
 
 def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
     """Every --data item of the job at its place on every node; DataError / TransferError in one line (nothing
-    has started then). The delivery's figures and each node's progress are kept on the job's code record."""
+    has started then). The result's peer_bytes counts every byte that went node to node (sources and relays). The
+    delivery's figures and each node's progress are kept on the job's code record."""
     code = JobCode.objects.filter(job=job).first()
     if code is None or not code.data:
         return None
@@ -245,7 +246,7 @@ def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
     for item, manifest, objs, holders in items:
         got = transfer.deliver(objs, nodes, holders=holders, what=f"data {item.label()}", progress=progress)
         total.controller_bytes += got.controller_bytes
-        total.peer_bytes += got.peer_bytes
+        total.peer_bytes += got.peer_bytes + got.relayed_bytes
         total.rounds = max(total.rounds, got.rounds)
         for name, n in got.nodes.items():
             mine = total.nodes.setdefault(name, {"bytes": 0, "total": 0, "held": 0})

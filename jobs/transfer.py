@@ -62,7 +62,8 @@ class Obj:
 class Delivered:
     seconds: float = 0.0
     controller_bytes: int = 0  # what left the controller
-    peer_bytes: int = 0  # what nodes sent each other (each hop's bytes counted once, at its source)
+    peer_bytes: int = 0  # what a node that held the objects sent as a chain's source
+    relayed_bytes: int = 0  # what the nodes of the chains passed on to the next node (the pipeline's hops)
     rounds: int = 0
     nodes: dict[str, dict] = field(default_factory=dict)  # name -> {bytes, total, from}
 
@@ -102,6 +103,7 @@ class _Chain:
         self.offsets = {o.sha: min(max(0, held[n.pk][index[o.sha]]) for n in nodes) for o in objs}
         self.results: dict[str, str | None] = {}
         self.sent = [0]
+        self.hops = 0  # the nodes that took the stream
 
     def run(self) -> None:
         listen = on_each(self.nodes, lambda n: node_request(n, "xfer_listen", timeout=REQUEST_TIMEOUT_S,
@@ -114,6 +116,7 @@ class _Chain:
                 hops.append({"name": node.name, "host": node.address, "port": int(answer["port"]),
                              "token": answer["token"]})  # fmt: skip
         self.results.update(failed)
+        self.hops = len(hops)
         if not hops:
             return
         specs = [o.spec(self.offsets[o.sha]) for o in self.objs]
@@ -136,7 +139,8 @@ class _Chain:
         except ValueError:
             results = None
         if not isinstance(results, dict):
-            why = (answer.strip().splitlines() or [f"exit {rc}"])[-1][:300]
+            why = (answer.strip().splitlines() or
+                   [f"exit {rc}" if rc else "the first node closed the stream without an answer"])[-1][:300]
             return {h["name"]: f"the stream from the controller failed: {why}" for h in hops}
         return {h["name"]: results.get(h["name"], "no answer") for h in hops}
 
@@ -276,6 +280,7 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
                 done.controller_bytes += chain.sent[0]
             else:
                 done.peer_bytes += chain.sent[0]
+            done.relayed_bytes += chain.sent[0] * max(0, chain.hops - 1)  # each hop after the first: what it got
             for name, err in chain.results.items():
                 if err:
                     why[name] = err

@@ -69,6 +69,7 @@ def test_objects_reach_every_node_once_from_the_controller_then_node_to_node_and
             assert sha(obj.read_bytes()) == o.sha and not os.access(obj, os.W_OK) or os.geteuid() == 0
             assert sha(obj.read_bytes()) == o.sha
     assert got.controller_bytes == size and got.peer_bytes == 0 and got.rounds == 1
+    assert got.relayed_bytes == 2 * size  # node 1 passed it to node 2, node 2 to node 3
     assert sorted(op for _, op in sent if op == "xfer_listen") == ["xfer_listen"] * 3
     # and a second delivery asks and sends nothing
     again = transfer.deliver(objs, nodes)
@@ -214,13 +215,14 @@ def test_a_jobs_data_is_placed_read_only_on_every_node_from_a_controller_dir_and
         assert (out / "ds" / "train.bin").read_bytes() == (ds / "train.bin").read_bytes()
         assert (out / "model" / "model.safetensors").read_bytes() == (weights / "model.safetensors").read_bytes()
         assert oct((out / "ds" / "meta" / "info.json").stat().st_mode & 0o222) == "0o0"
-    # the model left n1 once, to the other two in one chain; the dataset left the controller once
-    assert got.peer_bytes == 90_020 and got.controller_bytes == 200_050
+    # the model left n1 once, to the other two in one chain; the dataset left the controller once; node to node: the
+    # model's two hops and the dataset's two relays
+    assert got.controller_bytes == 200_050 and got.peer_bytes == 2 * 90_020 + 2 * 200_050
     code = JobCode.objects.get(job=job)
     assert code.transfer["state"] == "done" and code.data[0]["files"] == 2
     line = data.summary(code)
     assert line.startswith(f"data: {ds} -> ds, n1:{tmp_path}/w1/models/m -> model (290 kB), delivered in ")
-    assert line.endswith(" (200 kB from the controller, 90 kB node to node)")
+    assert line.endswith(" (200 kB from the controller, 580 kB node to node)")
     # a second attempt's delivery sends nothing
     again = data.deliver(job, nodes)
     assert again.controller_bytes == 0 and again.peer_bytes == 0
