@@ -31,6 +31,7 @@ from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
+from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, report, retention, sync
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
@@ -540,6 +541,50 @@ class NodeDiskView(APIView):
         except (LinkError, AgentRequestError, OSError) as exc:
             return Response({"error": f"{name} did not say what its store holds: {exc}"},
                             status=status.HTTP_409_CONFLICT)  # fmt: skip
+
+
+class NodesView(APIView):
+    """`ugro node add`: connects to a machine, pins its host key, surveys it and records it (cluster/provision.py)."""
+
+    policy_actions = {"POST": "nodes"}
+
+    @extend_schema(summary='Add a node by probing it (`ugro node add`): body {"target": "[USER@]HOST[:PORT]", "name", '
+                   '"key" (a private key on the controller), "workdir", "fingerprint"}; pins its host key, reads its '
+                   "GPUs, CPUs, RAM, disk, Python environments and route, records it; `lines` is what the client "
+                   "prints. Refused in one line, nothing recorded", request=None)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        args = {k: str(body.get(k) or "")[:1000] for k in ("target", "name", "key", "workdir", "fingerprint")}
+        source = web_source(request)
+        try:
+            result = add_node(args["target"], name=args["name"], key_path=args["key"], workdir=args["workdir"],
+                              expect_fingerprint=args["fingerprint"])  # fmt: skip
+        except ProvisionError as exc:
+            audit.record(request.user, "node_add", args["name"] or args["target"][:200], source=source,
+                         outcome=f"refused: {exc}")  # fmt: skip
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        audit.record(request.user, "node_add", result.node, source=source, address=args["target"])
+        return Response(result.as_dict(), status=status.HTTP_201_CREATED)
+
+
+class NodeProbeView(APIView):
+    policy_actions = {"POST": "nodes"}
+
+    @extend_schema(summary="Probe a node again (`ugro node probe NAME`): its GPUs, CPUs, RAM, disk, Python "
+                   "environments and route recorded anew; `changed` says what differs. Asks the node",
+                   request=None)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        source = web_source(request)
+        try:
+            result = probe_node(node)
+        except ProvisionError as exc:
+            audit.record(request.user, "node_probe", name, source=source, outcome=f"refused: {exc}")
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        audit.record(request.user, "node_probe", name, source=source, changed=result.changed)
+        return Response(result.as_dict())
 
 
 def _sweep(name: str) -> Sweep:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 
-from accounts import audit
+from accounts import audit, policy
 
 from .models import GPU, Alert, AlertSettings, ClusterSettings, HealthSample, Node
+from .provision import ProvisionError, probe_node
 
 
 class GPUInline(admin.TabularInline):
@@ -23,8 +25,27 @@ class GPUInline(admin.TabularInline):
         return False
 
 
+@admin.action(description="Probe selected nodes")
+def probe_nodes(modeladmin, request, queryset):
+    """`ugro node probe` for each: GPUs, CPUs, RAM, disk, Python environments and route read again (operators)."""
+    if not policy.allowed(request.user, "nodes"):
+        raise PermissionDenied(policy.reason(request.user, "nodes"))
+    source = audit.web_source(request)
+    for node in queryset:
+        try:
+            result = probe_node(node)
+        except ProvisionError as exc:
+            audit.record(request.user, "node_probe", node.name, source=source, outcome=f"refused: {exc}")
+            modeladmin.message_user(request, str(exc), messages.ERROR)
+            continue
+        audit.record(request.user, "node_probe", node.name, source=source, changed=result.changed)
+        said = "; ".join(result.changed) if result.changed else "nothing changed"
+        modeladmin.message_user(request, f"{node.name} probed: {said}", messages.SUCCESS)
+
+
 @admin.register(Node)
 class NodeAdmin(admin.ModelAdmin):
+    actions = [probe_nodes]
     list_display = (
         "name", "address", "role", "gpu_label", "transport", "enabled", "status", "health_score", "last_seen",
         "host_key_fingerprint",
@@ -34,7 +55,7 @@ class NodeAdmin(admin.ModelAdmin):
     health_fields = ("status", "health_score", "status_reason", "health_checks", "last_seen", "last_poll_at")
     # the pin changes only by first contact or `ugro trust NODE`, never by a form
     host_key_fields = ("host_key_fingerprint", "host_key_source", "host_key_pinned_at", "host_key")
-    readonly_fields = health_fields + host_key_fields
+    readonly_fields = health_fields + host_key_fields + ("probed",)
     inlines = [GPUInline]
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
@@ -43,6 +64,7 @@ class NodeAdmin(admin.ModelAdmin):
         ("GPUs", {"fields": ("gpu_count", "gpu_model", "gpu_vram_gb", "gpu_reader")}),
         ("Training environment", {"fields": ("torchrun_command", "workdir", "env")}),
         ("Health", {"fields": health_fields}),
+        ("What node add / node probe found", {"fields": ("probed",)}),
     )
 
     def get_queryset(self, request):

@@ -34,7 +34,8 @@ GROUPS = [
         ("import_cluster", "import cluster.yaml: nodes and settings, all or nothing (operators)"),
         ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
         ("trust", "pin the SSH host key a node offers now (operators)"),
-        ("node", "node disk NAME: what a node's store holds and why, against its limit (operators)"),
+        ("node", "node add [USER@]HOST[:PORT]: add a machine by probing it; node probe NAME: read it again; "
+                 "node disk NAME: what a node's store holds and why (operators)"),
         ("preflight", "the checks every launch runs first, on all or the given nodes"),
     ]),
     ("Account", [
@@ -214,8 +215,18 @@ def build_parser() -> Parser:
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("node", help="a node's own state: disk NAME")
+    p = sub.add_parser("node", help="add [USER@]HOST[:PORT], probe NAME, disk NAME")
     verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
+    v = verbs.add_parser("add", help="add a machine: pin its host key, read its GPUs, CPUs, RAM, disk, Pythons, route")
+    v.add_argument("target", help="[USER@]HOST[:PORT]")
+    v.add_argument("--name", default="", help="the node's name (default: HOST as typed)")
+    v.add_argument("--key", default="", help="the private key to log in with, a path on the UGRO server")
+    v.add_argument("--workdir", default="", help="where its ranks start (default: paths.project_base, else ~/ugro)")
+    v.add_argument("--fingerprint", default="", help="add it only if its host key has this SHA256 fingerprint")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("probe", help="read its GPUs, CPUs, RAM, disk, Pythons and route again; says what changed")
+    v.add_argument("node")
+    v.add_argument("--json", action="store_true")
     v = verbs.add_parser("disk", help="what its store holds and why: size against its limit, free disk, each item")
     v.add_argument("node")
     v.add_argument("--json", action="store_true")
@@ -754,7 +765,14 @@ def cmd_trust(client: Client, a) -> int:
 
 
 def cmd_node(client: Client, a) -> int:
-    report = client.get(f"nodes/{a.node}/{a.verb}")
+    client.timeout = max(client.timeout, 120.0)  # add and probe read every Python environment a machine has
+    if a.verb == "add":
+        report = client.post("nodes", {"target": a.target, "name": a.name, "key": a.key, "workdir": a.workdir,
+                                       "fingerprint": a.fingerprint})  # fmt: skip
+    elif a.verb == "probe":
+        report = client.post(f"nodes/{a.node}/probe")
+    else:
+        report = client.get(f"nodes/{a.node}/{a.verb}")
     if a.json:
         emit_json(report)
     else:
