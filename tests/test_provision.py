@@ -197,7 +197,8 @@ def test_probe_records_gpus_pythons_and_torchrun_says_what_changed_on_every_surf
 def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node(loopback, db, fast_settings, tmp_path):
     """Covers: `node add USER@HOST:PORT --key K` against a real sshd: the host key read, shown and pinned, the agent
     started over SSH with the node's own python3, the survey and the controller's route (`ip route get`) of an SSH
-    node, the row recorded and exported, and a port where no sshd listens refused with nothing recorded."""
+    node, the row recorded and exported, and a port where no sshd listens or a key the sshd refuses refused with nothing
+    recorded."""
     fast_settings.UGRO = {**fast_settings.UGRO, "KNOWN_HOSTS": str(tmp_path / "known_hosts")}
     lb = loopback.nodes[0]
     operator()
@@ -235,6 +236,13 @@ def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node
     port = free_port()
     with pytest.raises(CommandError) as info:
         call_command("node_add", f"{loopback.user}@{lb.address}:{port}", "--key", str(loopback.client_key),
+                     "--name", "nobody", "--as", "olga")  # fmt: skip
+    assert "cannot reach nobody" in str(info.value) and "\n" not in str(info.value)
+    # and so is a key the node does not accept
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    with pytest.raises(CommandError) as info:
+        call_command("node_add", f"{loopback.user}@{loopback.nodes[1].address}:{lb.port}", "--key", str(stranger),
                      "--name", "nobody", "--as", "olga")  # fmt: skip
     assert "cannot reach nobody" in str(info.value) and "\n" not in str(info.value)
     assert not Node.objects.filter(name="nobody").exists()
