@@ -46,6 +46,9 @@ class LaunchSerializer(serializers.Serializer):
                                           default=list, max_length=50)  # fmt: skip
     data = serializers.ListField(child=serializers.CharField(max_length=1000), required=False, default=list,
                                  max_length=50, help_text="SRC[:DEST]: a controller path or NODE:PATH (docs/data.md)")
+    packages = serializers.CharField(required=False, allow_blank=True, default="", max_length=1000,
+                                     help_text="a lock file on the controller: its environment on every node "
+                                     "(docs/envs.md)")  # fmt: skip
     dry_run = serializers.BooleanField(
         required=False, default=False, help_text="return each rank's exact command; create and start nothing"
     )

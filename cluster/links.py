@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 NODE_CODE_DIR = Path(__file__).resolve().parent / "node"
 # Files that make up the agent, in order; the last one serves requests.
-AGENT_FILES = ("probe.py", "codesync.py", "transfer.py", "cache.py", "agent.py")
+AGENT_FILES = ("probe.py", "codesync.py", "transfer.py", "cache.py", "envs.py", "agent.py")
 # how long connecting to a node and its first answer may take: a LAN sshd answers in well under a second,
 # and a silent node must fail a probe, a pre-flight or a follower's read fast
 CONNECT_TIMEOUT_S = 5.0

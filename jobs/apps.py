@@ -11,9 +11,10 @@ class JobsConfig(AppConfig):
         from cluster import config_yaml
         from cluster.monitor import set_job_context
 
-        from . import data, retention
+        from . import data, envs, retention
         from .node_jobs import node_jobs
 
         set_job_context(node_jobs)  # cluster's monitor polls the nodes that run a job faster
         config_yaml.TRAINING_CHECKS["keep"] = retention.check_default  # training.keep: the retention default
         config_yaml.TRAINING_CHECKS["data"] = data.check_cluster_value  # training.data: data every job gets
+        config_yaml.TRAINING_CHECKS["packages"] = envs.check_cluster_value  # training.packages: the default lock

@@ -193,6 +193,9 @@ def trim(nodes: Node | Iterable[Node], protected: Iterable[str] = ()) -> list[Tr
 def trim_all() -> tuple[list[Trimmed], dict]:
     """The worker's pass: every enabled node's store that answers, and the controller's."""
     nodes = list(Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN).order_by("pk"))
+    from . import envs  # environments no job used for paths.env_ttl (never one a live job names)
+
+    envs.trim(nodes)
     return trim(nodes), trim_controller()
 
 

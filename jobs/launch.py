@@ -30,6 +30,7 @@ from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
 from . import checkpoints, data, lifecycle, locks, retention, spec, sync
+from . import envs as environments
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
@@ -109,6 +110,7 @@ class LaunchRequest:
     sync: str = ""  # a directory on the controller copied to every node; the ranks start in the copy
     sync_upload: str = ""  # the digest of a directory a client uploaded (POST /api/v1/sync/...)
     data: list[str] = field(default_factory=list)  # SRC[:DEST] items put in the job's directory on every node
+    packages: str = ""  # a lock file on the controller: the environment built on every node (docs/envs.md)
     allow_mismatch: bool = False  # start even if the script's sha256 differs between nodes
 
     @classmethod
@@ -264,7 +266,9 @@ def create_job(req: LaunchRequest) -> Job:
 def _snapshot_code(job: Job, req: LaunchRequest) -> JobCode:
     """The job's code record; with a directory to sync, its files taken into the controller's store now
     (the job runs them as they are at launch, however long it queues). LaunchError in one line."""
-    code = JobCode(allow_mismatch=req.allow_mismatch, data=getattr(job, "data_planned", []))
+    planned = getattr(job, "packages_planned", None)
+    code = JobCode(allow_mismatch=req.allow_mismatch, data=getattr(job, "data_planned", []),
+                   envs={"lock": planned} if planned else {})  # fmt: skip
     if not job.sync_planned:
         return code
     kind, value = job.sync_planned
@@ -350,6 +354,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         runners = [n for n in enabled if n.name in req.nodes] if req.nodes else enabled
         check("script", _check_script_roots, script, runners, cs)
     data_items = check("data", _check_data, req, cs)
+    lock = check("packages", environments.check, req.packages, cs)
     vram, vram_source = None, ""
     if enabled and not any(f in ("nodes", "count") for f, _ in problems):
         vram, vram_source = check("gpus", _check_gpus, req, enabled, count, script or cs.default_script) or (None, "")
@@ -397,6 +402,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     )  # fmt: skip
     job.sync_planned = synced  # (source directory or upload digest): the ranks start in the job's copy
     job.data_planned = [item.as_dict() for item in data_items or []]
+    job.packages_planned = lock.as_dict() if lock else None
     return job, pattern, files
 
 
@@ -811,6 +817,14 @@ def _launch(job: Job) -> Job:
     if delivered is not None:
         log.info("job %s: data on %d nodes in %.2fs (%d bytes from the controller, %d node to node)", job.name,
                  len(ranks), delivered.seconds, delivered.controller_bytes, delivered.peer_bytes)  # fmt: skip
+    try:  # and its environment (--packages), built where it is not there yet; the ranks start with its torchrun
+        built = environments.prepare(job, [r.node for r in ranks])
+    except ValueError as exc:
+        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+        return job
+    if built is not None:
+        for r in ranks:  # this launch's nodes only (never saved): pre-flight checks that torchrun, the ranks run it
+            r.node.torchrun_command, r.node.torchrun_auto = f"{built[r.node.pk]}/bin/torchrun", ""
     bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
     problems = run_preflight(job, ranks, bases)
     if problems:

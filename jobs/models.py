@@ -519,6 +519,11 @@ class JobCode(models.Model):
         default=dict, blank=True,
         help_text="The last attempt's data delivery: node -> {bytes, total, rate, state, from}, and its totals.",
     )  # fmt: skip
+    envs = models.JSONField(
+        default=dict, blank=True,
+        help_text="--packages: the lock read at launch {file, format, sha256, pins} and the last attempt's environment "
+        "on each node {key, path, python, platform, kept, packages: [name, version, wheel sha256]} (docs/envs.md).",
+    )  # fmt: skip
 
     def __str__(self) -> str:
         return f"code of {self.job_id}"

@@ -17,6 +17,7 @@ from metrics.series import metric_names
 
 from . import sync
 from .data import summary as data_summary
+from .envs import summary as env_summary
 from .models import Checkpoint, Job, JobCode
 from .retention import summary as retention_summary
 from .retention import summary_text as retention_text
@@ -223,6 +224,8 @@ def code_record(job: Job) -> dict | None:
         "data": code.data or [],
         "transfer": code.transfer or None,
         "data_line": data_summary(code),
+        "env_lines": env_summary(code),  # --packages: the lock and each node's environment (docs/envs.md)
+        "envs": code.envs or None,
     }  # fmt: skip
 
 
@@ -239,6 +242,7 @@ def code_lines(job: Job) -> list[str]:
         out.append(f"  code: {synced['source']} synced ({synced['files']} files, {synced['bytes']} bytes){took}")
     if record["data_line"]:
         out.append(f"  {record['data_line']}")
+    out += [f"  {line}" for line in record["env_lines"]]
     git = record["git"]
     if git:
         dirty = ", uncommitted changes" if git.get("dirty") else ""

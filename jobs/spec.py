@@ -295,6 +295,11 @@ LAUNCH: tuple[Option, ...] = (
            section=CODE, help="SRC[:DEST]: a directory or file on the controller, or NODE:PATH on one node, put at "
            "DEST in the job's directory ({job_dir}/DEST) on every node before the ranks start, read-only "
            "(docs/data.md; repeatable)", shown_default="the cluster's training.data"),
+    Option("packages", "--packages", "text", default="", example="~/project/requirements.txt", section=CODE,
+           help="a lock file on the controller (a pinned requirements.txt, a uv.lock beside its pyproject.toml, or a "
+           "pylock.toml): its environment is built with uv on every node, the same everywhere, and the ranks "
+           "start with its torchrun (docs/envs.md; none: not even the cluster's default)",
+           shown_default="the cluster's training.packages"),
     Option("allow_mismatch", "--allow-mismatch", "bool", default=False, example=True, section=CODE,
            help="start even if the script's sha256 differs between nodes"),
     EXTRA_ARGS,

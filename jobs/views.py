@@ -403,6 +403,11 @@ class LaunchForm(forms.Form):
         help_text="one per line, SRC[:DEST]: a directory or file on the controller, or NODE:PATH; at {job_dir}/DEST "
         "on every node",
     )
+    packages = forms.CharField(
+        required=False, max_length=1000, label="Packages",
+        help_text="a lock file on the controller (requirements.txt, uv.lock, pylock.toml): its environment on every "
+        "node",
+    )  # fmt: skip
     after = forms.CharField(required=False, max_length=64, help_text="start only after this job succeeded")
     batch_per_gpu = forms.IntegerField(
         required=False, min_value=1, max_value=BATCH_MAX, label="Batch per GPU", help_text="fills {local_batch}"
@@ -499,6 +504,7 @@ class LaunchForm(forms.Form):
             metrics_pattern=d.get("metrics_pattern") or "",
             metrics_files=[line.strip() for line in (d.get("metrics_files") or "").splitlines() if line.strip()],
             data=[line.strip() for line in (d.get("data") or "").splitlines() if line.strip()],
+            packages=(d.get("packages") or "").strip(),
             gpus_per_node=d.get("gpus_per_node"),
             after=(d.get("after") or "").strip(),
             batch_per_gpu=d.get("batch_per_gpu"),

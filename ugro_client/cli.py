@@ -91,6 +91,9 @@ def build_parser() -> Parser:
     p.add_argument("--metrics-file", action="append", default=[], dest="metrics_files")
     p.add_argument("--data", action="append", default=[], metavar="SRC[:DEST]",
                    help="a directory or file on the controller, or NODE:PATH, at {job_dir}/DEST on every node")
+    p.add_argument("--packages", default="", metavar="FILE",
+                   help="a lock file on the controller (requirements.txt, uv.lock, pylock.toml): its environment on "
+                   "every node (docs/envs.md)")
     p.add_argument("--batch-per-gpu", type=int, dest="batch_per_gpu", help="the even split's batch per GPU")
     p.add_argument("--batch-weights", default="", dest="batch_weights", help="NODE=WEIGHT,... or auto")
     rec = p.add_argument_group("recovery (docs/recovery.md)")
@@ -385,6 +388,7 @@ LAUNCH_FIELDS = [
     ("keep", "keep"),
     ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
     ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"), ("data", "data"),
+    ("packages", "packages"),
 ]  # fmt: skip
 UPLOAD_BATCH_BYTES = 16 * 1024 * 1024  # objects sent together in one tar, up to this much a request
 
