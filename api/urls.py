@@ -57,6 +57,7 @@ urlpatterns = [
     path("v1/cluster", api(views.ClusterConfigView), name="cluster"),
     path("v1/nodes/<str:name>/trust", api(views.NodeTrustView), name="node-trust"),
     path("v1/nodes/<str:name>/disk", api(views.NodeDiskView), name="node-disk"),
+    path("v1/nodes/<str:name>/envs", api(views.NodeEnvsView), name="node-envs"),
     path("v1/nodes", api(views.NodesView), name="nodes"),
     path("v1/nodes/<str:name>/probe", api(views.NodeProbeView), name="node-probe"),
     path("v1/services/", api(serving_views.ServicesView), name="services"),

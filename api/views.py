@@ -32,7 +32,7 @@ from cluster.hostkeys import trust
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
 from cluster.provision import ProvisionError, add_node, probe_node
-from jobs import cache, report, retention, sync
+from jobs import cache, envs, report, retention, sync
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -585,6 +585,25 @@ class NodeProbeView(APIView):
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
         audit.record(request.user, "node_probe", name, source=source, changed=result.changed)
         return Response(result.as_dict())
+
+
+class NodeEnvsView(APIView):
+    """A node's Python environments (`ugro node envs NAME`, jobs/envs.py): asks the node."""
+
+    policy_actions = {"GET": "nodes"}
+
+    @extend_schema(summary="A node's environments built from --packages locks (docs/envs.md): each with its size, "
+                   "last use and the live jobs that name it; `lines` is what `ugro node envs` prints. Asks the "
+                   "node")  # fmt: skip
+    def get(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        try:
+            return Response(envs.report(node))
+        except (LinkError, AgentRequestError, OSError) as exc:
+            return Response({"error": f"{name} did not list its environments: {exc}"},
+                            status=status.HTTP_409_CONFLICT)  # fmt: skip
 
 
 def _sweep(name: str) -> Sweep:

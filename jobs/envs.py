@@ -458,6 +458,28 @@ def listing(node: Node) -> list[dict]:
     return answer["envs"]
 
 
+def report(node: Node) -> dict:
+    """`ugro node envs NAME`: a node's environments with size, last use and the live jobs that name them, and the
+    time after which an unused one is removed; `lines` is what the command prints."""
+    items = listing(node)
+    ttl = ttl_s()
+    lines = [f"{node.name}: {len(items)} environments in {node.workdir.rstrip('/')}/.ugro/envs, "
+             f"{_size(sum(e['bytes'] for e in items))}; unused ones removed after {ttl / 86400:g} days"]  # fmt: skip
+    for e in sorted(items, key=lambda e: -e["used"]):
+        age = max(0.0, time.time() - e["used"])
+        used = f"{age / 86400:.1f} days ago" if age >= 86400 else f"{age / 3600:.1f} h ago"
+        kind = f"{e.get('packages', 0)} packages" if e["whole"] else "a part (a build running or cut off)"
+        jobs = f", named by {', '.join(e['jobs'])}" if e["jobs"] else ""
+        lines.append(f"  {e['key'][:12]}  {_size(e['bytes']):>9}  last used {used}  {kind}{jobs}")
+    return {"node": node.name, "envs": items, "ttl_s": ttl, "lines": lines}
+
+
+def _size(n: float) -> str:
+    from cluster.cache import human
+
+    return human(int(n))
+
+
 def _named_keys(node: Node | None = None) -> dict[str, list[str]]:
     """Environment key -> the queued, starting or running jobs that name it (never removed)."""
     from .cache import NEEDING as live

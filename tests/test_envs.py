@@ -150,7 +150,9 @@ def test_an_environment_is_built_once_per_workdir_kept_recorded_and_nodes_that_d
     from jobs.models import Job
     from jobs.report import code_lines
 
-    shown = code_lines(Job.objects.get(pk=job.pk))  # where the code's provenance is shown (status NAME, results, the job page)
+    shown = code_lines(
+        Job.objects.get(pk=job.pk)
+    )  # where the code's provenance is shown (status NAME, results, the job page)
     assert any("packages: " in line and "3 pinned" not in line for line in shown)
     assert sum("env on " in line and "2 packages, built in" in line for line in shown) == 2  # a and c
     assert any(line.strip().startswith("env on b:") and line.endswith("kept") for line in shown)
@@ -191,7 +193,7 @@ def test_a_package_without_a_wheel_or_a_failed_build_names_the_node_and_package_
     assert not [p for p in os.listdir(root) if not p.startswith(".")]  # no env, no part left
 
 
-def test_envs_are_listed_and_unused_ones_removed_never_one_a_live_job_names(tmp_path, wheels, recorded):
+def test_envs_are_listed_and_unused_ones_removed_never_one_a_live_job_names(tmp_path, wheels, recorded, monkeypatch):
     import time
 
     from cluster.models import ClusterSettings
@@ -211,6 +213,7 @@ def test_envs_are_listed_and_unused_ones_removed_never_one_a_live_job_names(tmp_
     listed = envs.listing(a)
     assert len(listed) == 2 and all(e["whole"] and e["bytes"] > 0 for e in listed)
     assert sorted(j for e in listed for j in e["jobs"]) == ["live"]
+    shown_by_surface(a.name, monkeypatch)
     old = time.time() - 30 * 86400
     for e in listed:
         used = tmp_path / "wa/.ugro/envs" / e["key"] / ".ugro-env-used"
@@ -221,3 +224,51 @@ def test_envs_are_listed_and_unused_ones_removed_never_one_a_live_job_names(tmp_
     kept = [e["key"] for e in envs.listing(a)]
     assert len(removed["a"]) == 1 and len(kept) == 1 and removed["a"][0] not in kept
     assert envs.listing(a)[0]["jobs"] == ["live"]
+
+
+def shown_by_surface(node: str, monkeypatch) -> None:
+    """`node envs NAME` through manage.py, the API (operators only) and the client: the same lines."""
+    import io
+    import json
+
+    from django.contrib.auth.models import Group, User
+    from django.core.management import CommandError, call_command
+    from django.test import Client as DjangoClient
+
+    from accounts.tokens import create_token
+    from ugro_client import cli
+
+    operator = User.objects.create_user("olga")
+    operator.groups.add(Group.objects.get(name="operator"))
+    launcher = User.objects.create_user("lars")
+    launcher.groups.add(Group.objects.get(name="launcher"))
+    out = io.StringIO()
+    call_command("node_envs", node, "--as", "olga", stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"{node}: 2 environments in ") and "removed after 14 days" in lines[0]
+    assert len(lines) == 3 and sum("named by live" in ln for ln in lines) == 1
+    assert all("1 packages" in ln and "last used 0.0 h ago" in ln for ln in lines[1:])
+    out = io.StringIO()
+    call_command("node_envs", node, "--json", "--as", "olga", stdout=out)
+    assert len(json.loads(out.getvalue())["envs"]) == 2
+    with pytest.raises(CommandError, match="no node named 'nope'"):
+        call_command("node_envs", "nope", "--as", "olga")
+    _, op_token = create_token(operator, "ops", "operate")
+    _, l_token = create_token(launcher, "cli", "launch")
+    web = DjangoClient()
+    denied = web.get(f"/api/v1/nodes/{node}/envs", HTTP_AUTHORIZATION=f"Bearer {l_token}")
+    assert denied.status_code == 403
+    answer = web.get(f"/api/v1/nodes/{node}/envs", HTTP_AUTHORIZATION=f"Bearer {op_token}")
+    assert answer.status_code == 200 and answer.json()["lines"][0] == lines[0]
+
+    def get(self, path, **params):
+        got = web.get(f"/api/v1/{path}", params, HTTP_AUTHORIZATION=f"Bearer {op_token}")
+        assert got.status_code == 200, got.content
+        return got.json()
+
+    monkeypatch.setattr(cli.Client, "get", get)
+    monkeypatch.setenv("UGRO_TOKEN", op_token)
+    shown = io.StringIO()
+    monkeypatch.setattr("sys.stdout", shown)
+    assert cli.run(["node", "envs", node]) == 0
+    assert shown.getvalue().splitlines()[0] == lines[0]

@@ -35,7 +35,8 @@ GROUPS = [
         ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
         ("trust", "pin the SSH host key a node offers now (operators)"),
         ("node", "node add [USER@]HOST[:PORT]: add a machine by probing it; node probe NAME: read it again; "
-                 "node disk NAME: what a node's store holds and why (operators)"),
+                 "node disk NAME: what a node's store holds and why; node envs NAME: its Python environments "
+                 "(operators)"),
         ("preflight", "the checks every launch runs first, on all or the given nodes"),
     ]),
     ("Account", [
@@ -218,7 +219,7 @@ def build_parser() -> Parser:
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("node", help="add [USER@]HOST[:PORT], probe NAME, disk NAME")
+    p = sub.add_parser("node", help="add [USER@]HOST[:PORT], probe NAME, disk NAME, envs NAME")
     verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
     v = verbs.add_parser("add", help="add a machine: pin its host key, read its GPUs, CPUs, RAM, disk, Pythons, route")
     v.add_argument("target", help="[USER@]HOST[:PORT]")
@@ -231,6 +232,9 @@ def build_parser() -> Parser:
     v.add_argument("node")
     v.add_argument("--json", action="store_true")
     v = verbs.add_parser("disk", help="what its store holds and why: size against its limit, free disk, each item")
+    v.add_argument("node")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("envs", help="its Python environments (--packages): size, last use, the jobs that name them")
     v.add_argument("node")
     v.add_argument("--json", action="store_true")
     p = sub.add_parser("whoami", help="account, role, scope")
