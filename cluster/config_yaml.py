@@ -38,6 +38,8 @@ TOP_KEYS = {"cluster", "nodes", "training", "paths"}
 # `training.<key>` values an app above cluster reads, each with its check (ValueError in one line): registered by
 # that app at start (jobs: `keep`, the retention default), so that an import refuses what its launches would
 TRAINING_CHECKS: dict[str, Callable[[Any], object]] = {}
+# `paths.<key>` values likewise (jobs: `env_ttl`, how long a node keeps an environment no job used)
+PATHS_CHECKS: dict[str, Callable[[Any], object]] = {}
 class ConfigError(ValueError):
     """cluster.yaml cannot be used; the message names the key (and line) at fault."""
 
@@ -213,13 +215,12 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
                         "paths", "sync_roots")  # fmt: skip
     for key in ("cache_limit", "store_limit"):
         _size(doc, paths, key, ("paths",))
-    if paths.get("env_ttl") is not None:  # how long a node keeps an environment no job used (docs/envs.md)
-        from jobs.limits import parse_duration
-
-        try:
-            parse_duration(str(paths["env_ttl"]))
-        except ValueError as exc:
-            raise doc.error(str(exc).replace("time limit", "env_ttl"), "paths", "env_ttl") from None
+    for key, check in PATHS_CHECKS.items():
+        if paths.get(key) is not None:
+            try:
+                check(paths[key])
+            except ValueError as exc:
+                raise doc.error(str(exc), "paths", key) from None
     sync_dir = _get(doc, training, "sync", str, ("training",), "")
     if sync_dir and ("\0" in sync_dir or not sync_dir.strip()):
         raise doc.error("must be a directory on the controller to copy to every node, or none", "training", "sync")

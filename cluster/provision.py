@@ -34,6 +34,7 @@ from .gpus import gpu_text, record_readings
 from .links import AgentRequestError, Endpoint, LinkError, NodeLink, fetch_host_key, fingerprint
 from .models import ClusterSettings, Node
 from .names import check_name
+from .versions import VERSION_CODE
 
 DEFAULT_WORKDIR = "~/ugro"  # a node's working directory when neither --workdir nor paths.project_base says one
 # The Pythons tried for UGRO's agent, in order: the node's python3 on its login PATH, then the usual places
@@ -266,8 +267,6 @@ def _node_interface(ip: str, addrs: list | None) -> str:
 
 def survey(link: NodeLink, workdir: str, gpu_reader: str = "auto") -> dict[str, Any]:
     """What the machine behind `link` has (Node.probed's form); ProvisionError in one line when it cannot be read."""
-    from jobs.preflight import VERSION_CODE  # the pre-flight's reading of an env's versions, without importing torch
-
     try:
         hello = link.request("hello", timeout=links.CONNECT_TIMEOUT_S)
         sample = link.request("probe", timeout=30, gpu_reader=gpu_reader or "auto", workdir=workdir)
