@@ -41,8 +41,12 @@ def _env_platform():
         except (ValueError, OSError):
             libc = ""
         if libc.startswith("glibc "):
-            major, minor = libc.split()[1].split(".")[:2]
-            return ["manylinux_%s_%s_%s" % (major, minor, arch), plat]
+            major, minor = (int(x) for x in libc.split()[1].split(".")[:2])
+            # every manylinux tag this glibc runs, newest first (pip takes only the tags it is given)
+            tags = ["manylinux_%d_%d_%s" % (major, m, arch) for m in range(minor, 4, -1)]
+            legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+            tags += ["%s_%s" % (legacy[m], arch) for m in (17, 12, 5) if m <= minor]
+            return tags + [plat]
     return [plat]
 
 
