@@ -177,6 +177,7 @@ def test_a_package_without_a_wheel_or_a_failed_build_names_the_node_and_package_
     tmp_path, wheels, recorded
 ):
     from jobs import envs
+    from jobs.models import JobCode
 
     (a,) = local_nodes({"a": tmp_path / "wa"})
     req = tmp_path / "requirements.txt"
@@ -191,6 +192,20 @@ def test_a_package_without_a_wheel_or_a_failed_build_names_the_node_and_package_
         envs.prepare(job_with(req, "envjob2"), [a])
     root = tmp_path / "wa/.ugro/envs"
     assert not [p for p in os.listdir(root) if not p.startswith(".")]  # no env, no part left
+    # a build cut off midway (its agent killed) left a part: never used, removed by the next build of that key
+    import shutil
+    import socket
+
+    req.write_text("tinya==1.0\n")
+    job = job_with(req, "envjob3")
+    envs.prepare(job, [a])
+    key = JobCode.objects.get(job=job).envs["nodes"]["a"]["key"]
+    shutil.rmtree(root / key)
+    cut = root / f"{key}.part-{socket.gethostname()}-999999999"
+    (cut / "env" / "bin").mkdir(parents=True)
+    assert [e["whole"] for e in envs.listing(a)] == [False]
+    envs.prepare(job_with(req, "envjob4"), [a])
+    assert sorted(os.listdir(root)) == [".uv", key] and (root / key / ".ugro-env.json").exists()
 
 
 def test_envs_are_listed_and_unused_ones_removed_never_one_a_live_job_names(tmp_path, wheels, recorded, monkeypatch):
