@@ -26,7 +26,7 @@ from cluster import cache as limits
 from cluster.fanout import on_each
 from cluster.models import ClusterSettings, Node
 
-from . import locks, sync
+from . import envs, locks, sync
 from .models import Job, JobCode
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 UPLOAD_KEEP_S = 24 * 3600  # a client's upload no job uses yet is kept this long (a launch follows it in seconds)
 CONTROLLER_KEY = 0  # the controller store's key of the CACHE lock (a node group's is its first node's pk)
 # A job in these states needs its files; a failed one with an automatic retry due too (jobs/loops/retries.py)
-NEEDING = (Job.State.QUEUED, Job.State.STARTING, Job.State.RUNNING, Job.State.CANCELLING, Job.State.FAILING)
+NEEDING = Job.NEEDING_STATES
 
 
 @dataclass
@@ -193,9 +193,7 @@ def trim(nodes: Node | Iterable[Node], protected: Iterable[str] = ()) -> list[Tr
 def trim_all() -> tuple[list[Trimmed], dict]:
     """The worker's pass: every enabled node's store that answers, and the controller's."""
     nodes = list(Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN).order_by("pk"))
-    from . import envs  # environments no job used for paths.env_ttl (never one a live job names)
-
-    envs.trim(nodes)
+    envs.trim(nodes)  # environments no job used for paths.env_ttl (never one a live job names)
     return trim(nodes), trim_controller()
 
 

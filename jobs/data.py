@@ -221,11 +221,11 @@ def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
     cs = ClusterSettings.load()
     t0 = time.monotonic()
     total = transfer.Delivered()
-    record = {"state": "staging", "nodes": {}, "started": time.time()}
+    record = {"stage": "staging", "nodes": {}, "started": time.time()}
     _save(code, record)
 
     def progress(report: dict) -> None:
-        record["state"] = "sending"
+        record["stage"] = "sending"
         record["nodes"].update(report)
         _save(code, record)
 
@@ -255,7 +255,7 @@ def deliver(job: Job, nodes: list[Node]) -> transfer.Delivered | None:
         files = manifest["files"]
         transfer.place(nodes, lambda n, d=item.dest: dest_on(job, n, d), files, what=f"data {item.label()}")
     total.seconds = time.monotonic() - t0
-    record.update(state="done", seconds=round(total.seconds, 3), controller_bytes=total.controller_bytes,
+    record.update(stage="done", seconds=round(total.seconds, 3), controller_bytes=total.controller_bytes,
                   peer_bytes=total.peer_bytes, rounds=total.rounds, nodes=total.nodes)  # fmt: skip
     _save(code, record)
     return total
@@ -272,14 +272,14 @@ def summary(code: JobCode) -> str:
     items = ", ".join(f"{(d.get('node') + ':') if d.get('node') else ''}{d['src']} -> {d['dest']}" for d in code.data)
     size = sum(int(d.get("bytes") or 0) for d in code.data)
     t = code.transfer or {}
-    if t.get("state") == "done":
+    if t.get("stage") == "done":
         how = (f"delivered in {t.get('seconds', 0):.1f}s ({transfer_gb(t.get('controller_bytes', 0))} from the "
                f"controller, {transfer_gb(t.get('peer_bytes', 0))} node to node)")  # fmt: skip
-    elif t.get("state"):
+    elif t.get("stage"):
         nodes = t.get("nodes") or {}
         parts = [f"{name} {transfer_gb(n.get('held', 0))}/{transfer_gb(n.get('total', 0))} "
                  f"({transfer_gb(n.get('rate', 0))}/s)" for name, n in sorted(nodes.items())]  # fmt: skip
-        how = f"{t['state']}: " + (", ".join(parts) or "asking the nodes")
+        how = f"{t['stage']}: " + (", ".join(parts) or "asking the nodes")
     else:
         how = "not delivered yet"
     return f"data: {items} ({transfer_gb(size)}), {how}"

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from cluster.models import ClusterSettings, Node
 
 from . import transfer
 from .data import hash_file
+from .limits import parse_duration
 from .models import Job, JobCode
 from .sync import check_source, node_store, one_per_workdir
 
@@ -41,7 +41,6 @@ REQUEST_TIMEOUT_S = 60.0
 BUILD_TIMEOUT_S = 3600.0
 DOWNLOAD_TIMEOUT_S = 3600.0
 DEFAULT_TTL_S = 14 * 86400
-HEARTBEAT_S = 10.0
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9._,\s-]*\])?\s*===?\s*([A-Za-z0-9.+!_-]+)\s*(;.*)?$")
 _WHEEL = re.compile(r"^([^-]+)-([^-]+)-(?:\d[^-]*-)?[^-]+-[^-]+-[^-]+\.whl$")
 
@@ -313,16 +312,15 @@ def prepare(job: Job, nodes: list[Node]) -> dict[int, str] | None:
         groups.setdefault((infos[n.pk]["version"], tuple(infos[n.pk]["platforms"])), []).append(n)
     sent = transfer.Delivered()
     built: dict[str, dict] = {}
-    with _StillStarting(job):  # a cold build (torch: minutes) is not a launcher gone
-        for (version, platforms), group in groups.items():
-            what = ", ".join(n.name for n in group)
-            wheels = download(lock.requirements(), version, list(platforms), what)
-            _check_wheels(lock, wheels, what, version, platforms[0])
-            uv, uv_objs = _uv_obj(platforms[-1])
-            got = transfer.deliver([*uv_objs, *(w.obj() for w in wheels)], group, what="environment")
-            sent.controller_bytes += got.controller_bytes
-            sent.peer_bytes += got.peer_bytes
-            built.update(_build(group, keys, infos, lock, wheels, uv))
+    for (version, platforms), group in groups.items():
+        what = ", ".join(n.name for n in group)
+        wheels = download(lock.requirements(), version, list(platforms), what)
+        _check_wheels(lock, wheels, what, version, platforms[0])
+        uv, uv_objs = _uv_obj(platforms[-1])
+        got = transfer.deliver([*uv_objs, *(w.obj() for w in wheels)], group, what="environment")
+        sent.controller_bytes += got.controller_bytes
+        sent.peer_bytes += got.peer_bytes
+        built.update(_build(group, keys, infos, lock, wheels, uv))
     states = {}
     for n in builders:
         states[n.name] = built.get(n.name) or dict(infos[n.pk]["envs"][keys[n.pk]], kept=True)
@@ -343,37 +341,6 @@ def prepare(job: Job, nodes: list[Node]) -> dict[int, str] | None:
     if differ:
         raise EnvError(f"the nodes' environments differ: {differ}")
     return {n.pk: env_dir(n, keys[n.pk]) for n in nodes}
-
-
-class _StillStarting:
-    """While the environments are fetched, sent and built, the STARTING job's state_changed_at is moved on every
-    HEARTBEAT_S: the starts loop (jobs/loops/starts.py) takes a launch for dead after the sync window and a grace
-    since then, and a launch building a CUDA torch takes minutes, its launcher alive."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="ugro-env-heartbeat", daemon=True)
-
-    def _run(self) -> None:
-        from django.db import connection
-        from django.utils import timezone
-
-        try:
-            while not self.stop.wait(HEARTBEAT_S):
-                Job.objects.filter(pk=self.job.pk, state=Job.State.STARTING).update(state_changed_at=timezone.now())
-        finally:
-            connection.close()
-
-    def __enter__(self) -> _StillStarting:
-        if self.job.pk is not None:
-            self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout=10)
 
 
 def _info(nodes: list[Node], lock: Lock) -> dict[int, dict]:
@@ -476,7 +443,6 @@ def summary(code: JobCode) -> list[str]:
 
 def ttl_s(cs: ClusterSettings | None = None) -> float:
     """paths.env_ttl: how long an environment no job used is kept (14d when not set)."""
-    from .limits import parse_duration
 
     cs = cs or ClusterSettings.load()
     value = (cs.paths or {}).get("env_ttl")
@@ -516,8 +482,7 @@ def _size(n: float) -> str:
 
 def _named_keys(node: Node | None = None) -> dict[str, list[str]]:
     """Environment key -> the queued, starting or running jobs that name it (never removed)."""
-    from .cache import NEEDING as live
-
+    live = Job.NEEDING_STATES
     out: dict[str, list[str]] = {}
     for code in JobCode.objects.filter(job__state__in=live).exclude(envs={}).select_related("job"):
         for name, n in ((code.envs or {}).get("nodes") or {}).items():

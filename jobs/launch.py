@@ -29,7 +29,7 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import checkpoints, data, lifecycle, locks, retention, spec, sync
+from . import cache, checkpoints, data, lifecycle, locks, retention, spec, sync
 from . import envs as environments
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
@@ -772,6 +772,53 @@ def _still_starting(job: Job) -> bool:
     return Job.objects.filter(pk=job.pk, state=Job.State.STARTING).exists()
 
 
+def _prepare(job: Job, ranks: list[Rank]) -> dict[int, str] | None:
+    """Each node made ready before its rank starts, in order: the job's code, its --data, its environment
+    (--packages), pre-flight, a checkpoint a resume needs. The ranks' start directories by node; None when a step
+    failed (the job then failed as PREFLIGHT, nothing started)."""
+    if sync.job_sync_digest(job):
+        try:  # every node gets the job's code before anything else runs there
+            pushed = sync.push(job, [r.node for r in ranks])
+        except ValueError as exc:
+            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+            return None
+        log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
+                 pushed.seconds, pushed.sent_bytes)  # fmt: skip
+    try:  # and its data (--data), node to node, before pre-flight
+        delivered = data.deliver(job, [r.node for r in ranks])
+    except ValueError as exc:
+        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+        return None
+    if delivered is not None and any(n["bytes"] for n in delivered.nodes.values()):
+        cache.trim([r.node for r in ranks])  # stores that grew, back under their limits (never this job's data)
+    if delivered is not None:
+        log.info("job %s: data on %d nodes in %.2fs (%d bytes from the controller, %d node to node)", job.name,
+                 len(ranks), delivered.seconds, delivered.controller_bytes, delivered.peer_bytes)  # fmt: skip
+    try:  # and its environment (--packages), built where it is not there yet; the ranks start with its torchrun
+        built = environments.prepare(job, [r.node for r in ranks])
+    except ValueError as exc:
+        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+        return None
+    if built is not None:
+        for r in ranks:  # this launch's nodes only (never saved): pre-flight checks that torchrun, the ranks run it
+            r.node.torchrun_command, r.node.torchrun_auto = f"{built[r.node.pk]}/bin/torchrun", ""
+    bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
+    problems = run_preflight(job, ranks, bases)
+    if problems:
+        lifecycle.fail_unstarted(
+            job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
+        )
+        return None
+    ckpt = job.resume_checkpoint
+    if ckpt is not None:
+        try:  # on every node of this attempt (the HF Trainer reads it on every rank)
+            checkpoints.ensure_on(ckpt, [r.node for r in ranks])
+        except ValueError as exc:
+            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+            return None
+    return bases
+
+
 def _launch(job: Job) -> Job:
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
     assign_batches(job, ranks)
@@ -801,44 +848,10 @@ def _launch(job: Job) -> Job:
 
     if not _still_starting(job):
         return job
-    if sync.job_sync_digest(job):
-        try:  # every node gets the job's code before anything else runs there
-            pushed = sync.push(job, [r.node for r in ranks])
-        except ValueError as exc:
-            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
-            return job
-        log.info("job %s: code synced to %d nodes in %.2fs (%d bytes sent)", job.name, pushed.nodes,
-                 pushed.seconds, pushed.sent_bytes)  # fmt: skip
-    try:  # and its data (--data), node to node, before pre-flight
-        delivered = data.deliver(job, [r.node for r in ranks])
-    except ValueError as exc:
-        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
+    with lifecycle.StillStarting(job):  # minutes for tens of GB, or a CUDA torch to build: the launch lives
+        bases = _prepare(job, ranks)
+    if bases is None:
         return job
-    if delivered is not None:
-        log.info("job %s: data on %d nodes in %.2fs (%d bytes from the controller, %d node to node)", job.name,
-                 len(ranks), delivered.seconds, delivered.controller_bytes, delivered.peer_bytes)  # fmt: skip
-    try:  # and its environment (--packages), built where it is not there yet; the ranks start with its torchrun
-        built = environments.prepare(job, [r.node for r in ranks])
-    except ValueError as exc:
-        lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
-        return job
-    if built is not None:
-        for r in ranks:  # this launch's nodes only (never saved): pre-flight checks that torchrun, the ranks run it
-            r.node.torchrun_command, r.node.torchrun_auto = f"{built[r.node.pk]}/bin/torchrun", ""
-    bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
-    problems = run_preflight(job, ranks, bases)
-    if problems:
-        lifecycle.fail_unstarted(
-            job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
-        )
-        return job
-    ckpt = job.resume_checkpoint
-    if ckpt is not None:
-        try:  # on every node of this attempt (the HF Trainer reads it on every rank)
-            checkpoints.ensure_on(ckpt, [r.node for r in ranks])
-        except ValueError as exc:
-            lifecycle.fail_unstarted(job, FailureKind.PREFLIGHT, f"{exc}. Nothing was started.")
-            return job
     # Every rank's command and environment built here, not in the start threads: the database reads they need
     # (the job's code, its checkpoint) would open a connection per thread (16 nodes: 16 connections at once).
     commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint, bases[r.node_id])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import copy
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -584,3 +585,35 @@ def _settle_over(failed: list[Rank]) -> bool:
 def followable() -> Q:
     """Jobs with output still to copy: a rank that runs (or ran, and its exit is not yet seen)."""
     return Q(current__ranks__state=Rank.State.RUNNING)
+
+
+HEARTBEAT_S = 10.0  # how often a launch that is still preparing says so
+
+
+class StillStarting:
+    """While a launch prepares its nodes (the code, --data, the environment, a checkpoint copy: minutes for tens of
+    GB or a CUDA torch), the STARTING job's state_changed_at moves on every HEARTBEAT_S: the starts loop
+    (jobs/loops/starts.py) takes a launch for dead after the sync window and a grace since then, and this one's
+    launcher is alive. A launcher that dies stops moving it, and the loop fails the job as before."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ugro-still-starting", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.wait(HEARTBEAT_S):
+                Job.objects.filter(pk=self.job.pk, state=Job.State.STARTING).update(state_changed_at=timezone.now())
+        finally:
+            connection.close()
+
+    def __enter__(self) -> StillStarting:
+        if self.job.pk is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)

@@ -69,6 +69,8 @@ class Job(models.Model):
     LIVE_STATES = (State.STARTING, State.RUNNING)
     STOPPING_STATES = (State.CANCELLING, State.FAILING)
     ENDED_STATES = (State.SUCCEEDED, State.FAILED, State.CANCELLED)
+    # a job in these states needs what is placed for it on its nodes (its code, data, environment: never trimmed)
+    NEEDING_STATES = (State.QUEUED, State.STARTING, State.RUNNING, State.CANCELLING, State.FAILING)
 
     name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
     state = models.CharField(max_length=10, choices=State.choices, default=State.QUEUED, db_index=True)

@@ -39,7 +39,7 @@ from cluster.links import AgentRequestError
 from cluster.models import Node
 from metrics.models import MetricPoint
 
-from . import checkpoints, locks, sync
+from . import checkpoints, sync
 from .models import Attempt, Checkpoint, Job
 
 log = logging.getLogger(__name__)
@@ -492,16 +492,16 @@ def _work_left() -> Exists:
     return Exists(Checkpoint.objects.filter(pending, job=OuterRef("pk"), removed_at__isnull=True))
 
 
-def run(jobs: QuerySet[Job], *, wait: bool) -> list[str]:
-    """A pass over the given jobs that keep less than all and have retention work left, each under the job's
-    RETENTION lock; returns `job: freed N` for each job that freed something."""
-    from .loops import each_claimed  # the loops' helper; they call this module
+def pending(jobs: QuerySet[Job]) -> QuerySet[Job]:
+    """Of the given jobs, those that keep less than all and have retention work left (the loops take each under
+    its RETENTION lock: jobs/loops run_retention)."""
+    return jobs.exclude(keep="").filter(_work_left())
 
-    def act(job: Job) -> str | None:
-        outcome = retain(job)
-        return f"{job.name}: freed {len(outcome.freed)}" if outcome and outcome.freed else None
 
-    return each_claimed(locks.RETENTION, jobs.exclude(keep="").filter(_work_left()), act, wait=wait)
+def act(job: Job) -> str | None:
+    """One job's retention pass: `job: freed N` when it freed something."""
+    outcome = retain(job)
+    return f"{job.name}: freed {len(outcome.freed)}" if outcome and outcome.freed else None
 
 
 def size_text(n: int) -> str:

@@ -31,7 +31,9 @@ from cluster.links import AgentRequestError
 from cluster.models import ClusterSettings, Node
 from ugro_client.manifest import Manifest, ManifestError, build, digest_of, git_info
 
+from . import transfer
 from .models import Job, JobCode
+from .transfer import node_store, one_per_workdir
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,6 @@ def _object(sha: str) -> Path:
 
 def _manifest_file(digest: str) -> Path:
     return store_dir() / "manifests" / f"{digest}.json"
-
-
-def node_store(node: Node) -> str:
-    return f"{node.workdir.rstrip('/')}/.ugro/objects"
 
 
 def code_dir_on(job: Job, node: Node) -> str:
@@ -226,22 +224,6 @@ def push(job: Job, nodes: list[Node]) -> Pushed:
     return pushed
 
 
-def one_per_workdir(nodes: list[Node], ids: dict[int, str | None]) -> tuple[list[Node], list[Node]]:
-    """(one node of each working directory, the other nodes that share one of those), in the nodes' order: nodes
-    answering the same workdir id (ids, by node pk) see the same directory; a node without an id is alone."""
-    first: dict[str, Node] = {}
-    builders, sharers = [], []
-    for node in nodes:
-        wid = ids.get(node.pk)
-        if wid and wid in first:
-            sharers.append(node)
-        else:
-            builders.append(node)
-            if wid:
-                first[wid] = node
-    return builders, sharers
-
-
 def _fail_on(results: list) -> None:
     failed = [f"{node.name}: {err}" for node, _, err in results if err is not None]
     if failed:
@@ -259,7 +241,6 @@ def _build(job: Job, nodes: list[Node], digest: str, manifest: dict, known: dict
     lacks is sent first, a few small objects inside the request that builds the copy, more by the one transfer path
     (jobs/transfer.py: checked chunks along a chain of the nodes, resumable), after which the copy is linked from
     the store alone. What left the controller for the code; SyncError naming the nodes that failed."""
-    from . import transfer  # it imports this module
 
     sizes = {f["sha256"]: f["size"] for f in manifest["files"]}
     asked = on_each(nodes, lambda node: [] if known[node.pk] else _missing(node, digest, manifest))

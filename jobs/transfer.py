@@ -26,8 +26,6 @@ from cluster.fanout import node_request, on_each
 from cluster.links import HostKeyError
 from cluster.models import Node
 
-from .sync import node_store, one_per_workdir
-
 log = logging.getLogger(__name__)
 
 CHUNK = 8 << 20  # each chunk is checked on arrival; a cut transfer resumes from the last whole chunk
@@ -37,6 +35,27 @@ STALL_S = 300.0  # a chain whose nodes gain no byte for this long is given up (t
 PROGRESS_EVERY_S = 2.0
 FREE_MARGIN = 256 << 20  # left free on a node's disk beyond what it receives
 PIECE = 1 << 20
+
+
+def node_store(node: Node) -> str:
+    """A node's store: one per working directory, shared by the nodes that share that directory."""
+    return f"{node.workdir.rstrip('/')}/.ugro/objects"
+
+
+def one_per_workdir(nodes: list[Node], ids: dict[int, str | None]) -> tuple[list[Node], list[Node]]:
+    """(one node of each working directory, the other nodes that share one of those), in the nodes' order: nodes
+    answering the same workdir id (ids, by node pk) see the same directory; a node without an id is alone."""
+    first: dict[str, Node] = {}
+    builders, sharers = [], []
+    for node in nodes:
+        wid = ids.get(node.pk)
+        if wid and wid in first:
+            sharers.append(node)
+        else:
+            builders.append(node)
+            if wid:
+                first[wid] = node
+    return builders, sharers
 
 
 class TransferError(ValueError):
@@ -298,10 +317,6 @@ def deliver(objs: list[Obj], nodes: list[Node], *, holders: list[Node] = (), wha
     for n in receivers:
         got = sum(max(0, h) for h in held[n.pk]) - first_held[n.pk]
         done.nodes[n.name] = {"bytes": got, "total": total, "held": sum(max(0, h) for h in held[n.pk])}
-    if any(n["bytes"] for n in done.nodes.values()):  # stores that grew: each back under its limit (never raises)
-        from . import cache  # here: jobs.cache imports jobs.sync
-
-        cache.trim(receivers, protected=[o.sha for o in objs])
     if still:
         raise TransferError(f"{what} transfer failed on " + "; ".join(
             f"{n.name}: {why.get(n.name) or 'objects still missing'}" for n in still))  # fmt: skip

@@ -219,7 +219,7 @@ def test_a_jobs_data_is_placed_read_only_on_every_node_from_a_controller_dir_and
     # model's two hops and the dataset's two relays
     assert got.controller_bytes == 200_050 and got.peer_bytes == 2 * 90_020 + 2 * 200_050
     code = JobCode.objects.get(job=job)
-    assert code.transfer["state"] == "done" and code.data[0]["files"] == 2
+    assert code.transfer["stage"] == "done" and code.data[0]["files"] == 2
     line = data.summary(code)
     assert line.startswith(f"data: {ds} -> ds, n1:{tmp_path}/w1/models/m -> model (290 kB), delivered in ")
     assert line.endswith(" (200 kB from the controller, 580 kB node to node)")
@@ -271,3 +271,27 @@ def test_a_listener_drops_a_connection_without_its_token_unread_and_takes_the_on
         assert (root / sha(data)).read_bytes() == data
     finally:
         agent.close()
+
+
+def test_a_launch_still_preparing_its_nodes_keeps_its_job_starting_and_stops_saying_so_when_done(
+    transactional_db, monkeypatch
+):
+    # a delivery of tens of GB takes minutes: the starts loop must not take the launch for dead meanwhile
+    import threading
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs import lifecycle
+    from jobs.models import Job
+
+    monkeypatch.setattr(lifecycle, "HEARTBEAT_S", 0.05)
+    old = timezone.now() - timedelta(minutes=10)
+    job = Job.objects.create(name="slow", script="t.py", state=Job.State.STARTING, state_changed_at=old)
+    with lifecycle.StillStarting(job):
+        threading.Event().wait(0.3)
+        moved = Job.objects.get(pk=job.pk).state_changed_at
+    assert moved > old + timedelta(minutes=9)
+    after = Job.objects.get(pk=job.pk).state_changed_at
+    threading.Event().wait(0.2)
+    assert Job.objects.get(pk=job.pk).state_changed_at == after  # stopped with the launch's preparation

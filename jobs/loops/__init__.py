@@ -30,7 +30,7 @@ from django.db.models import Model, QuerySet
 from cluster.alerts import open_alert, resolve
 from cluster.models import Alert
 
-from .. import locks
+from .. import locks, retention
 from ..models import Job
 
 log = logging.getLogger(__name__)
@@ -116,3 +116,9 @@ def run_rule(name: str, rule: Callable[[], object]) -> bool:
     if _rule_logged.pop(name, None) is not None:
         resolve(Alert.objects.filter(node=None, key=key, resolved_at__isnull=True))
     return True
+
+
+def run_retention(jobs: QuerySet[Job], *, wait: bool) -> list[str]:
+    """Checkpoint retention over the given jobs that have work left (jobs/retention.py), each under the job's
+    RETENTION lock; `job: freed N` for each that freed something."""
+    return each_claimed(locks.RETENTION, retention.pending(jobs), retention.act, wait=wait)

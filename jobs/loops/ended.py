@@ -23,10 +23,10 @@ from django.utils import timezone
 from metrics import rollup
 from metrics.models import MetricPoint
 
-from .. import locks, retention
+from .. import locks
 from ..follow import follower_id, recover_output
 from ..models import Job, Rank
-from . import Report, each_claimed, run_rule, scope
+from . import Report, each_claimed, run_retention, run_rule, scope
 
 LOST_OUTPUT_DAYS = 7
 LEFTOVERS_S = 3600  # how long after its end a job's unfolded points are still looked for
@@ -38,7 +38,7 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     run_rule("lost-output", lambda: report.recovered.extend(recover_lost_output(job_ids, wait=wait)))
     run_rule("rollup", lambda: report.folded.extend(fold_leftovers(job_ids, wait=wait)))
     ended = scope(job_ids).filter(state__in=Job.ENDED_STATES)
-    run_rule("retention", lambda: report.freed.extend(retention.run(ended, wait=wait)))
+    run_rule("retention", lambda: report.freed.extend(run_retention(ended, wait=wait)))
 
 
 def release_ended(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:

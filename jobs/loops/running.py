@@ -17,9 +17,9 @@ from django.utils import timezone
 
 from cluster.fanout import node_request, on_each, unreachable
 
-from .. import lifecycle, locks, recovery, retention
+from .. import lifecycle, locks, recovery
 from ..models import Job, Rank
-from . import Report, each_claimed, run_rule, scope
+from . import Report, each_claimed, run_retention, run_rule, scope
 
 STATUS_TIMEOUT_S = 5.0
 
@@ -28,7 +28,7 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     """One pass of the loop over every job (job_ids None) or the given ones."""
     running = scope(job_ids).filter(state=Job.State.RUNNING)
     run_rule("running", lambda: each_claimed(locks.RUNNING, running, lambda job: check_job(job, report), wait=wait))
-    run_rule("retention", lambda: report.freed.extend(retention.run(running, wait=wait)))
+    run_rule("retention", lambda: report.freed.extend(run_retention(running, wait=wait)))
 
 
 def check_job(job: Job, report: Report) -> None:
