@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from celery import shared_task
 from celery.signals import worker_shutting_down
@@ -26,7 +25,6 @@ log = logging.getLogger(__name__)
 FOLLOW_SECONDS = 600.0
 FOLLOW_JOBS_PER_TASK = 2  # more jobs, more follow tasks (worker threads): one slow node holds up at most one other job
 _shutting_down = threading.Event()
-_STARTED = time.monotonic()  # this worker process's start
 
 
 @worker_shutting_down.connect
@@ -75,13 +73,7 @@ def scan_orphans() -> None:
 @shared_task(ignore_result=True, expires=600)
 def trim_caches() -> None:
     """Beat's pass over every store (every TRIM_CACHES_EVERY_S): each node's and the controller's under its limit,
-    never what a job or a service needs. Not in a worker's first TRIM_CACHES_EVERY_S: a worker's scheduler fires every
-    periodic task as it starts, and walking every node's store then holds each node's agent (one request at a time)
-    while the first launches and health polls want it; deliveries trim the stores they grew meanwhile."""
-    from django.conf import settings
-
-    if time.monotonic() - _STARTED < settings.TRIM_CACHES_EVERY_S or _shutting_down.is_set():
-        return
+    never what a job or a service needs."""
     cache.trim_all()
 
 
