@@ -230,11 +230,8 @@ def _env_build(req):
         reqs = os.path.join(wheels, "requirements.txt")
         with open(reqs, "w") as fh:
             fh.write("".join("%s==%s\n" % (p[0], p[1]) for p in req["pins"]))
-        # uv's own cache beside the store (<workdir>/.ugro/uv-cache): each wheel unpacked once per node, and every
-        # environment's files hard links to it (uv's default on Linux), so a second environment with the same torch
-        # costs links, not another GB written
-        env = dict(os.environ, UV_CACHE_DIR=os.path.join(os.path.dirname(obj_root), "uv-cache"), UV_OFFLINE="1",
-                   UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", NO_COLOR="1")  # fmt: skip
+        env = dict(os.environ, UV_NO_CACHE="1", UV_OFFLINE="1", UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1",
+                   UV_LINK_MODE="copy", NO_COLOR="1")  # fmt: skip
         env.pop("VIRTUAL_ENV", None)
         venv = os.path.join(part, "env")
         _env_run([uv, "venv", "--quiet", "--relocatable", "--python", req["python"], venv], env,
