@@ -523,24 +523,40 @@ class NodeTrustView(APIView):
         return Response({"node": name, "old": old, "new": new})
 
 
-class NodeDiskView(APIView):
-    """What a node's store holds and why (`ugro node disk NAME`, jobs/cache.py): like trust, a request that asks
-    the node (its agent walks the store and the job trees)."""
+class NodeReportView(APIView):
+    """A report a node's agent is asked for (like trust, a request that asks the node); 409 naming the node when it
+    does not answer."""
 
     policy_actions = {"GET": "nodes"}
+    failed = ""
 
-    @extend_schema(summary="A node's store: its size against its limit, the disk's free space, and each item (a "
-                   "job's code copy or data, objects no job uses, partial transfers) with its size, last use and what "
-                   "keeps it; `lines` is what `ugro node disk` prints. Asks the node")  # fmt: skip
+    def report(self, node: Node) -> dict:
+        raise NotImplementedError
+
     def get(self, request: Request, name: str) -> Response:
         node = Node.objects.filter(name=name).first()
         if node is None:
             raise Http404(f"no node named {name!r}")
         try:
-            return Response(cache.disk(node))
+            return Response(self.report(node))
         except (LinkError, AgentRequestError, OSError) as exc:
-            return Response({"error": f"{name} did not say what its store holds: {exc}"},
-                            status=status.HTTP_409_CONFLICT)  # fmt: skip
+            return Response({"error": f"{name} {self.failed}: {exc}"}, status=status.HTTP_409_CONFLICT)
+
+
+class NodeDiskView(NodeReportView):
+    """What a node's store holds and why (`ugro node disk NAME`, jobs/cache.py): its agent walks the store and the job
+    trees."""
+
+    failed = "did not say what its store holds"
+
+    @extend_schema(summary="A node's store: its size against its limit, the disk's free space, and each item (a "
+                   "job's code copy or data, objects no job uses, partial transfers) with its size, last use and what "
+                   "keeps it; `lines` is what `ugro node disk` prints. Asks the node")  # fmt: skip
+    def get(self, request: Request, name: str) -> Response:
+        return super().get(request, name)
+
+    def report(self, node: Node) -> dict:
+        return cache.disk(node)
 
 
 class NodesView(APIView):
@@ -587,23 +603,19 @@ class NodeProbeView(APIView):
         return Response(result.as_dict())
 
 
-class NodeEnvsView(APIView):
+class NodeEnvsView(NodeReportView):
     """A node's Python environments (`ugro node envs NAME`, jobs/envs.py): asks the node."""
 
-    policy_actions = {"GET": "nodes"}
+    failed = "did not list its environments"
 
     @extend_schema(summary="A node's environments built from --packages locks (docs/envs.md): each with its size, "
                    "last use and the live jobs that name it; `lines` is what `ugro node envs` prints. Asks the "
                    "node")  # fmt: skip
     def get(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
-        try:
-            return Response(envs.report(node))
-        except (LinkError, AgentRequestError, OSError) as exc:
-            return Response({"error": f"{name} did not list its environments: {exc}"},
-                            status=status.HTTP_409_CONFLICT)  # fmt: skip
+        return super().get(request, name)
+
+    def report(self, node: Node) -> dict:
+        return envs.report(node)
 
 
 def _sweep(name: str) -> Sweep:

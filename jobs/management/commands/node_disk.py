@@ -10,12 +10,15 @@ from cluster.models import Node
 from jobs.cache import disk
 
 
-class Command(UserCommand):
+class NodeReportCommand(UserCommand):
+    """A report a node's agent is asked for (its store, its environments): `lines` printed, or the whole with --json;
+    one line naming the node when it does not answer."""
+
     action = "nodes"
-    help = (
-        "What a node's store holds and why: its size against its limit, the disk's free space, and each job's "
-        "code copy and data, objects no job uses and partial transfers, with size, last use and what keeps it."
-    )
+    failed = "did not say what its store holds"
+
+    def report(self, node: Node) -> dict:
+        return disk(node)
 
     def add_arguments(self, parser):
         parser.add_argument("node", help="the node's name")
@@ -26,10 +29,14 @@ class Command(UserCommand):
         if found is None:
             raise CommandError(f"no node named {node!r}")
         try:
-            report = disk(found)
+            out = self.report(found)
         except (LinkError, AgentRequestError, OSError) as exc:
-            raise CommandError(f"{node} did not say what its store holds: {exc}") from None
-        if as_json:
-            self.stdout.write(json.dumps(report, indent=2))
-        else:
-            self.stdout.write("\n".join(report["lines"]))
+            raise CommandError(f"{node} {self.failed}: {exc}") from None
+        self.stdout.write(json.dumps(out, indent=2) if as_json else "\n".join(out["lines"]))
+
+
+class Command(NodeReportCommand):
+    help = (
+        "What a node's store holds and why: its size against its limit, the disk's free space, and each job's "
+        "code copy and data, objects no job uses and partial transfers, with size, last use and what keeps it."
+    )
