@@ -9,11 +9,14 @@ UGRO also reads optional per-node keys for what the original scripts hard-coded:
 for the controller's);
 and under `training:`, `script` and `args` (the script's argument template, with {model} {dataset}
 {epochs} {lr} {job}) for scripts that do not take train_production.py's arguments.
+A top-level `power:` block prices energy: `price_per_kwh` and a `currency` label (docs/power.md).
 """
 
 from __future__ import annotations
 
 import getpass
+import math
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +35,10 @@ MAX_DEPTH = 50
 
 NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
              "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader", "cache_limit"}  # fmt: skip
-TOP_KEYS = {"cluster", "nodes", "training", "paths"}
+TOP_KEYS = {"cluster", "nodes", "training", "paths", "power"}
+POWER_KEYS = {"price_per_kwh", "currency"}  # the top-level `power:` block: what energy costs (docs/power.md)
+MAX_PRICE_PER_KWH = 1000.0
+CURRENCY_RE = re.compile(r"[A-Za-z$\u00a3\u00a5\u20a0-\u20cf]{1,8}")
 
 
 # `training.<key>` values an app above cluster reads, each with its check (ValueError in one line): registered by
@@ -180,6 +186,20 @@ def _size(doc: _Doc, mapping: dict, key: str, path: tuple) -> int | None:
         raise doc.error(str(exc), *path, key) from None
 
 
+def _power(doc: _Doc, power: dict) -> tuple[float | None, str]:
+    """The top-level `power:` block: (price_per_kwh or None, currency label). One line for anything else."""
+    for key in power:
+        if key not in POWER_KEYS:
+            raise doc.error(f"unknown key (known: {', '.join(sorted(POWER_KEYS))})", "power", str(key))
+    price = _get(doc, power, "price_per_kwh", (int, float), ("power",), None)
+    if price is not None and not (math.isfinite(price) and 0 <= price <= MAX_PRICE_PER_KWH):
+        raise doc.error(f"must be a price per kWh from 0 to {MAX_PRICE_PER_KWH:g}, e.g. 0.30", "power", "price_per_kwh")
+    currency = _get(doc, power, "currency", str, ("power",), "").strip()
+    if currency and not CURRENCY_RE.fullmatch(currency):
+        raise doc.error("must be a short label of letters or a currency sign, e.g. EUR or €", "power", "currency")
+    return (float(price) if price is not None else None), currency
+
+
 def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Validate the file fully; return (cluster settings fields, node fields). Raises ConfigError."""
     doc = _Doc(text)
@@ -195,6 +215,7 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
     paths = _get(doc, data, "paths", dict, (), {})
     if not nodes:
         raise doc.error("must list at least one node", "nodes")
+    price_per_kwh, currency = _power(doc, _get(doc, data, "power", dict, (), {}))
 
     port = _get(doc, cluster, "master_port", int, ("cluster",), 29500)
     if not 1 <= port <= 65535:
@@ -235,6 +256,8 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
         "training": training,
         "paths": paths,
         "script_roots": [r.strip() for r in roots],
+        "price_per_kwh": price_per_kwh,
+        "currency": currency,
     }
     if script:
         settings_fields["default_script"] = script
@@ -375,4 +398,6 @@ def export_cluster() -> str:
         "paths": {**(cs.paths or {}), "script_roots": list(cs.script_roots)} if cs.script_roots else
         {k: v for k, v in (cs.paths or {}).items() if k != "script_roots"},
     }  # fmt: skip
+    if cs.price_per_kwh is not None or cs.currency:
+        doc["power"] = {"price_per_kwh": cs.price_per_kwh, "currency": cs.currency}
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)

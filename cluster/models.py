@@ -71,6 +71,11 @@ class ClusterSettings(models.Model):
     quota_max_queued = models.PositiveIntegerField(
         default=0, help_text="Most jobs one user may have waiting in the queue (0: no limit)."
     )
+    # Energy (docs/power.md): what a kWh costs, to price each job's energy; blank: no cost shown.
+    price_per_kwh = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)], help_text="cluster.yaml power.price_per_kwh."
+    )
+    currency = models.CharField(max_length=8, blank=True, help_text="A label for the price, e.g. EUR.")
 
     class Meta:
         verbose_name = verbose_name_plural = "cluster settings"
@@ -323,6 +328,10 @@ class HealthSample(models.Model):
     gpu_temp_c = models.FloatField(null=True, blank=True, help_text="Hottest GPU.")
     gpu_power_w = models.FloatField(null=True, blank=True, help_text="Sum over the node's GPUs.")
     gpus = models.JSONField(default=list, blank=True, help_text="Per-GPU readings (raw samples only).")
+    rapl = models.JSONField(
+        null=True, blank=True, help_text="CPU package energy counters read from RAPL ([{zone, energy_uj, max_uj}]; "
+        "raw samples only; blank: not readable on the node).",
+    )  # fmt: skip
     samples = models.PositiveIntegerField(default=1, help_text="Raw samples behind an aggregate.")
 
     class Meta:
