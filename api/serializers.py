@@ -69,6 +69,11 @@ class LaunchSerializer(serializers.Serializer):
         required=False, allow_blank=True, default="", max_length=2000,
         help_text="uneven GPUs: NODE=WEIGHT,... or auto (docs/uneven-gpus.md)",
     )  # fmt: skip
+    scale_probe = serializers.CharField(
+        required=False, allow_blank=True, default="", max_length=20,
+        help_text="a duration per node count (60s): the job's scaling measured before it runs, or off "
+        "(docs/scaling.md)",
+    )  # fmt: skip
     retry = serializers.CharField(required=False, allow_blank=True, default="", max_length=200,
                                   help_text="failure kinds resumed automatically, e.g. node-lost,oom")  # fmt: skip
     max_attempts = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=ATTEMPTS_MAX)

@@ -94,7 +94,8 @@ class LaunchRequest:
     resumed_from: Any = None  # the previous attempt (for the VRAM it needed)
     batch_per_gpu: int | None = None  # the even split's batch per GPU: {local_batch}, UGRO_LOCAL_BATCH
     batch_weights: dict[str, float] = field(default_factory=dict)  # node -> relative GPU speed (uneven split)
-    batch_weights_auto: bool = False  # weights from earlier solo runs of the script on each node
+    batch_weights_auto: bool = False  # weights from the scale probe, else from earlier solo runs on each node
+    scale_probe: str = ""  # a duration per node count ("60s"), "off", or "" for the cluster's (jobs/scale_probe.py)
     after: str = ""  # the name of a job this one starts after (once it succeeded)
     # recovery (docs/recovery.md)
     retry: str = ""  # failure kinds retried automatically, e.g. "node-lost,oom"
@@ -132,7 +133,7 @@ class LaunchRequest:
                 problems.append((name, str(exc)))
         if problems:
             raise LaunchError(problems=problems)
-        for name in ("script", "model", "dataset", "after"):
+        for name in ("script", "model", "dataset", "after", "scale_probe"):
             d[name] = (d[name] or "").strip()
         d.pop("dry_run", None)
         return cls(**d, **parsed, batch_weights_auto=weights == "auto", **more)

@@ -472,6 +472,14 @@ class Attempt(models.Model):
     last_step = models.BigIntegerField(null=True, blank=True, help_text="The last metric step it reached (ended).")
     logs_dir = models.CharField(max_length=1000, blank=True, help_text="Where its central logs were moved (ended).")
     next_reason = models.CharField(max_length=300, blank=True, help_text="Why the next attempt was made.")
+    energy = models.JSONField(
+        default=dict, blank=True, help_text="Its GPUs' and hosts' energy meters so far, folded from health samples "
+        "(jobs/energy.py; docs/power.md).",
+    )  # fmt: skip
+    scale_probe = models.JSONField(
+        default=dict, blank=True, help_text="Its scale probe (--scale-probe): each node count's samples/s, the count "
+        "chosen and why, the batch weights measured (jobs/scale_probe.py).",
+    )  # fmt: skip
 
     class Meta:
         ordering = ["job", "number"]

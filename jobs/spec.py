@@ -252,6 +252,10 @@ LAUNCH: tuple[Option, ...] = (
            help="uneven GPUs: NODE=WEIGHT,... relative speeds, or auto (learned from earlier runs of the script "
            "alone on each node); each rank gets its share of the global batch (docs/uneven-gpus.md)",
            shown_default="an even split"),
+    Option("scale_probe", "--scale-probe", "duration", default="", example="60s",
+           help="before the run, run its first steps on 1, 2, ... N of its nodes for this long each (outputs "
+           "discarded), then run on the fastest count; off: no probe (docs/scaling.md)",
+           shown_default="the cluster's training.scale_probe, else off"),
     Option("after", "--after", "text", default="", example="prepare-data",
            help="start only after this job succeeded (a dependency)"),
     Option("nproc_per_node", "--nproc-per-node", "int", example=1, low=1, high=NPROC_MAX,

@@ -285,6 +285,7 @@ def relaunch_request(job: Job) -> LaunchRequest:
         batch_per_gpu=params.get("batch_per_gpu"),
         batch_weights=params["batch_weights"] if isinstance(params.get("batch_weights"), dict) else {},
         batch_weights_auto=params.get("batch_weights") == "auto",
+        scale_probe=f"{params['scale_probe_s']}s" if params.get("scale_probe_s") else "",
         extra_args=[str(a) for a in params.get("extra") or []],
         priority=job.priority,
         metrics_pattern=metric_settings.pattern if metric_settings else "",
@@ -415,6 +416,10 @@ class LaunchForm(forms.Form):
     batch_weights = forms.CharField(
         required=False, max_length=2000, label="Batch weights", help_text="uneven GPUs: NODE=WEIGHT,... or auto"
     )
+    scale_probe = forms.CharField(
+        required=False, max_length=20, label="Scale probe",
+        help_text="a duration per node count (60s): run on the node count measured fastest; off: none",
+    )
     retry = forms.CharField(
         required=False, max_length=200, label="Retry on", help_text="failure kinds resumed automatically: node-lost,oom"
     )
@@ -510,6 +515,7 @@ class LaunchForm(forms.Form):
             batch_per_gpu=d.get("batch_per_gpu"),
             batch_weights=parse_weights(weights) if weights and weights != "auto" else {},
             batch_weights_auto=weights == "auto",
+            scale_probe=(d.get("scale_probe") or "").strip(),
             retry=(d.get("retry") or "").strip(),
             max_attempts=d.get("max_attempts"),
             min_nodes=d.get("min_nodes"),

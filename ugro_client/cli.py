@@ -97,6 +97,8 @@ def build_parser() -> Parser:
                    "every node (docs/envs.md)")
     p.add_argument("--batch-per-gpu", type=int, dest="batch_per_gpu", help="the even split's batch per GPU")
     p.add_argument("--batch-weights", default="", dest="batch_weights", help="NODE=WEIGHT,... or auto")
+    p.add_argument("--scale-probe", default="", dest="scale_probe", metavar="DURATION",
+                   help="run the first steps on 1..N nodes this long each, then on the fastest count; or off")
     rec = p.add_argument_group("recovery (docs/recovery.md)")
     rec.add_argument("--retry", default="", help="failure kinds resumed automatically, e.g. node-lost,oom")
     rec.add_argument("--max-attempts", type=int, dest="max_attempts", help="most attempts in all")
@@ -392,7 +394,7 @@ LAUNCH_FIELDS = [
     ("keep", "keep"),
     ("batch_template", "batch_template"), ("batch", "batch"), ("grad_accum", "grad_accum"),
     ("hang_after_s", "hang_after_s"), ("allow_mismatch", "allow_mismatch"), ("data", "data"),
-    ("packages", "packages"),
+    ("packages", "packages"), ("scale_probe", "scale_probe"),
 ]  # fmt: skip
 UPLOAD_BATCH_BYTES = 16 * 1024 * 1024  # objects sent together in one tar, up to this much a request
 
