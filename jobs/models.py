@@ -537,3 +537,36 @@ class JobCode(models.Model):
 
     def __str__(self) -> str:
         return f"code of {self.job_id}"
+
+
+class NetCheck(models.Model):
+    """One measurement of the network between some nodes (jobs/network.py): the collective a job on them uses, at
+    gradient sizes, for the group and each pair, with the interface each node used. Made by `ugro netcheck` and by a
+    multi-node launch's pre-flight (reused while recent); read by the topology page and a job's advice."""
+
+    time = models.DateTimeField(db_index=True)
+    nodes = models.JSONField(default=list, help_text="The nodes' names in rank order (rank 0 hosted the store).")
+    node_set = models.CharField(
+        max_length=2000, db_index=True, help_text="The names sorted and joined by commas: what a reuse looks up."
+    )
+    backend = models.CharField(max_length=10, help_text="nccl (every node has a GPU) or gloo.")
+    interfaces = models.JSONField(
+        default=dict, help_text="node -> {interface, address, source}: where its traffic went and why that one."
+    )
+    group = models.JSONField(
+        default=dict, blank=True, help_text="{latency_us, sizes: [{bytes, seconds, iters, algbw, busbw}]} (bytes/s)."
+    )
+    pairs = models.JSONField(default=list, blank=True, help_text="[{a, b (names), latency_us, sizes: [...]}].")
+    ok = models.BooleanField(default=True)
+    error = models.CharField(max_length=1000, blank=True, help_text="Why the measurement gave no figures.")
+    seconds = models.FloatField(default=0, help_text="How long it took, node set-up included.")
+    job = models.ForeignKey(
+        Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="netchecks",
+        help_text="The job whose pre-flight measured it; none for `ugro netcheck`.",
+    )  # fmt: skip
+
+    class Meta:
+        ordering = ["-time"]
+
+    def __str__(self) -> str:
+        return f"netcheck of {', '.join(self.nodes)} at {self.time:%Y-%m-%d %H:%M:%S}"
