@@ -6,7 +6,7 @@ every node before each job, docs/sync.md), `paths.*` (`paths.sync_roots`: where 
 UGRO also reads optional per-node keys for what the original scripts hard-coded:
 `ssh_port`, `key`, `gpus` (count), `torchrun`, `python`, `workdir`, `transport`, `enabled`, `env`,
 `gpu_reader`, `cache_limit` (its store's size, docs/data.md; `paths.cache_limit` for every node, `paths.store_limit`
-for the controller's);
+for the controller's), `power` (how it sleeps when idle and wakes for the queue, cluster/power.py);
 and under `training:`, `script` and `args` (the script's argument template, with {model} {dataset}
 {epochs} {lr} {job}) for scripts that do not take train_production.py's arguments.
 A top-level `power:` block prices energy: `price_per_kwh` and a `currency` label (docs/power.md).
@@ -28,13 +28,15 @@ from django.db import transaction
 from .cache import format_size, parse_size
 from .models import ClusterSettings, Node
 from .names import check_name
+from .power import PowerError, parse_power, power_block
 
 MAX_BYTES = 1 << 20  # a cluster.yaml for hundreds of nodes is a few dozen KiB
 MAX_EXPANDED_NODES = 100_000  # YAML values after every alias is expanded (an alias bomb is billions)
 MAX_DEPTH = 50
 
 NODE_KEYS = {"ip", "user", "hostname", "gpu", "vram_gb", "rank", "role", "ssh_port", "key", "gpus",
-             "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader", "cache_limit"}  # fmt: skip
+             "torchrun", "python", "workdir", "transport", "enabled", "env", "gpu_reader", "cache_limit",
+             "power"}  # fmt: skip
 TOP_KEYS = {"cluster", "nodes", "training", "paths", "power"}
 POWER_KEYS = {"price_per_kwh", "currency"}  # the top-level `power:` block: what energy costs (docs/power.md)
 MAX_PRICE_PER_KWH = 1000.0
@@ -46,6 +48,8 @@ CURRENCY_RE = re.compile(r"[A-Za-z$\u00a3\u00a5\u20a0-\u20cf]{1,8}")
 TRAINING_CHECKS: dict[str, Callable[[Any], object]] = {}
 # `paths.<key>` values likewise (jobs: `env_ttl`, how long a node keeps an environment no job used)
 PATHS_CHECKS: dict[str, Callable[[Any], object]] = {}
+
+
 class ConfigError(ValueError):
     """cluster.yaml cannot be used; the message names the key (and line) at fault."""
 
@@ -311,6 +315,10 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
         if gpu_reader not in ("auto", "nvml", "nvidia-smi") and not gpu_reader.startswith("fixture:"):
             raise doc.error("must be auto, nvml, nvidia-smi or fixture:<path>", *path, "gpu_reader")
         env = _get(doc, spec, "env", dict, path, {})
+        try:
+            power = parse_power(spec.get("power"), ip, transport)
+        except PowerError as exc:
+            raise doc.error(str(exc), *path, "power", *([exc.key] if exc.key else [])) from None
         user = _expand_user(str(_get(doc, spec, "user", str, path, "${USER}")))
         try:
             check_name(user, "user")
@@ -336,6 +344,7 @@ def parse_cluster_yaml(text: str | bytes) -> tuple[dict[str, Any], list[dict[str
             "env": {str(k): str(v) for k, v in env.items()},
             "gpu_reader": gpu_reader,
             "cache_limit": _size(doc, spec, "cache_limit", path),
+            "power": power,
         })  # fmt: skip
     if len(masters) > 1:
         raise doc.error(f"more than one node has role master ({', '.join(masters)})", "nodes")
@@ -385,6 +394,8 @@ def export_cluster() -> str:
         }
         if n.cache_limit:
             nodes[n.name]["cache_limit"] = format_size(n.cache_limit)
+        if n.power:
+            nodes[n.name]["power"] = power_block(n.power)
         if not n.user:  # none set: left out, so an import takes its default (the importing user), not '' (refused)
             del nodes[n.name]["user"]
     training = dict(cs.training or {})

@@ -112,6 +112,11 @@ class Node(models.Model):
         HEALTHY = "healthy", "healthy"
         DEGRADED = "degraded", "degraded"
         DOWN = "down", "down"
+        ASLEEP = "asleep", "asleep"  # put to sleep when idle (cluster/power.py): not probed, no alert
+        WAKING = "waking", "waking"  # a wake was sent; awake when it answers, DOWN past its wake_timeout
+
+    # Statuses in which nothing is asked of the node (it would not answer): loops and pages leave it alone.
+    NOT_ANSWERING = (Status.DOWN, Status.ASLEEP, Status.WAKING)
 
     name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
     hostname = models.CharField(max_length=255, blank=True)
@@ -160,6 +165,16 @@ class Node(models.Model):
         "(cluster.yaml cache_limit: 50GB); blank: the cluster's paths.cache_limit, else 50 GB.",
     )
     env = models.JSONField(default=dict, blank=True, help_text="Extra environment for ranks on this node.")
+    power = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="How it sleeps when idle and wakes when the queue needs it (cluster.yaml power:, cluster/power.py): "
+        "sleep, wake (wol with mac, broadcast, port; or command with wake_command), idle_after_s, wake_timeout_s.",
+    )
+    power_since = models.DateTimeField(null=True, blank=True, help_text="When it went to sleep, or the wake was sent.")
+    idle_since = models.DateTimeField(
+        null=True, blank=True, help_text="Since when it has held no job, service or reservation (jobs/power.py)."
+    )
     enabled = models.BooleanField(default=True)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.UNKNOWN)
     status_reason = models.CharField(max_length=500, blank=True)
@@ -209,6 +224,17 @@ class Node(models.Model):
             raise ValidationError({"torchrun_command": "must not be empty"})
         if not isinstance(self.env, dict) or not all(isinstance(k, str) for k in self.env):
             raise ValidationError({"env": "must be a mapping of names to values"})
+        if self.power:
+            from .power import PowerError, parse_power, power_block  # cluster.power imports this module
+
+            try:
+                # admin edits the stored form (idle_after_s ...): read back as cluster.yaml's block, checked alike
+                block = power_block(self.power) if "idle_after_s" in self.power else self.power
+                self.power = parse_power(block, self.address, self.transport)
+            except PowerError as exc:
+                raise ValidationError({"power": f"{exc.key}: {exc}" if exc.key else str(exc)}) from None
+            except KeyError as exc:
+                raise ValidationError({"power": f"{exc.args[0]} is missing"}) from None
 
     def placement_key(self) -> tuple[bool, int, str]:
         """Order in which nodes take ranks: masters first (rank 0 hosts the rendezvous), then order, name."""

@@ -179,8 +179,14 @@ def _sample_row(node: Node, at: datetime, sample: dict[str, Any] | None, result:
         node=node, time=at, ok=True, score=result.score if result else None, status=result.status if result else "",
         rtt_ms=rtt, cpu_percent=sample.get("cpu_percent"), ram_percent=sample.get("ram_percent"),
         disk_percent=sample.get("disk_percent"), disk_free_gb=sample.get("disk_free_gb"), load1=load[0],
-        gpus=gpus, **_gpu_summary(gpus),
+        gpus=gpus, rapl=_rapl(sample), **_gpu_summary(gpus),
     )  # fmt: skip
+
+
+def _rapl(sample: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The probe's CPU package energy counters (cluster/node/probe.py _probe_rapl) as kept; None: not readable."""
+    zones = sample.get("rapl")
+    return [z for z in zones if isinstance(z, dict)][:16] or None if isinstance(zones, list) else None
 
 
 def node_event(node: Node, outcome: PollOutcome | None = None) -> dict[str, Any]:
@@ -331,6 +337,8 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
     """
     now = time.time() if now is None else now
     nodes = list(Node.objects.filter(enabled=True)) if nodes is None else nodes
+    # an asleep or waking node is cluster/power.py's to watch: a probe would only count failures against it
+    nodes = [n for n in nodes if n.status not in (Node.Status.ASLEEP, Node.Status.WAKING)]
     context = _job_context(nodes)
     due = [n for n in nodes if force or is_due(n, now, *context[n.pk])]
     silent = [] if force else gone_silent([n for n in nodes if n not in due], now)
@@ -372,7 +380,10 @@ def poll_once(nodes: list[Node] | None = None, force: bool = False, now: float |
         for node in due:
             if node.last_poll_at == at:
                 # One plain UPDATE per node: bulk_update's CASE per field costs more than it saves here.
-                Node.objects.filter(pk=node.pk).update(**{f: getattr(node, f) for f in NODE_FIELDS})
+                # not over a sleep that began while it was probed (cluster/power.py put_to_sleep)
+                Node.objects.filter(pk=node.pk).exclude(status=Node.Status.ASLEEP).update(
+                    **{f: getattr(node, f) for f in NODE_FIELDS}
+                )
         HealthSample.objects.bulk_create(rows)
         gpus.record_readings({o.node: (o.sample or {}).get("gpus") or [] for o in outcomes if o.ok}, due)
     publish([o.event for o in outcomes])
@@ -385,6 +396,9 @@ def run(seconds: float, tick: float = 5.0, stop=None) -> int:
     polls = 0
     while time.monotonic() < deadline and not (stop and stop()):
         t0 = time.monotonic()
+        from .power import watch  # cluster.power calls this module's poll_once on the nodes that woke
+
+        watch()
         poll_once()
         polls += 1
         time.sleep(max(0.0, min(tick - (time.monotonic() - t0), deadline - time.monotonic())))
@@ -410,6 +424,9 @@ def prune_samples(now: datetime | None = None) -> dict[str, int]:
         .annotate(
             n=Count("id"),
             ok_n=Sum("ok_int"),
+            asleep_n=Sum(
+                Case(When(status=Node.Status.ASLEEP, then=Value(1)), default=Value(0), output_field=IntegerField())
+            ),
             **{k: Avg(k) for k in AVERAGED},
             **{k: Max(k) for k in MAXED},
         )
@@ -423,7 +440,7 @@ def prune_samples(now: datetime | None = None) -> dict[str, int]:
                 kind=HealthSample.Kind.MINUTE,
                 samples=row["n"],
                 ok=row["ok_n"] == row["n"],
-                status="" if row["ok_n"] else Node.Status.DOWN,
+                status="" if row["ok_n"] else Node.Status.ASLEEP if row["asleep_n"] else Node.Status.DOWN,
                 **{k: row[k] for k in AVERAGED + MAXED},
             )  # fmt: skip
             for row in per_minute
