@@ -29,14 +29,14 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import cache, checkpoints, data, lifecycle, locks, retention, spec, sync
+from . import cache, checkpoints, data, lifecycle, locks, network, retention, spec, sync
 from . import envs as environments
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
 from .follow import follower_id
 from .limits import learned_speeds, learned_vram, parse_duration, parse_size_mb
 from .models import DEFAULT_RESUME_TEMPLATE, Job, JobCode, Rank
-from .preflight import PreflightReport, check_nodes, refuse_missing_pythons, run_preflight, script_path
+from .preflight import PreflightReport, check_nodes, named_nodes, refuse_missing_pythons, run_preflight, script_path
 from .recovery import check_batch_template, parse_retry
 from .snapshot import Snapshot
 from .spec import EPOCHS_MAX, LR_MAX, NODES_MAX, NPROC_MAX, PRIORITY_MAX, PRIORITY_MIN
@@ -721,6 +721,8 @@ def rank_env(job: Job, rank: Rank) -> dict[str, str]:
     if rank.batch_weight is not None and getattr(rank, "local_batch", None):  # an uneven split
         env["UGRO_LOCAL_BATCH"] = str(rank.local_batch)
         env["UGRO_BATCH_WEIGHT"] = f"{rank.batch_weight:.6g}"
+    # the interface pre-flight chose for a multi-node job (jobs/network.py), unless the node's env names one
+    env.update(network.socket_env(rank.node, getattr(rank.node, "socket_choice", None)))
     if rank.gpu_indices:  # the GPUs it holds, and no other (a node without GPUs keeps its own setting)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in rank.gpu_indices)
     return env
@@ -805,6 +807,8 @@ def _prepare(job: Job, ranks: list[Rank]) -> dict[int, str] | None:
             r.node.torchrun_command, r.node.torchrun_auto = f"{built[r.node.pk]}/bin/torchrun", ""
     bases = {r.node_id: sync.start_dir(job, r.node) for r in ranks}
     problems = run_preflight(job, ranks, bases)
+    if not problems:  # a multi-node job's interfaces chosen and reached, its network measured (or a recent one reused)
+        problems = network.for_launch(job, ranks)
     if problems:
         lifecycle.fail_unstarted(
             job, FailureKind.PREFLIGHT, "pre-flight failed: " + "; ".join(problems) + ". Nothing was started."
@@ -910,16 +914,12 @@ def preflight_nodes(names: list[str], script: str = "") -> PreflightRun:
     rendezvous host) a master when there is one, as at launch. LaunchError in one line for an unknown
     node, no node or a bad script."""
     cs = ClusterSettings.load()
-    chosen = list(Node.objects.filter(enabled=True))
-    if names:
-        by_name = {n.name: n for n in Node.objects.filter(name__in=names)}
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise LaunchError(f"unknown node(s): {', '.join(unknown)[:200]}")
-        chosen = [by_name[n] for n in names]
+    try:
+        chosen = named_nodes(names)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     if not chosen:
         raise LaunchError("no enabled nodes; import cluster.yaml or add nodes in admin")
-    chosen.sort(key=Node.placement_key)
     host = chosen[0].address
     report = check_nodes(chosen, check_script(script or cs.default_script), host, cs.rendezvous_port)
     return PreflightRun(chosen, f"{host}:{cs.rendezvous_port}", report)

@@ -291,6 +291,19 @@ def check_nodes(
     return report
 
 
+def named_nodes(names: list[str]) -> list[Node]:
+    """The named nodes (default: every enabled one), rank 0 first as at launch (a master when there is one);
+    ValueError in one line for an unknown name."""
+    chosen = list(Node.objects.filter(enabled=True))
+    if names:
+        by_name = {n.name: n for n in Node.objects.filter(name__in=names)}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"unknown node(s): {', '.join(unknown)[:200]}")
+        chosen = [by_name[n] for n in dict.fromkeys(names)]
+    return sorted(chosen, key=Node.placement_key)
+
+
 def follow_setup(node: Node) -> None:
     """Keep the torchrun a node follows (Node.follows_setup: the demo node's) as the one it runs now, so that
     pages and cluster.yaml exports show it after `bin/setup --node-env`; a launch runs it either way."""

@@ -1,0 +1,219 @@
+"""The network between a job's nodes (jobs/network.py) against an in-memory agent: the interface each node uses (its
+route to the master, or its env), the reach check's one-line refusal, the pre-flight's reuse of a recent measurement,
+the ranks' env, and the advice's arithmetic. The measurement itself runs on real sshd nodes in
+tests/test_network_e2e.py."""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from cluster.links import AgentRequestError
+from cluster.models import Node
+from jobs import network
+from jobs.launch import rank_env
+from jobs.models import Job, NetCheck, Rank
+from metrics.models import MetricPoint
+
+pytestmark = pytest.mark.django_db
+
+LOOPBACK_ADDR = "1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever\n"
+
+
+def addr_lines(*items: tuple[str, str]) -> str:
+    return LOOPBACK_ADDR + "".join(f"{i + 2}: {dev}    inet {net} brd + scope global {dev}\\\n"
+                                   for i, (dev, net) in enumerate(items))  # fmt: skip
+
+
+class NetNode:
+    """One node's answers: its `ip -o -4 addr show`, its route to any address, and which addresses it reaches."""
+
+    def __init__(self, name: str, addrs: str, route: str, reaches: set[str] | None = None) -> None:
+        self.name, self.addrs, self.route, self.reaches = name, addrs, route, reaches
+        self.requests: list[tuple[str, dict]] = []
+
+    def request(self, op: str, timeout: float = 30.0, when_silent: bool = True, **fields) -> dict:
+        self.requests.append((op, fields))
+        if op == "exec" and fields["argv"][:4] == ["ip", "-o", "-4", "addr"]:
+            return {"rc": 0, "stdout": self.addrs, "stderr": ""}
+        if op == "exec" and fields["argv"][:4] == ["ip", "-o", "route", "get"]:
+            return {"rc": 0, "stdout": self.route, "stderr": ""}
+        if op == "listen":
+            return {"listening": True, "port": 40000}
+        if op == "port_check":
+            ok = self.reaches is None or fields["host"] in self.reaches
+            return {"ok": ok, "error": None if ok else "Connection refused", "ms": 0.1}
+        raise AgentRequestError(f"the test's agent has no op {op!r} {fields.get('argv')}")
+
+
+@pytest.fixture
+def lan(monkeypatch):
+    """gpu-master 10.0.0.1 (eth0, and docker0 172.17.0.1), gpu1 10.0.0.2 (eth0, and a VPN wg0 10.8.0.2)."""
+    Node.objects.create(name="gpu-master", address="10.0.0.1", role="master", gpu_count=0,
+                        torchrun_command="/opt/venv/bin/torchrun")  # fmt: skip
+    Node.objects.create(
+        name="gpu1", address="10.0.0.2", order=1, gpu_count=0, torchrun_command="/opt/venv/bin/torchrun"
+    )
+    agents = {
+        "gpu-master": NetNode("gpu-master", addr_lines(("eth0", "10.0.0.1/24"), ("docker0", "172.17.0.1/16")),
+                              "local 10.0.0.1 dev lo table local src 10.0.0.1 uid 0 \\    cache <local> "),
+        "gpu1": NetNode("gpu1", addr_lines(("eth0", "10.0.0.2/24"), ("wg0", "10.8.0.2/24")),
+                        "10.0.0.1 dev eth0 src 10.0.0.2 uid 0 \\    cache "),
+    }  # fmt: skip
+    monkeypatch.setattr(Node, "link", lambda node: agents[node.name])
+    return agents
+
+
+def nodes() -> list[Node]:
+    return sorted(Node.objects.all(), key=Node.placement_key)
+
+
+def test_each_node_takes_the_interface_its_route_to_the_master_leaves_by(lan):
+    # when the interfaces are chosen for a CPU job on the two nodes
+    choices, problems = network.choose(nodes(), "gloo")
+    # then the master takes the interface holding its own address (its route to itself says lo), gpu1 its route's
+    assert problems == []
+    assert choices["gpu-master"].as_dict() == {
+        "interface": "eth0",
+        "address": "10.0.0.1",
+        "source": "route to 10.0.0.1",
+    }
+    assert choices["gpu1"].as_dict() == {"interface": "eth0", "address": "10.0.0.2", "source": "route to 10.0.0.1"}
+    # and the ranks get both variables, unless the node's env names one
+    assert network.socket_env(nodes()[1], choices["gpu1"]) == {
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+    Node.objects.filter(name="gpu1").update(env={"NCCL_SOCKET_IFNAME": "eth0"})
+    assert network.socket_env(Node.objects.get(name="gpu1"), choices["gpu1"]) == {"GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def test_a_node_env_interface_wins_and_one_the_others_cannot_reach_is_refused_naming_both_addresses(lan):
+    # given gpu1's env names its VPN interface, which gpu-master cannot reach
+    Node.objects.filter(name="gpu1").update(env={"GLOO_SOCKET_IFNAME": "wg0"})
+    lan["gpu-master"].reaches = {"10.0.0.2"}
+    # when checked
+    out = network.check(nodes(), reuse=True)
+    # then gpu1 is refused in one line naming its address and the master's, and nothing was measured
+    assert out.choices["gpu1"].as_dict() == {"interface": "wg0", "address": "10.8.0.2",
+                                             "source": "GLOO_SOCKET_IFNAME in its env"}  # fmt: skip
+    assert out.problems == [
+        "gpu1: its interface wg0 (GLOO_SOCKET_IFNAME in its env) at 10.8.0.2 cannot be reached from "
+        "gpu-master (10.0.0.1): Connection refused"
+    ]
+    assert out.measured is None and not NetCheck.objects.exists()
+    assert not any(op == "exec" and "-c" in f["argv"] for op, f in lan["gpu1"].requests)
+
+
+def test_an_env_interface_without_an_address_is_refused(lan):
+    Node.objects.filter(name="gpu1").update(env={"GLOO_SOCKET_IFNAME": "eth9"})
+    _, problems = network.choose(nodes(), "gloo")
+    assert problems == ["gpu1: interface eth9 (GLOO_SOCKET_IFNAME in its env) has no IPv4 address there"]
+
+
+def test_netcheck_refuses_bad_input_in_one_line(lan):
+    for argv, message in (
+        (["--nodes", "gpu1"], "two nodes or more"),
+        (["--nodes", "gpu1,nope"], "unknown node(s): nope"),
+        (["--sizes", "0,16"], "sizes: 1 to 4 whole numbers"),
+        (["--sizes", "x"], "--sizes: whole"),
+    ):
+        with pytest.raises(CommandError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            call_command("netcheck", *argv, stdout=io.StringIO())
+    assert not NetCheck.objects.exists() and all(not a.requests for a in lan.values())
+
+
+def figures(busbw: float) -> dict:
+    return {"latency_us": 100.0, "sizes": [{"bytes": 16 << 20, "seconds": 0.1, "iters": 2, "algbw": busbw,
+                                            "busbw": busbw}]}  # fmt: skip
+
+
+def test_a_launch_reuses_a_recent_measurement_and_sets_the_ranks_interface(lan):
+    # given these nodes were measured an hour ago through the interfaces they would use now
+    job = Job.objects.create(name="j", script="t.py", tag="j-tag")
+    ranks = [Rank.objects.create(job=job, node=n, index=i) for i, n in enumerate(nodes())]
+    interfaces = {"gpu-master": {"interface": "eth0", "address": "10.0.0.1", "source": "route to 10.0.0.1"},
+                  "gpu1": {"interface": "eth0", "address": "10.0.0.2", "source": "route to 10.0.0.1"}}  # fmt: skip
+    old = NetCheck.objects.create(time=timezone.now() - timedelta(hours=1), nodes=["gpu-master", "gpu1"],
+                                  node_set="gpu-master,gpu1", backend="gloo", interfaces=interfaces,
+                                  group=figures(1e8), pairs=[dict(figures(1e8), a="gpu-master", b="gpu1")])  # fmt: skip
+    # when the launch's network part runs
+    assert network.for_launch(job, ranks) == []
+    # then no measurement ran (the test's agent has no torch to run it with) and the ranks carry eth0
+    assert NetCheck.objects.get() == old
+    assert rank_env(job, ranks[1])["GLOO_SOCKET_IFNAME"] == "eth0"
+    # and a measurement past REUSE_S is not reused: the measurement is asked for (and fails here, recorded)
+    NetCheck.objects.update(time=timezone.now() - timedelta(seconds=network.REUSE_S + 1))
+    assert network.for_launch(job, ranks) == []
+    assert NetCheck.objects.count() == 2 and "the test's agent has no op" in NetCheck.objects.first().error
+
+
+def test_nodes_on_one_machine_are_not_measured_by_a_launch(lan):
+    Node.objects.filter(name="gpu-master").update(address="127.0.0.2")
+    Node.objects.filter(name="gpu1").update(address="127.0.0.3")
+    lo = addr_lines()
+    for agent, route in ((lan["gpu-master"], "local 127.0.0.2 dev lo table local src 127.0.0.1"),
+                         (lan["gpu1"], "local 127.0.0.2 dev lo table local src 127.0.0.1")):  # fmt: skip
+        agent.addrs, agent.route = lo, route
+    out = network.check(nodes(), reuse=True)
+    assert out.problems == [] and out.measured is None
+    assert {c.address for c in out.choices.values()} == {"127.0.0.2", "127.0.0.3"}  # each its own, on lo
+    assert out.notes == ["the nodes share one machine: the network between them was not measured"]
+
+
+def test_estimate_follows_the_ring_all_reduce():
+    # 3 nodes, 0.2 s compute, 0.6 s exchange: 2 nodes exchange 3/4 of that, 1 node none
+    rates = network.estimate(3, 0.2, 0.6)
+    assert rates[3] == pytest.approx(3 / 0.8) and rates[2] == pytest.approx(2 / (0.2 + 0.45))
+    assert rates[1] == pytest.approx(1 / 0.2)
+    # a faster pair than the group (the third node's link is the slow one) makes 2 nodes' exchange shorter
+    assert network.estimate(3, 0.2, 0.6, {3: 1e8, 2: 4e8})[2] == pytest.approx(2 / (0.2 + 0.45 / 4))
+
+
+def job_with_steps(name: str, per_rank: list[tuple[float, float]], count: int = 2, steps: int = 4) -> Job:
+    """A running job on `count` nodes whose ranks logged (compute_s, sync_wait_s) at each of `steps` steps."""
+    job = Job.objects.create(name=name, script="t.py", tag=f"{name}-tag", state=Job.State.RUNNING)
+    for i, node in enumerate(nodes()[:count]):
+        Rank.objects.create(job=job, node=node, index=i)
+    now = timezone.now()
+    MetricPoint.objects.bulk_create([
+        MetricPoint(job=job, rank=r, step=step * 10, name=metric, value=value, time=now + timedelta(seconds=step),
+                    attempt=job.attempt)
+        for step in range(1, steps + 1) for r, pair in enumerate(per_rank)
+        for metric, value in zip(("compute_s", "sync_wait_s"), pair, strict=True)
+    ])  # fmt: skip
+    return job
+
+
+def test_advice_says_one_node_would_be_faster_when_the_exchange_dominates(lan):
+    # given two nodes that compute 0.1 s and exchange gradients 0.5 s per step, over a measured 0.8 Gbit/s
+    job = job_with_steps("slowlink", [(0.1, 0.5), (0.1, 0.52)])
+    NetCheck.objects.create(
+        time=timezone.now(),
+        nodes=["gpu-master", "gpu1"],
+        node_set="gpu-master,gpu1",
+        backend="gloo",
+        group=figures(1e8),
+        pairs=[dict(figures(1e8), a="gpu-master", b="gpu1")],
+    )
+    found = network.advise(job)
+    # then communication is most of the step (the least any rank waits is the exchange), and 1 node wins
+    assert found.comm_s == pytest.approx(0.5) and found.step_s == pytest.approx(0.62) and found.best == 1
+    assert found.speedup == pytest.approx((1 / 0.12) / (2 / 0.62))
+    assert network.advice(job) == (
+        "communication is 81% of a 0.62 s step (0.5 s exchanging gradients over a measured 0.8 Gbit/s bus "
+        "bandwidth, 0.12 s computing, on 2 nodes); 1 node would be faster: about 2.58x the samples/s of 2."
+    )
+
+
+def test_advice_keeps_every_node_when_compute_dominates_and_is_silent_for_one_node(lan):
+    job = job_with_steps("fastlink", [(1.0, 0.05), (0.9, 0.15)])
+    found = network.advise(job)
+    assert found.best == 2 and found.comm_s == pytest.approx(0.05)
+    assert "(network not measured)" in found.sentence and "fewer nodes would not be faster" in found.sentence
+    solo = job_with_steps("solo", [(1.0, 0.0)], count=1)
+    assert network.advice(solo) == "" and network.advice(job_with_steps("early", [(1, 0.1), (1, 0.1)], steps=1)) == ""
