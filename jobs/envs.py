@@ -41,6 +41,9 @@ REQUEST_TIMEOUT_S = 60.0
 BUILD_TIMEOUT_S = 3600.0
 DOWNLOAD_TIMEOUT_S = 3600.0
 DEFAULT_TTL_S = 14 * 86400
+# uv's cache on a node (<workdir>/.ugro/uv-cache and the wheels it links, cluster/node/envs.py) is held under this
+# share of the node's cache limit (what it alone keeps: unpacked files no environment links, and its wheels)
+UV_CACHE_SHARE = 0.25
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[A-Za-z0-9._,\s-]*\])?\s*===?\s*([A-Za-z0-9.+!_-]+)\s*(;.*)?$")
 _WHEEL = re.compile(r"^([^-]+)-([^-]+)-(?:\d[^-]*-)?[^-]+-[^-]+-[^-]+\.whl$")
 
@@ -225,6 +228,12 @@ class Wheel:
                 "sha256": self.sha256}  # fmt: skip
 
 
+def wheel_pin(filename: str) -> tuple[str, str] | None:
+    """(normalized name, version) of a wheel's file name, or None for a name that is not a wheel's."""
+    m = _WHEEL.match(filename)
+    return (norm(m.group(1)), m.group(2)) if m else None
+
+
 def _wheel(path: str) -> Wheel:
     m = _WHEEL.match(os.path.basename(path))
     if not m:
@@ -267,6 +276,8 @@ def download(text: str, version: str, platforms: list[str], what: str) -> list[W
             kept = cache / name
             if not kept.exists():
                 os.replace(os.path.join(out_dir, name), kept)
+            else:
+                os.utime(kept)  # its last use: the controller's trim takes the least recently used first
             wheels.append(_wheel(str(kept)))
     return wheels
 
@@ -505,4 +516,24 @@ def trim(nodes: list[Node], cs: ClusterSettings | None = None) -> dict[str, list
                                               keys=old, before=before)["removed"]  # fmt: skip
         except Exception as exc:  # a node that does not answer keeps its envs until the next trim
             out[node.name] = [f"error: {exc}"]
+    return out
+
+
+def trim_uv_caches(nodes: list[Node], cs: ClusterSettings | None = None) -> dict[str, dict]:
+    """Hold each node's uv cache (once per shared working directory) under UV_CACHE_SHARE of the node's cache
+    limit (cluster/node/envs.py op_env_cache_trim: `uv cache prune`, then the whole cache, only while no build
+    runs there): node -> its answer, or {"error": why} (a node that does not answer keeps its cache until the
+    next trim)."""
+    from cluster import cache as limits
+
+    cs = cs or ClusterSettings.load()
+    out: dict[str, dict] = {}
+    for group in limits.stores(nodes):
+        node = group[0]
+        try:
+            limit = int(min(limits.node_limit(n, cs) for n in group) * UV_CACHE_SHARE)
+            out[node.name] = node_request(node, "env_cache_trim", timeout=REQUEST_TIMEOUT_S * 10,
+                                          workdir=node.workdir, limit=limit)  # fmt: skip
+        except Exception as exc:
+            out[node.name] = {"error": str(exc)}
     return out

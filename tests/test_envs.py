@@ -287,3 +287,66 @@ def shown_by_surface(node: str, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdout", shown)
     assert cli.run(["node", "envs", node]) == 0
     assert shown.getvalue().splitlines()[0] == lines[0]
+
+
+def test_uv_cache_unpacks_a_wheel_once_per_node_and_the_trims_bound_it_and_the_controllers_wheels(
+    tmp_path, wheels, recorded
+):
+    """uv's cache beside the store: two environments sharing a wheel hold one unpacked copy (hard links); the trim
+    bounds that cache only while no build runs, and the environments keep their files; the controller's wheel
+    cache is trimmed under its store limit, never a wheel a live job's lock pins."""
+    import fcntl
+    import time
+
+    from cluster.models import ClusterSettings
+    from jobs import cache, envs
+    from jobs.models import Job
+
+    (a,) = local_nodes({"a": tmp_path / "wa"})
+    req = tmp_path / "requirements.txt"
+    req.write_text("tinya==1.0\n")
+    first = envs.prepare(job_with(req, "one"), [a])[a.pk]
+    req.write_text("tinya==1.0\ntinyb==2.0\n")
+    second = envs.prepare(job_with(req, "two"), [a])[a.pk]
+    assert first != second
+    files = [next(Path(p).glob("lib/python*/site-packages/tinya/__init__.py")) for p in (first, second)]
+    assert files[0].stat().st_ino == files[1].stat().st_ino  # tinya unpacked once: both link uv's copy
+    ugro = tmp_path / "wa/.ugro"
+    assert len(list((ugro / "uv-wheels").iterdir())) == 2 and (ugro / "uv-cache").is_dir()
+
+    cs = ClusterSettings.load()
+    assert envs.trim_uv_caches([a], cs)["a"]["removed"] is False  # far under 1/4 of the default 50GB
+    cs.paths = {**(cs.paths or {}), "cache_limit": "4B"}
+    cs.save()
+    fd = os.open(ugro / "uv-cache.lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # as a build holds it
+    try:
+        assert envs.trim_uv_caches([a], cs)["a"] == {"busy": True}
+        assert (ugro / "uv-cache").is_dir() and (ugro / "uv-wheels").is_dir()
+    finally:
+        os.close(fd)
+    got = envs.trim_uv_caches([a], cs)["a"]
+    assert got["removed"] is True and got["before"] > got["limit"] == 1 and got["after"] == 0
+    assert not (ugro / "uv-cache").exists() and not (ugro / "uv-wheels").exists()
+    assert not [p for p in os.listdir(ugro) if ".gone-" in p]
+    for path in (first, second):  # the environments keep their files (they were links)
+        out = subprocess.run([f"{path}/bin/python", "-c", "import tinya; print(tinya.VERSION)"], capture_output=True,
+                             text=True)  # fmt: skip
+        assert out.stdout.strip() == "1.0", out.stderr
+    req.write_text("tinyb==2.1\n")
+    envs.prepare(job_with(req, "three"), [a])  # a build after the trim makes the cache again
+    assert (ugro / "uv-cache").is_dir()
+
+    # the controller's wheels: over paths.store_limit, the least recently used go, never one a live job pins
+    Job.objects.filter(name="two").update(state=Job.State.RUNNING)
+    Job.objects.exclude(name="two").update(state=Job.State.SUCCEEDED)
+    old = time.time() - 3600
+    for whl in envs.cache_dir().iterdir():
+        os.utime(whl, (old, old))
+    done = cache.trim_controller(limit=1)
+    assert done["wheels"] == 1 and sorted(os.listdir(envs.cache_dir())) == [
+        "tinya-1.0-py3-none-any.whl",
+        "tinyb-2.0-py3-none-any.whl",
+    ]  # tinyb 2.1 went; tinya 1.0 and tinyb 2.0 are job two's
+    Job.objects.filter(name="two").update(state=Job.State.SUCCEEDED)
+    assert cache.trim_controller(limit=1)["wheels"] == 2 and not os.listdir(envs.cache_dir())

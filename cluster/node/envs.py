@@ -7,22 +7,73 @@
 # from the network here (uv runs with --no-index, offline, never downloading a Python). An environment is built
 # aside (<key>.part-<host>-<pid>) and moved into place whole once its record (.ugro-env.json) is written in it:
 # a build cut off midway leaves a part, never an environment; the part is removed by the next build of the key.
+#
+# uv's own cache lives beside the store (<workdir>/.ugro/uv-cache): each wheel is unpacked there once per node and
+# every environment's files are hard links to it. uv knows a local wheel by its path and its ctime, so each wheel
+# is read from one fixed link per sha256 (<workdir>/.ugro/uv-wheels/<sha256>/<file>, made once, never touched
+# after). Builds hold <workdir>/.ugro/uv-cache.lock shared; the trim (op_env_cache_trim) takes it alone, so it never
+# removes the cache under a build.
+import fcntl
 import json
 import os
 import shutil
 import socket
+import stat as _env_stat
 import subprocess
 import sysconfig
 import time
+import urllib.request
 import zipfile
 
 _ENV_RECORD = ".ugro-env.json"  # in a whole environment: what it was built from (written last, before the move)
 _ENV_USED = ".ugro-env-used"  # its mtime: the last launch that used it
 _ENV_BUILD_S = 3600.0
+_ENV_CACHE = "uv-cache"  # beside envs/ and the store: uv's cache (UV_CACHE_DIR)
+_ENV_WHEELS = "uv-wheels"  # <sha256>/<wheel's file name>: the one path uv knows each wheel by
+_ENV_CACHE_LOCK = "uv-cache.lock"
 
 
 def _env_root(workdir):
     return os.path.join(os.path.abspath(os.path.expanduser(workdir)), ".ugro", "envs")
+
+
+def _env_ugro(workdir):
+    return os.path.dirname(_env_root(workdir))
+
+
+def _env_cache_lock(workdir, shared, wait=True):
+    """The uv cache's lock: shared by builds, alone by the trim; its fd, or None when not had (wait=False)."""
+    ugro = _env_ugro(workdir)
+    os.makedirs(ugro, exist_ok=True)
+    fd = os.open(os.path.join(ugro, _ENV_CACHE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _env_wheel_link(ugro, obj, sha, name):
+    """The wheel's fixed path (<ugro>/uv-wheels/<sha256>/<name>), linked to the store's object once: uv's cache
+    knows a local wheel by its path and ctime, and a new link would change the ctime and unpack it again."""
+    folder = os.path.join(ugro, _ENV_WHEELS, sha)
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+        return path
+    if not os.path.isfile(obj):
+        raise AgentError("%s (object %s) is not in the store" % (name, sha[:12]))  # noqa: F821
+    os.makedirs(folder, exist_ok=True)
+    tmp = "%s.part-%s-%d" % (path, socket.gethostname(), os.getpid())
+    try:
+        os.link(obj, tmp)
+    except OSError:
+        shutil.copyfile(obj, tmp)
+    if os.path.isfile(path):  # another build linked it meanwhile: keep that one (its ctime is what uv knows)
+        os.unlink(tmp)
+    else:
+        os.replace(tmp, path)
+    return path
 
 
 def _env_key(key):
@@ -210,34 +261,37 @@ def _env_build(req):
     uv = _env_uv(root, store, req["uv"])
     part = "%s.part-%s-%d" % (env_dir, socket.gethostname(), os.getpid())
     t0 = time.time()
+    lock = _env_cache_lock(req["workdir"], shared=True)  # the trim does not remove uv's cache under a build
     try:
         os.makedirs(part)
         wheels = os.path.join(part, ".wheels")
         os.makedirs(wheels)
         obj_root = os.path.abspath(os.path.expanduser(store))
+        ugro = _env_ugro(req["workdir"])
+        lines = []
         for w in req["wheels"]:
             name = os.path.basename(str(w["file"]))
             if not name.endswith(".whl") or name.startswith("."):
                 raise AgentError("not a wheel's name: %r" % name)  # noqa: F821
-            obj = os.path.join(obj_root, _xfer_sha(w["sha256"]))  # noqa: F821
-            _sync_touch(obj)  # noqa: F821
-            try:
-                os.link(obj, os.path.join(wheels, name))
-            except FileNotFoundError:
-                raise AgentError("%s (object %s) is not in the store" % (name, w["sha256"][:12])) from None  # noqa: F821
-            except OSError:
-                shutil.copyfile(obj, os.path.join(wheels, name))
+            sha = _xfer_sha(w["sha256"])  # noqa: F821
+            # (the object is not touched: its ctime is the fixed link's; linked there, no store trim takes it)
+            path = _env_wheel_link(ugro, os.path.join(obj_root, sha), sha, name)
+            os.utime(os.path.dirname(path))  # the wheel's last use (the trim's order); its file keeps its ctime
+            lines.append("%s @ file://%s\n" % (w["name"], urllib.request.pathname2url(path)))
         reqs = os.path.join(wheels, "requirements.txt")
         with open(reqs, "w") as fh:
-            fh.write("".join("%s==%s\n" % (p[0], p[1]) for p in req["pins"]))
-        env = dict(os.environ, UV_NO_CACHE="1", UV_OFFLINE="1", UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1",
-                   UV_LINK_MODE="copy", NO_COLOR="1")  # fmt: skip
+            fh.write("".join(lines))
+        # uv's own cache beside the store: each wheel unpacked once per node, and every environment's files hard
+        # links to it (uv's default on Linux), so a second environment with the same torch costs links, not
+        # another GB written
+        env = dict(os.environ, UV_CACHE_DIR=os.path.join(ugro, _ENV_CACHE), UV_OFFLINE="1",
+                   UV_PYTHON_DOWNLOADS="never", UV_NO_CONFIG="1", NO_COLOR="1")  # fmt: skip
         env.pop("VIRTUAL_ENV", None)
         venv = os.path.join(part, "env")
         _env_run([uv, "venv", "--quiet", "--relocatable", "--python", req["python"], venv], env,
                  "creating the environment")  # fmt: skip
         _env_run([uv, "pip", "install", "--quiet", "--python", os.path.join(venv, "bin", "python"), "--no-index",
-                  "--find-links", wheels, "-r", reqs],
+                  "-r", reqs],
                  env, "installing the packages")  # fmt: skip
         record = {"key": key, "built": time.time(), "seconds": round(time.time() - t0, 3),
                   "wheels": [{"name": _env_norm(w["name"]), "version": w["version"], "sha256": w["sha256"]}
@@ -252,6 +306,7 @@ def _env_build(req):
                 raise
     finally:
         shutil.rmtree(part, ignore_errors=True)
+        os.close(lock)
     return dict(_env_state(env_dir), kept=False, seconds=round(time.time() - t0, 3))
 
 
@@ -319,6 +374,84 @@ def op_env_remove(req):
     return {"removed": removed}
 
 
+def _env_cache_held(ugro):
+    """The bytes uv's cache alone keeps: its files no environment links (one link: the cache's), and the wheels
+    it links from the store (each keeps its store object from the store's trim)."""
+    total, seen = 0, set()
+    for sub, alone in ((_ENV_CACHE, True), (_ENV_WHEELS, False)):
+        for base, _dirs, files in os.walk(os.path.join(ugro, sub)):
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(base, name))
+                except OSError:
+                    continue
+                if st.st_ino in seen or not _env_stat.S_ISREG(st.st_mode) or (alone and st.st_nlink > 1):
+                    continue
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+    return total
+
+
+def _env_uv_here(ugro):
+    """The newest uv binary the builds here were given (<envs>/.uv/<sha256>/uv), or None."""
+    base = os.path.join(ugro, "envs", ".uv")
+    found = []
+    try:
+        for sha in os.listdir(base):
+            path = os.path.join(base, sha, "uv")
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                found.append((os.stat(path).st_mtime, path))
+    except OSError:
+        pass
+    return max(found)[1] if found else None
+
+
+def op_env_cache_trim(req):
+    """Bring uv's cache beside the store (uv-cache, and the wheels' fixed links, uv-wheels) under req['limit']
+    bytes of what it alone keeps: `uv cache prune` first (entries no longer reachable), then, still over, the whole
+    cache moved aside and deleted (the environments keep their files: hard links; the next build unpacks again).
+    Only when no build runs here: else {"busy": True}, nothing done."""
+    ugro = _env_ugro(req["workdir"])
+    limit = int(req["limit"])
+    if limit <= 0:
+        raise AgentError("refused: a uv cache limit of %d bytes" % limit)  # noqa: F821
+    if not any(os.path.isdir(os.path.join(ugro, d)) for d in (_ENV_CACHE, _ENV_WHEELS)):
+        return {"busy": False, "before": 0, "after": 0, "limit": limit, "pruned": False, "removed": False}
+    fd = _env_cache_lock(req["workdir"], shared=False, wait=False)
+    if fd is None:
+        return {"busy": True}
+    gone = []
+    try:
+        before = after = _env_cache_held(ugro)
+        done = {"busy": False, "before": before, "limit": limit, "pruned": False, "removed": False}
+        uv = _env_uv_here(ugro) if before > limit else None
+        if uv and os.path.isdir(os.path.join(ugro, _ENV_CACHE)):
+            env = dict(os.environ, UV_CACHE_DIR=os.path.join(ugro, _ENV_CACHE), UV_OFFLINE="1", UV_NO_CONFIG="1",
+                       NO_COLOR="1")  # fmt: skip
+            try:
+                proc = subprocess.run([uv, "cache", "prune", "--quiet"], stdin=subprocess.DEVNULL,
+                                      capture_output=True, env=env, timeout=600)  # fmt: skip
+                done["pruned"] = proc.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            after = _env_cache_held(ugro)
+        if after > limit:
+            for sub in (_ENV_CACHE, _ENV_WHEELS):
+                path = os.path.join(ugro, sub)
+                if os.path.isdir(path):
+                    aside = "%s.gone-%s-%d" % (path, socket.gethostname(), os.getpid())
+                    os.rename(path, aside)  # out of use at once, whole; deleted after the lock is let go
+                    gone.append(aside)
+            done["removed"] = True
+            after = 0
+        done["after"] = after
+    finally:
+        os.close(fd)
+    for aside in gone:
+        shutil.rmtree(aside, ignore_errors=True)
+    return done
+
+
 EXTRA_OPS = dict(globals().get("EXTRA_OPS") or {})
 EXTRA_OPS.update({"env_info": op_env_info, "env_build": op_env_build, "env_list": op_env_list,
-                  "env_remove": op_env_remove})  # fmt: skip
+                  "env_remove": op_env_remove, "env_cache_trim": op_env_cache_trim})  # fmt: skip
