@@ -33,6 +33,7 @@ from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
 from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, envs, report, retention, sync
+from jobs.energy import energy_record
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -108,6 +109,7 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "duration_s": job.duration(),
         "failure_kind": job.failure_kind,
         "failure_reason": job.failure_reason,
+        "energy": energy_record(job),
     }
 
 
@@ -140,6 +142,7 @@ def job_detail(job: Job) -> dict:
         "lines": report.job_detail(job),
         "code": report.code_record(job),
         "retention": retention.summary(job),
+        "scale_probe": report.probe_record(job),  # each node count's samples/s and the count chosen
     }
 
 

@@ -29,7 +29,7 @@ from metrics.files import check_paths
 from metrics.models import JobMetrics
 from metrics.parsing import compile_pattern
 
-from . import cache, checkpoints, data, lifecycle, locks, network, retention, spec, sync
+from . import cache, checkpoints, data, lifecycle, locks, network, retention, scale_probe, spec, sync
 from . import envs as environments
 from .batches import parse_weights, split_batch
 from .failure import Failure, FailureKind
@@ -365,6 +365,7 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
     per_gpu = req.batch_per_gpu or training.get("batch_size_per_gpu")
     keep = check("keep", retention.resolve, req.keep, training)  # the cluster's default is taken now, once
     check("batch_weights", _check_batches, req, per_gpu)
+    probe_s = check("scale_probe", scale_probe.seconds_for, req.scale_probe, training)
     if problems:
         raise LaunchError(problems=problems)
 
@@ -382,7 +383,8 @@ def build_job(req: LaunchRequest) -> tuple[Job, str, list[str]]:
         script=script,
         script_args=args,
         params={"model": req.model or None, "dataset": req.dataset or None, "epochs": req.epochs, "lr": req.lr,
-                "extra": extra, **_batch_params(per_gpu, "auto" if req.batch_weights_auto else req.batch_weights)},
+                "extra": extra, **_batch_params(per_gpu, "auto" if req.batch_weights_auto else req.batch_weights),
+                **({"scale_probe_s": probe_s} if probe_s else {})},
         requested_nodes=list(req.nodes),
         requested_count=None if req.nodes or req.gpus else count,
         nproc_per_node=req.nproc_per_node,
@@ -483,12 +485,15 @@ def _batch_params(per_gpu: Any, weights: dict[str, float] | str) -> dict[str, An
     return out
 
 
-def assign_batches(job: Job, ranks: list[Rank]) -> None:
+def assign_batches(job: Job, ranks: list[Rank], measured: dict[str, float] | None = None) -> None:
     """Each rank's local batch (per GPU) and weight, set on the rank objects (rank_env and rank_command
-    read them): in proportion to its node's batch weight when the job has weights, else even."""
+    read them): in proportion to its node's batch weight when the job has weights, else even. measured: the
+    weights its scale probe measured (--batch-weights auto)."""
     per_gpu = (job.params or {}).get("batch_per_gpu")
     weights = (job.params or {}).get("batch_weights") or {}
-    if weights == "auto":  # learned when placed: the nodes are known only now
+    if weights == "auto" and measured and per_gpu:
+        weights = measured
+    elif weights == "auto":  # learned when placed: the nodes are known only now
         weights = learned_speeds(job.script, [r.node for r in ranks]) if per_gpu else {}
         if not weights:
             weights = {r.node.name: 1.0 for r in ranks}  # nothing learned yet: an even split, said so
@@ -824,6 +829,47 @@ def _prepare(job: Job, ranks: list[Rank]) -> dict[int, str] | None:
     return bases
 
 
+def _probe_scaling(job: Job, ranks: list[Rank], bases: dict[int, str]) -> tuple[list[Rank], dict] | None:
+    """With --scale-probe, the job's first steps on 1..N of its nodes (jobs/scale_probe.py): the ranks it then runs
+    on (the first K; the others freed) and the batch weights measured for --batch-weights auto ({}: none).
+    The ranks as they are without a probe, or when it cannot run (its one line is recorded); None when the job
+    left STARTING meanwhile."""
+    params = job.params or {}
+    seconds = params.get("scale_probe_s")
+    if not seconds:
+        return ranks, {}
+    if len(ranks) < 2:
+        scale_probe.skipped(job, "scale probe did not run: the job has one node; runs as asked")
+        return ranks, {}
+    per_gpu = params.get("batch_per_gpu")
+
+    def build(rank: Rank, count: int, rdzv_id: str, scratch: str) -> scale_probe.ProbeStart:
+        rank.local_batch, rank.batch_weight = per_gpu, None  # the probe runs the even split
+        argv, index = rank_command_and_script_index(job, rank, count, job.rdzv_endpoint, bases[rank.node_id])
+        real_dir = job_dir_on(job, rank.node)
+        argv = [f"--rdzv-id={rdzv_id}" if a == f"--rdzv-id={job.tag}" else a for a in argv[:index]] + [
+            a.replace(real_dir, scratch) for a in argv[index:]
+        ]  # its outputs go to a scratch directory, never the job's
+        env = {**rank_env(job, rank), "UGRO_JOB_DIR": scratch, "UGRO_SCALE_PROBE": str(count)}
+        workers = job.nproc_per_node or len(rank.gpu_indices) or 1
+        return scale_probe.ProbeStart(argv, index, env, bases[rank.node_id], workers, per_gpu)
+
+    probe = scale_probe.run_probe(job, ranks, seconds, build, forced=bool(job.nodes_asked),
+                                  floor=job.min_nodes or 1)  # fmt: skip
+    if probe is None:
+        return None
+    kept = ranks[: probe["chosen"]]
+    if len(kept) < len(ranks) and not lifecycle.shrink_starting(job, kept):
+        return None
+    weights = {}
+    if params.get("batch_weights") == "auto" and per_gpu:
+        weights = scale_probe.weights_from(probe["rows"], [r.node.name for r in kept])
+        if weights:
+            probe["weights"] = weights
+            scale_probe.record(job, probe)
+    return kept, weights
+
+
 def _launch(job: Job) -> Job:
     ranks = list(job.ranks.select_related("node", "job").order_by("index"))
     assign_batches(job, ranks)
@@ -855,8 +901,14 @@ def _launch(job: Job) -> Job:
         return job
     with lifecycle.StillStarting(job):  # minutes for tens of GB, or a CUDA torch to build: the launch lives
         bases = _prepare(job, ranks)
-    if bases is None:
+        placed = _probe_scaling(job, ranks, bases) if bases is not None else None
+    if bases is None or placed is None:
         return job
+    if placed[0] is not ranks or placed[1]:
+        ranks = placed[0]
+        assign_batches(job, ranks, placed[1])
+        Rank.objects.bulk_update(ranks, ["batch_weight"])
+        write_job_config(job, ranks)
     # Every rank's command and environment built here, not in the start threads: the database reads they need
     # (the job's code, its checkpoint) would open a connection per thread (16 nodes: 16 connections at once).
     commands = {r.pk: rank_command_and_script_index(job, r, len(ranks), job.rdzv_endpoint, bases[r.node_id])

@@ -137,6 +137,28 @@ class Started:
     boot_id: str = ""
 
 
+def shrink_starting(job: Job, kept: list[Rank]) -> bool:
+    """A STARTING job that will run on fewer nodes than it was given (its scale probe measured them faster,
+    jobs/scale_probe.py): its other ranks, which never started, are removed and their GPUs freed in one
+    transaction. False, nothing changed, if the job left STARTING meanwhile."""
+    keep = {r.pk for r in kept}
+    with transaction.atomic():  # the job's row, then its attempt's, then its ranks'
+        if not Job.objects.select_for_update().filter(pk=job.pk, state=Job.State.STARTING).exists():
+            job.refresh_from_db()
+            return False
+        Attempt.objects.select_for_update().filter(pk=job.current_id).first()
+        dropped = list(job.ranks.select_for_update().exclude(pk__in=keep).filter(state=Rank.State.PENDING))
+        nodes = [r.node_id for r in dropped]
+        job.allocations.filter(active=True, node_id__in=nodes).update(active=False)
+        Rank.objects.filter(pk__in=[r.pk for r in dropped]).delete()
+        held = job.allocations.filter(active=True).count()
+        Attempt.objects.filter(pk=job.current_id).update(held_gpus=held)
+        job.current.held_gpus = held
+    log.warning("job %s: runs on %d nodes, %d freed by its scale probe", job.name, len(kept), len(dropped))
+    transaction.on_commit(lambda: send_task("jobs.tasks.schedule_jobs"))  # the freed GPUs may start a queued job
+    return True
+
+
 def ranks_started(job: Job, started: list[Started], spread: float | None) -> bool:
     """Record the started ranks and move STARTING -> RUNNING; False if the job left STARTING meanwhile
     (cancelled, or timed out by the reconciler): whoever moved it stops the processes."""

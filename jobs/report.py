@@ -17,10 +17,12 @@ from metrics.series import metric_names
 
 from . import sync
 from .data import summary as data_summary
+from .energy import energy_record, job_energy
 from .envs import summary as env_summary
 from .models import Checkpoint, Job, JobCode
 from .retention import summary as retention_summary
 from .retention import summary_text as retention_text
+from .scale_probe import summary_lines as probe_lines
 
 
 def get_job(name: str) -> Job:
@@ -158,6 +160,7 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "finished_at": _when(job.finished_at),
         "age_s": round((now - job.created_at).total_seconds(), 1),
         "duration_s": round(job.duration(), 1) if job.duration() is not None else None,
+        "energy": energy_record(job),  # its GPUs' (and hosts') energy and cost, each attempt's (docs/power.md)
         "waits_for_nodes": list(job.wait_nodes) if job.state == Job.State.QUEUED else [],
         "failure": None
         if not job.failure_reason
@@ -202,7 +205,13 @@ def job_record(job: Job) -> dict:
         ],
         "code": code_record(job),
         "retention": retention_summary(job),  # what --keep kept and freed (jobs/retention.py)
+        "scale_probe": probe_record(job),  # --scale-probe: each node count's samples/s, the count chosen
     }
+
+
+def probe_record(job: Job) -> dict | None:
+    """The current attempt's scale probe (jobs/scale_probe.py), None when it had none."""
+    return (job.current.scale_probe or None) if job.current_id else None
 
 
 def code_record(job: Job) -> dict | None:
@@ -365,6 +374,9 @@ def job_detail(job: Job) -> list[str]:
             f"  rank {r.index} on {r.node.name:14} {gpus:12} {r.state:8} exit {r.exit_text():>6}  "
             f"{r.log_lines} lines ({r.log_offset} bytes)"
         )
+    if job.started_at:
+        out.append(f"  energy{'' if job.is_ended else ' so far'} {job_energy(job).text()}")
+    out.extend(f"  {line}" for line in probe_lines(probe_record(job)))
     out.extend(code_lines(job))
     if kept := retention_text(job):
         out.append(f"  {kept}")

@@ -26,7 +26,7 @@ from metrics.final import final_loss, format_value
 from metrics.models import LAST_FIRST, FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from . import lifecycle, recovery, report, retention
+from . import energy, lifecycle, recovery, report, retention
 from .batches import parse_weights
 from .launch import LaunchError, LaunchRequest, build_job
 from .limits import parse_duration, parse_size_mb
@@ -186,6 +186,8 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         waiting=report.waiting_text(job) if job.state == Job.State.QUEUED and job.wait_nodes else "",
         code=report.code_record(job),
         retention_text=retention.summary_text(job),
+        energy=energy.job_energy(job) if job.started_at else None,  # so far, while it runs (docs/power.md)
+        scale_probe=report.probe_record(job),
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)
@@ -214,6 +216,7 @@ def sweep_detail(request: HttpRequest, pk: int) -> HttpResponse:
         r.cells = [r.params.get(k, "") for k in names]
         r.final_text = format_value(r.final) if r.final is not None else "—"
         r.best_text = format_value(r.best) if r.best is not None else "—"
+        r.energy = energy.job_energy(r.job)  # energy per trial (docs/power.md)
     return render(
         request,
         "jobs/sweep.html",
@@ -417,7 +420,9 @@ class LaunchForm(forms.Form):
         required=False, max_length=2000, label="Batch weights", help_text="uneven GPUs: NODE=WEIGHT,... or auto"
     )
     scale_probe = forms.CharField(
-        required=False, max_length=20, label="Scale probe",
+        required=False,
+        max_length=20,
+        label="Scale probe",
         help_text="a duration per node count (60s): run on the node count measured fastest; off: none",
     )
     retry = forms.CharField(
@@ -601,9 +606,12 @@ def api_system(request: HttpRequest, pk: int) -> JsonResponse:
     if start is None or not ranks:
         return JsonResponse({"job": job.pk, "metrics": []})
     until = max(job.finished_at or timezone.now(), start + timedelta(minutes=1))
-    gpus = {r.node_id: set(range(job.nproc_per_node)) for r in ranks} if job.nproc_per_node else None
+    # the GPUs it held: its power curve is theirs, as its energy is
+    gpus = {r.node_id: set(r.gpu_indices) for r in ranks if r.gpu_indices} or (
+        {r.node_id: set(range(job.nproc_per_node)) for r in ranks} if job.nproc_per_node else None
+    )
     data = history([r.node for r in ranks], start, until, buckets=400, gpus=gpus)
-    return JsonResponse({"job": job.pk, **data})
+    return JsonResponse({"job": job.pk, **data, "energy": energy.job_energy(job).to_dict()})
 
 
 @require_GET

@@ -12,6 +12,8 @@ from jobs.launch import LaunchError, LaunchRequest
 from jobs.lifecycle import wait_final
 from jobs.logs import job_settled, rank_lines
 from jobs.models import Job
+from jobs.report import probe_record
+from jobs.scale_probe import summary_lines as probe_lines
 from jobs.scheduler import hand_to_worker
 from jobs.snapshot import queue
 from jobs.spec import LAUNCH, MAX_FILE_BYTES, SpecError, add_arguments, read_text, sync_path, to_yaml, with_typed
@@ -94,6 +96,8 @@ class Command(UserCommand):
             raise CommandError(f"job {job.name} failed: {job.failure_reason}")
         where = ", ".join(f"rank {r.index} on {r.node.name}" for r in job.ranks.select_related("node"))
         self.stdout.write(f"job {job.name} {job.state}" + (f": {where}" if where else ""))
+        for line in probe_lines(probe_record(job)):
+            self.stdout.write(line)
 
     def _finish(self, job: Job) -> None:
         spread = f", rank start spread {job.launch_spread_s * 1000:.0f} ms" if job.launch_spread_s else ""
@@ -112,6 +116,7 @@ class Watcher:
         self.job, self.out = job, out
         self.offsets: dict[int, int] = {}
         self.why, self.why_at = "", -self.WAIT_POLL_S
+        self.probe_shown: list[str] = []
 
     def run(self) -> Job:
         job, state, t0 = self.job, None, time.monotonic()
@@ -130,12 +135,21 @@ class Watcher:
                 if why and why != self.why:
                     self.why = why
                     self.out.write(f"[{time.monotonic() - t0:6.1f}s] {job.name} waits {why}")
+            self._print_probe(job)
             settled = job_settled(job)
             self._print_new_lines(job)
             if settled:
                 job.refresh_from_db()
                 return job
             time.sleep(0.3)
+
+    def _print_probe(self, job: Job) -> None:
+        """The scale probe's table as it grows (jobs/scale_probe.py), each new state of it once."""
+        lines = probe_lines(probe_record(job))
+        if lines and lines != self.probe_shown:
+            self.probe_shown = lines
+            for line in lines:
+                self.out.write(line)
 
     def _print_new_lines(self, job: Job) -> None:
         for rank in job.ranks.order_by("index"):
