@@ -21,6 +21,9 @@ The rules, in the manner of Slurm's backfill scheduler:
   waits with reason "quota".
 - A retry after a lost node (without --min-nodes, or too few nodes left) waits with reason "node" until
   that node answers again: it takes no GPUs and holds no reservation meanwhile.
+- An asleep node (cluster/power.py) counts as free, but only for a job that fits with it and not without it:
+  that job does not start but waits with reason "waking" ("waking gpu2 (40 s)"), its GPUs held for it in the
+  pass, and the scheduler wakes the node (Decision.wake); it starts once the node answers.
 - With preemption on (Limits.preempt, off by default; Slurm's PreemptMode=REQUEUE): a job behind a
   reservation may also start on reserved GPUs past the reservation's start, "on loan"; when the
   reserved job could start if the loans were gone, the decision names the loans to requeue
@@ -49,6 +52,7 @@ class Reason:
     QUOTA = "quota"  # its owner's GPU quota, or its sweep's max concurrent trials
     DEPENDENCY = "dependency"  # it starts after another job succeeded (--after)
     NODE = "node"  # a retry after a lost node: it waits for that node to answer again
+    WAKING = "waking"  # it fits only with an asleep node: that node is woken, and the job starts when it answers
     NO_FIT = "resources"  # not enough eligible GPUs are up at all (nodes down or disabled)
 
 
@@ -64,6 +68,7 @@ class Slot:
     busy: bool = False  # held right now
     reserved_from: float = INF  # the earliest binding reservation on it
     loan: tuple[int, tuple] | None = None  # (job, its queue order key) of a job on loan here: preemptible
+    asleep: bool = False  # its node sleeps (or is waking): taken only by a job that fits with it alone
 
 
 @dataclass
@@ -75,6 +80,7 @@ class NodeView:
     usable: bool = True
     slots: list[Slot] = field(default_factory=list)
     why_not: str = ""  # what keeps it from taking jobs ("down", "drained"), named in a waiting job's detail
+    waking_s: float | None = None  # asleep: None; waking: seconds since the wake was sent (its slots are asleep)
 
 
 @dataclass
@@ -148,6 +154,7 @@ class Decision:
     reserved: bool = False
     loan: bool = False  # starts on loan: preempted when the reservation it overlaps can start
     preempt: list[int] = field(default_factory=list)  # running jobs on loan to requeue so that this one starts
+    wake: list[int] = field(default_factory=list)  # asleep nodes to wake so that this one starts (Reason.WAKING)
 
 
 @dataclass
@@ -340,6 +347,7 @@ def plan(
     not_free: set[tuple] = set()  # shapes that do not fit the free GPUs even ignoring reservations
     no_loan: dict[tuple, float] = {}  # shape -> the shortest time limit that found no loan
     lend_from = now + limits.min_loan_s  # GPUs reserved from this time on may be lent
+    any_asleep = any(s.asleep for s in slots.values())
     for position, d in enumerate(order(queued, usage), start=1):
         dec = Decision(job=d.job, position=position)
         decisions.append(dec)
@@ -360,7 +368,9 @@ def plan(
         fit = None
         on_loan = False
         if free_now >= _count(d, nodes) and no_fit_now.get(shape, INF) > d.time_limit:
-            fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
+            fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from and not s.asleep)
+            if fit is None and any_asleep:  # only with an asleep node: it is woken for this job
+                fit = choose(d, nodes, lambda s, end=end: not s.busy and end <= s.reserved_from)
             if fit is None:
                 no_fit_now[shape] = d.time_limit
         if (
@@ -388,6 +398,13 @@ def plan(
                 f"its owner holds {held.get(d.owner, 0)} of at most {limits.quota_max_gpus} GPUs at once "
                 f"and it needs {count}"
             )
+            continue
+        if fit and any(s.asleep for _, f in fit for s in f):
+            _waking(dec, fit, end)
+            free_now -= count
+            held[d.owner] = held.get(d.owner, 0) + count
+            if d.group is not None:
+                group_running[d.group] = group_running.get(d.group, 0) + 1
             continue
         if fit:
             dec.start, dec.est_start, dec.loan = True, now, on_loan
@@ -458,6 +475,17 @@ def plan(
             not_free.add(shape)
             dec.reason, dec.detail = Reason.PRIORITY, "jobs ahead of it take the GPUs it needs"
     return decisions
+
+
+def _waking(dec: Decision, fit: list[tuple[NodeView, list[Slot]]], end: float) -> None:
+    """The job fits only with asleep nodes: it waits for them to wake, their GPUs held for it in this pass."""
+    sleepers = [n for n, f in fit if any(s.asleep for s in f)]
+    dec.reason, dec.wake = Reason.WAKING, [n.id for n in sleepers]
+    dec.detail = "waking " + ", ".join(f"{n.name} ({int(n.waking_s or 0)} s)" for n in sleepers)
+    dec.placement = [(n.id, [s.index for s in f if s.index != WHOLE_NODE]) for n, f in fit]
+    for _, f in fit:
+        for s in f:
+            s.busy, s.free_at = True, end
 
 
 def _later(a: float | None, b: float | None) -> float | None:

@@ -15,7 +15,7 @@ from django.db import transaction
 
 from ugro_site.celery import send_task
 
-from . import lifecycle
+from . import lifecycle, power
 from .failure import Failure, FailureKind
 from .launch import launch
 from .models import Job
@@ -37,7 +37,9 @@ def place_queued(only: list[int] | None = None) -> list[Job]:
     and their reservations.
     """
     snap = Snapshot()
-    starting = [d for d in snap.plan(estimates=False) if d.start and (only is None or d.job in only)]
+    decisions = snap.plan(estimates=False)
+    power.wake_for_queue(snap, decisions)  # asleep nodes a waiting job fits only with are woken for it
+    starting = [d for d in decisions if d.start and (only is None or d.job in only)]
     jobs = snap.jobs([d.job for d in starting])
     placed = []
     for decision in starting:

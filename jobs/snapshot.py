@@ -74,9 +74,14 @@ class Snapshot:
         self.nodes = []
         for n in sorted(self.node_rows.values(), key=Node.placement_key):
             rows = gpus.get(n.pk, [])
-            slots = [Slot(n.pk, g.index, g.vram_mb) for g in rows] or [Slot(n.pk, Allocation.WHOLE_NODE, 0.0)]
+            asleep = n.status in (Node.Status.ASLEEP, Node.Status.WAKING)  # woken for a job that needs it
+            slots = [Slot(n.pk, g.index, g.vram_mb, asleep=asleep) for g in rows] or [
+                Slot(n.pk, Allocation.WHOLE_NODE, 0.0, asleep=asleep)
+            ]
             why_not = "drained" if not n.enabled else "down" if n.status == Node.Status.DOWN else ""
-            self.nodes.append(NodeView(n.pk, n.name, not why_not, slots, why_not))
+            waking = n.status == Node.Status.WAKING and n.power_since is not None
+            waking_s = max(0.0, self.now - n.power_since.timestamp()) if waking else None
+            self.nodes.append(NodeView(n.pk, n.name, not why_not, slots, why_not, waking_s))
 
         held: dict[int, Running] = {}
         self.holders: dict[tuple[int, int], tuple[int, str]] = {}

@@ -13,7 +13,7 @@ from celery.signals import worker_shutting_down
 
 from ugro_site.celery import send_task
 
-from . import cache, lifecycle
+from . import cache, lifecycle, power
 from .follow import follow
 from .models import Job
 from .reconcile import TICK_LOOPS, reconcile
@@ -39,6 +39,12 @@ def _hand_back_on_shutdown(**_kwargs) -> None:
 def schedule_jobs() -> None:
     if schedule():
         send_task("jobs.tasks.follow_jobs")  # their first lines are copied now, not at beat's next tick
+
+
+@shared_task(ignore_result=True, expires=15)
+def sleep_idle_nodes() -> None:
+    """Beat's pass over the nodes with a power: block: the ones idle for their idle_after go to sleep."""
+    power.sleep_idle()
 
 
 @shared_task(ignore_result=True, acks_late=True)

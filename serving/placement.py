@@ -89,7 +89,7 @@ def place(replica: Replica) -> bool:
     slots = _slots(service.min_vram_mb)
     busy = set(Allocation.objects.filter(active=True).values_list("node_id", "gpu_index"))
     mine = list(Replica.objects.filter(service=service, state__in=Replica.HOLDING).values_list("node_id", flat=True))
-    nodes = [n for n in Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN)]
+    nodes = [n for n in Node.objects.filter(enabled=True).exclude(status__in=Node.NOT_ANSWERING)]
     nodes.sort(key=lambda n: (mine.count(n.pk), n.placement_key()))
     for node in nodes:
         free = [i for i in slots[node.pk] if (node.pk, i) not in busy]

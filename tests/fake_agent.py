@@ -22,6 +22,7 @@ class FakeNode:
     exits: dict[str, dict] = field(default_factory=dict)  # a rank's start key -> its exit record
     started: dict[str, str] = field(default_factory=dict)  # a rank's start key -> its job tag (record kept)
     requests: list[tuple[str, dict]] = field(default_factory=list)
+    exec_answer: dict = field(default_factory=lambda: {"rc": 0, "stdout": "", "stderr": ""})  # what `exec` returns
 
 
 class FakeCluster:
@@ -60,6 +61,15 @@ class _Link:
         if answer is None:
             raise AgentRequestError(f"the fake agent has no op {op!r}")
         return answer(**fields)
+
+    def close(self) -> None:
+        pass
+
+    def heard_again(self) -> None:
+        pass
+
+    def op_exec(self, argv: list[str], **_fields) -> dict:
+        return dict(self.node.exec_answer)
 
     def op_hello(self) -> dict:
         return {"version": "fake", "boot_id": self.node.boot_id, "time": 0.0}

@@ -163,6 +163,7 @@ CELERY_BEAT_SCHEDULE = {
     "scan-orphans": {"task": "jobs.tasks.scan_orphans", "schedule": ORPHAN_SCAN_EVERY_S},
     "tend-services": {"task": "serving.tasks.tend_services", "schedule": 5.0},
     "trim-caches": {"task": "jobs.tasks.trim_caches", "schedule": TRIM_CACHES_EVERY_S},
+    "sleep-idle-nodes": {"task": "jobs.tasks.sleep_idle_nodes", "schedule": 15.0},  # jobs/power.py
 }
 CELERY_BEAT_SCHEDULER = "ugro_site.celery:LockedScheduler"  # runs in every worker; one fires (bin/worker)
 

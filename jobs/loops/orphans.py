@@ -33,7 +33,7 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
 
 def kill_orphans(*, wait: bool = True) -> list[str]:
     """Kill processes tagged with a job that has ended (this controller's jobs only) and say so."""
-    nodes = Node.objects.filter(enabled=True).exclude(status=Node.Status.DOWN)
+    nodes = Node.objects.filter(enabled=True).exclude(status__in=Node.NOT_ANSWERING)
     with locks.held_each(locks.ORPHANS, nodes.values_list("pk", flat=True), wait=wait) as mine:
         return _kill_orphans(list(nodes.filter(pk__in=mine)))
 
