@@ -12,7 +12,7 @@ class JobsConfig(AppConfig):
         from cluster.monitor import set_job_context
         from ugro_site.celery import send_task
 
-        from . import data, envs, retention
+        from . import data, envs, retention, scale_probe
         from .node_jobs import node_jobs
 
         set_job_context(node_jobs)  # cluster's monitor polls the nodes that run a job faster
@@ -21,6 +21,7 @@ class JobsConfig(AppConfig):
         config_yaml.TRAINING_CHECKS["data"] = data.check_cluster_value  # training.data: data every job gets
         config_yaml.PATHS_CHECKS["env_ttl"] = check_env_ttl  # paths.env_ttl: how long an unused environment stays
         config_yaml.TRAINING_CHECKS["packages"] = envs.check_cluster_value  # training.packages: the default lock
+        config_yaml.TRAINING_CHECKS["scale_probe"] = scale_probe.check_cluster_value  # training.scale_probe
 
 
 def check_env_ttl(value) -> None:

@@ -44,9 +44,11 @@ class Needs:
     shas: dict[str, str] = field(default_factory=dict)
     jobs: dict[str, str] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # manifests of the controller's store -> why
+    wheels: dict[tuple[str, str], str] = field(default_factory=dict)  # (name, version) a job's lock pins -> why
 
     def merge(self, other: Needs) -> None:
-        for mine, theirs in ((self.shas, other.shas), (self.jobs, other.jobs), (self.digests, other.digests)):
+        for mine, theirs in ((self.shas, other.shas), (self.jobs, other.jobs), (self.digests, other.digests),
+                             (self.wheels, other.wheels)):  # fmt: skip
             for key, why in theirs.items():
                 mine.setdefault(key, why)
 
@@ -91,6 +93,8 @@ def needed(extra: Iterable[str] = (), why: str = "the delivery under way") -> Ne
             needs.digests.setdefault(digest, reason)
             for sha in _manifest_shas(digest):
                 needs.shas.setdefault(sha, reason)
+        for pin in ((code.envs or {}).get("lock") or {}).get("pins") or []:  # its --packages lock's wheels
+            needs.wheels.setdefault((envs.norm(pin[0]), pin[1]), reason)
     for hook in _hooks:
         needs.merge(hook())
     for sha in extra:
@@ -194,6 +198,7 @@ def trim_all() -> tuple[list[Trimmed], dict]:
     """The worker's pass: every enabled node's store that answers, and the controller's."""
     nodes = list(Node.objects.filter(enabled=True).exclude(status__in=Node.NOT_ANSWERING).order_by("pk"))
     envs.trim(nodes)  # environments no job used for paths.env_ttl (never one a live job names)
+    envs.trim_uv_caches(nodes)  # then uv's cache beside each store: what the removed envs linked may go
     return trim(nodes), trim_controller()
 
 
@@ -221,11 +226,12 @@ def _last(st: os.stat_result) -> float:
 
 
 def trim_controller(limit: int | None = None) -> dict:
-    """Bring the controller's store under its limit (paths.store_limit): its objects and the hash cache's entries,
-    least recently used first (an object's use: its own atime and mtime, and the newest launch or end of a job whose
+    """Bring the controller's store under its limit (paths.store_limit): its objects, the hash cache's entries and
+    the --packages wheel cache (<DATA_DIR>/envs/wheels, never a wheel a needed job's lock pins), least recently
+    used first (an object's use: its own atime and mtime, and the newest launch or end of a job whose
     snapshot names it), never an object of a needed job's snapshot or of a client's upload no job uses yet (for
     UPLOAD_KEEP_S). A manifest that names a removed object goes with it (a resume of that job says its snapshot is
-    gone). {"before", "after", "limit", "objects", "hashes", "manifests", "bytes"}, or {"busy": True}."""
+    gone). {"before", "after", "limit", "objects", "hashes", "wheels", "manifests", "bytes"}, or {"busy": True}."""
     with locks.held(locks.CACHE, CONTROLLER_KEY) as got:
         if not got:
             return {"busy": True}
@@ -238,10 +244,11 @@ def _trim_controller(limit: int) -> dict:
     manifests = {p.stem: (st, p) for p, st in _files(root / "manifests", "*.json")}
     uploads = {p.stem: (st, p) for p, st in _files(root / "uploads", "*.json")}
     hashes = [(st.st_size, _last(st), p) for p, st in _files(_hash_dir(), "*/*.json")]
-    before = (sum(o[0] for o in objects.values()) + sum(h[0] for h in hashes)
+    wheels = [(st.st_size, _last(st), p) for p, st in _files(envs.cache_dir(), "*.whl")]
+    before = (sum(o[0] for o in objects.values()) + sum(h[0] for h in hashes) + sum(w[0] for w in wheels)
               + sum(st.st_size for st, _ in [*manifests.values(), *uploads.values()]))  # fmt: skip
     done = {"busy": False, "before": before, "after": before, "limit": limit, "objects": 0, "hashes": 0,
-            "manifests": 0, "bytes": 0}  # fmt: skip
+            "wheels": 0, "manifests": 0, "bytes": 0}  # fmt: skip
     if before <= limit:
         return done
     needs = needed()
@@ -265,7 +272,9 @@ def _trim_controller(limit: int) -> dict:
         for sha in shas & last.keys():
             last[sha] = max(last[sha], when)
     queue = sorted([(last[sha], "object", sha) for sha in objects if sha not in kept]
-                   + [(h[1], "hash", str(h[2])) for h in hashes])  # fmt: skip
+                   + [(h[1], "hash", str(h[2])) for h in hashes]
+                   + [(w[1], "wheel", str(w[2])) for w in wheels  # (one fetched just now: a launch sends it)
+                      if envs.wheel_pin(w[2].name) not in needs.wheels and w[1] < now - limits.FRESH_S])  # fmt: skip
     removed: set[str] = set()
     for _when, kind, key in queue:
         if done["bytes"] >= before - limit:
@@ -281,7 +290,7 @@ def _trim_controller(limit: int) -> dict:
             done["objects"] += 1
             removed.add(key)
         else:
-            done["hashes"] += 1
+            done["hashes" if kind == "hash" else "wheels"] += 1
     for digest, shas in contents.items():
         if shas & removed and digest not in needs.digests:
             for path in (manifests[digest][1], uploads[digest][1] if digest in uploads else None):
@@ -294,9 +303,9 @@ def _trim_controller(limit: int) -> dict:
             done["manifests"] += 1
     done["after"] = before - done["bytes"]
     if done["bytes"]:
-        log.info("controller store trimmed: %s freed (%d objects, %d hash entries, %d manifests), %s of %s held",
-                 limits.human(done["bytes"]), done["objects"], done["hashes"], done["manifests"],
-                 limits.human(done["after"]), limits.human(limit))  # fmt: skip
+        log.info("controller store trimmed: %s freed (%d objects, %d hash entries, %d wheels, %d manifests), %s of "
+                 "%s held", limits.human(done["bytes"]), done["objects"], done["hashes"], done["wheels"],
+                 done["manifests"], limits.human(done["after"]), limits.human(limit))  # fmt: skip
     return done
 
 
