@@ -198,9 +198,11 @@ def _short(text: str) -> str:
     return (lines[-1] if lines else "")[:300]
 
 
-def put_to_sleep(node: Node, why: str) -> str:
-    """Run the node's sleep command through its agent; ASLEEP when it ran. PowerError (one line) when the node
-    cannot sleep; a command that fails leaves it awake with a "sleep" alert naming the command's error."""
+def put_to_sleep(node: Node, why: str, still_idle: Callable[[Node], bool] | None = None) -> str:
+    """Run the node's sleep command through its agent: ASLEEP. The node is marked ASLEEP first, so no scheduler
+    places a job on it meanwhile, and `still_idle` (the caller's check that nothing holds it) is asked after that;
+    PowerError (one line) when it cannot sleep. A command that fails leaves it awake, with a "sleep" alert naming
+    the command's error."""
     argv = shlex.split(node.power.get("sleep") or "")
     if not argv:
         raise PowerError(f"{node.name} has no power: block with a sleep command")
@@ -208,32 +210,44 @@ def put_to_sleep(node: Node, why: str) -> str:
         raise PowerError(f"{node.name} is the controller's own machine: UGRO does not put it to sleep")
     if node.status not in AWAKE:
         raise PowerError(f"{node.name} is {node.status}: only an awake node is put to sleep")
+    now = timezone.now()
+    reason = f"asleep since {_clock(now)} ({why})"[:500]
+    before = {"status": node.status, "status_reason": node.status_reason}
+    if not Node.objects.filter(pk=node.pk, status=node.status).update(
+        status=Node.Status.ASLEEP, status_reason=reason, power_since=now, idle_since=None
+    ):
+        raise PowerError(f"{node.name} changed state meanwhile; not put to sleep")
+    if still_idle is not None and not still_idle(node):
+        _awake_again(node, before, now)
+        raise PowerError(f"{node.name} took work meanwhile; not put to sleep")
     try:
         # the agent's exec gives a command SLEEP_COMMAND_TIMEOUT_S (its default) before it counts as failed
         out = node.link().request("exec", timeout=SLEEP_COMMAND_TIMEOUT_S + 10, argv=argv)
     except (LinkError, AgentRequestError) as exc:
         if not getattr(exc, "delivered", False):
+            _awake_again(node, before, now)
             raise PowerError(f"{node.name} did not take the sleep command: {exc}") from None
         out = None  # sent, and the link went as the machine did: asleep (a knock says so if not)
     if out is not None and out.get("rc") != 0:
         error = _short(out.get("stderr")) or _short(out.get("stdout")) or f"exit {out.get('rc')}"
         message = f"{node.name} did not go to sleep: {shlex.join(argv)} exited {out.get('rc')}: {error}"
+        _awake_again(node, before, timezone.now())  # idle again from now: tried after another idle spell
         alerts.open_alert(node, "sleep", Alert.Severity.WARNING, message)
-        Node.objects.filter(pk=node.pk).update(idle_since=timezone.now())  # tried again after another idle spell
         raise PowerError(message)
-    now = timezone.now()
-    reason = f"asleep since {_clock(now)} ({why})"[:500]
-    moved = Node.objects.filter(pk=node.pk, status__in=AWAKE).update(
-        status=Node.Status.ASLEEP, status_reason=reason, power_since=now, idle_since=None, breaker={},
-        health_checks=[], poll_lease_until=None,
-    )  # fmt: skip
+    Node.objects.filter(pk=node.pk, status=Node.Status.ASLEEP).update(
+        breaker={}, health_checks=[], poll_lease_until=None
+    )
     node.link().close()  # a sleeping machine answers nothing: the next request connects afresh after the wake
-    if moved:
-        alerts.resolve(node.alerts.filter(key="sleep", resolved_at__isnull=True))
-        _asleep_sample(node, now)
+    alerts.resolve(node.alerts.filter(key="sleep", resolved_at__isnull=True))
+    _asleep_sample(node, now)
     node.refresh_from_db()
     log.info("%s put to sleep (%s)", node.name, why)
     return reason
+
+
+def _awake_again(node: Node, before: dict[str, str], idle_since: datetime) -> None:
+    Node.objects.filter(pk=node.pk, status=Node.Status.ASLEEP).update(**before, power_since=None, idle_since=idle_since)
+    node.refresh_from_db()
 
 
 def wake(node: Node, why: str) -> str:
