@@ -136,6 +136,10 @@ class JobSerializer(serializers.Serializer):
     duration_s = serializers.FloatField(allow_null=True)
     failure_kind = serializers.CharField(allow_blank=True)
     failure_reason = serializers.CharField(allow_blank=True)
+    energy = serializers.JSONField(
+        help_text="its GPUs' energy (and hosts' CPU, where RAPL is readable) and cost, in all and per attempt; wh "
+        "null: not measured (docs/power.md)"
+    )
 
 
 class QueueEntrySerializer(JobSerializer):

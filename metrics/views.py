@@ -9,6 +9,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from jobs import report
+from jobs.energy import job_energy
 from jobs.models import Job
 from jobs.report import attempt_marks, human_duration
 
@@ -109,7 +110,12 @@ def compare(request: HttpRequest) -> HttpResponse:
     if metric not in names:
         metric = names[0] if names else "loss"
     rows = [
-        {"job": job, "duration": human_duration(job.duration(), empty="", sep=" "), **metric_facts(job, metric)}
+        {
+            "job": job,
+            "duration": human_duration(job.duration(), empty="", sep=" "),
+            "energy": job_energy(job),
+            **metric_facts(job, metric),
+        }
         for job in chosen
     ]
     return render(

@@ -26,7 +26,8 @@ from cluster.links import AGENT_FILES, AgentRequestError, Endpoint, NodeLink
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROBE_PATH = REPO_ROOT / "cluster" / "node" / "probe.py"
 SMI_DATA = Path(__file__).resolve().parent / "data" / "nvidia_smi"
-GPU_KEYS = {"index", "name", "uuid", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "driver"}
+GPU_KEYS = {"index", "name", "uuid", "util_percent", "mem_used_mb", "mem_total_mb", "temp_c", "power_w", "driver",
+            "energy_mj"}  # fmt: skip
 SAMPLE_KEYS = {
     "time",
     "hostname",
@@ -40,6 +41,8 @@ SAMPLE_KEYS = {
     "gpus",
     "gpu_source",
     "gpu_error",
+    "rapl",
+    "rapl_error",
     "job_procs",
     "workdir_id",
 }
@@ -54,6 +57,7 @@ FIXTURE_GPUS = [
         "temp_c": 54,
         "power_w": 41.23,
         "driver": None,  # the recorded query predates driver_version; the fixture file has none either
+        "energy_mj": None,  # nvidia-smi has no energy counter
     },
     {
         "index": 1,
@@ -65,6 +69,7 @@ FIXTURE_GPUS = [
         "temp_c": 33,
         "power_w": None,
         "driver": None,
+        "energy_mj": None,
     },
 ]
 # The python the local agent runs under: the node default when this machine has it.
@@ -293,6 +298,11 @@ def _fake_pynvml() -> types.SimpleNamespace:
             raise _NotSupported("Not Supported")
         return 41230
 
+    def energy(handle: int) -> int:
+        if handle == 1:
+            raise _NotSupported("Not Supported")
+        return 987_654_321  # millijoules since the driver loaded
+
     return types.SimpleNamespace(
         NVML_TEMPERATURE_GPU=0,
         nvmlInit=lambda: None,
@@ -307,18 +317,20 @@ def _fake_pynvml() -> types.SimpleNamespace:
         ),
         nvmlDeviceGetTemperature=lambda h, sensor: FIXTURE_GPUS[h]["temp_c"],
         nvmlDeviceGetPowerUsage=power,
+        nvmlDeviceGetTotalEnergyConsumption=energy,
         nvmlSystemGetDriverVersion=lambda: b"580.65.06",
     )
 
 
 def test_probe_nvml_reader(probe: types.ModuleType, no_gpu_tools: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given an importable pynvml whose second GPU does not support power readings
+    # Given an importable pynvml whose second GPU does not support power readings nor the energy counter
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
     # When the probe reads GPUs the default way
     sample = probe.op_probe({})
     # Then NVML is the source, units match nvidia-smi's, and the unsupported field is None
     assert sample["gpu_source"] == "nvml" and sample["gpu_error"] is None
-    assert sample["gpus"] == [dict(g, driver="580.65.06") for g in FIXTURE_GPUS]
+    energy = [987_654_321, None]
+    assert sample["gpus"] == [dict(g, driver="580.65.06", energy_mj=energy[i]) for i, g in enumerate(FIXTURE_GPUS)]
 
 
 def test_the_driver_version_is_read_from_nvidia_smi_too(probe: types.ModuleType) -> None:

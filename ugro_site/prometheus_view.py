@@ -13,14 +13,15 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.decorators import login_not_required
-from django.db.models import Count, OuterRef, Subquery
+from django.db.models import Count, OuterRef, Q, Subquery
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseForbidden
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cluster.models import GPU, Alert, HealthSample, Node
+from cluster.models import GPU, Alert, ClusterSettings, HealthSample, Node
+from jobs.energy import J_PER_WH, job_energy
 from jobs.models import Job
 from serving.models import Replica, Service
 from serving.stats import recent
@@ -114,6 +115,7 @@ class ClusterCollector:
                 1.0,
             )  # fmt: skip
         yield failed
+        yield from _energy(since)
 
         alerts = GaugeMetricFamily("ugro_alerts_open", "Open alerts by severity", labels=["severity"])
         open_counts = dict(
@@ -122,6 +124,28 @@ class ClusterCollector:
         for severity in Alert.Severity.values:
             alerts.add_metric([severity], float(open_counts.get(severity, 0)))
         yield alerts
+
+
+def _energy(since) -> Iterator[Metric]:
+    """Each live job's energy so far and each job's that ended since `since` (docs/power.md); none where not
+    measured (a series at 0 would say it cost nothing)."""
+    joules = GaugeMetricFamily(
+        "ugro_job_energy_joules", "Energy of the job's GPUs (and hosts' CPUs where RAPL is readable), all attempts, "
+        "so far while it runs; jobs live or ended in the last 24 h", labels=["job", "state"],
+    )  # fmt: skip
+    cost = GaugeMetricFamily("ugro_job_energy_cost", "That energy at cluster.yaml's power.price_per_kwh",
+                             labels=["job", "state", "currency"])  # fmt: skip
+    cs = ClusterSettings.load()
+    live = [*Job.LIVE_STATES, *Job.STOPPING_STATES]
+    jobs = Job.objects.filter(Q(state__in=live) | Q(current__finished_at__gte=since))
+    for job in jobs.order_by("-pk")[:100]:
+        e = job_energy(job, settings=cs)
+        if e.wh is not None:
+            joules.add_metric([job.name, job.state], e.wh * J_PER_WH)
+        if e.cost is not None:
+            cost.add_metric([job.name, job.state, e.currency], e.cost)
+    yield joules
+    yield cost
 
 
 REPLICA_LABELS = ["service", "replica", "node"]

@@ -31,7 +31,11 @@ PROBE_GPU_KEYS = (
     "temp_c",
     "power_w",
     "driver",
+    "energy_mj",
 )
+# CPU package energy (RAPL): readable by root only on most kernels since 5.10 (CVE-2020-8694); then not measured.
+PROBE_RAPL_ROOT = "/sys/class/powercap"
+PROBE_RAPL_ZONES_MAX = 16
 
 # The agent is long-lived: CPU use is the delta since the previous probe's /proc/stat reading.
 _probe_cpu_last = None
@@ -169,7 +173,7 @@ def parse_nvidia_smi_csv(text):
             row = row + [""]
         if len(row) != len(kinds):
             raise ValueError("unexpected nvidia-smi line: %r" % ", ".join(row))
-        gpu = {}
+        gpu = dict.fromkeys(PROBE_GPU_KEYS)  # nvidia-smi has no energy counter: energy_mj stays None
         for key, kind, raw in zip(PROBE_GPU_KEYS, kinds, row):
             gpu[key] = _probe_smi_value(raw, kind)
         gpus.append(gpu)
@@ -210,6 +214,8 @@ def _probe_read_nvml():
             mem = _probe_nvml_call(nv.nvmlDeviceGetMemoryInfo, h)
             temp = _probe_nvml_call(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
             power = _probe_nvml_call(nv.nvmlDeviceGetPowerUsage, h)  # milliwatts
+            # millijoules since the driver loaded (Volta and later); None where the GPU has no counter
+            energy = _probe_nvml_call(nv.nvmlDeviceGetTotalEnergyConsumption, h)
             gpus.append(
                 {
                     "index": i,
@@ -221,6 +227,7 @@ def _probe_read_nvml():
                     "temp_c": temp,
                     "power_w": round(power / 1000.0, 2) if power is not None else None,
                     "driver": driver,
+                    "energy_mj": energy,
                 }
             )
         return gpus
@@ -284,6 +291,42 @@ def _probe_gpus(reader):
         except RuntimeError as exc:
             errors.append(str(exc))
     return [], "none", "; ".join(errors)
+
+
+# -- CPU package energy ---------------------------------------------------------------------
+
+
+def _probe_read_int(path):
+    with open(path) as fh:
+        return int(fh.read().strip())
+
+
+def _probe_rapl(root=PROBE_RAPL_ROOT):
+    """(zones, error): each RAPL package zone's energy counter [{zone, energy_uj, max_uj}] (it wraps at max_uj),
+    or None and why not (no RAPL, or its counters readable by root only)."""
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("intel-rapl:") and n.count(":") == 1)
+    except OSError as exc:
+        return None, "no %s (%s)" % (root, exc.strerror or exc)
+    if not names:
+        return None, "no RAPL zones in %s" % root
+    zones = []
+    for name in names[:PROBE_RAPL_ZONES_MAX]:
+        base = os.path.join(root, name)
+        try:
+            energy = _probe_read_int(os.path.join(base, "energy_uj"))
+            top = _probe_read_int(os.path.join(base, "max_energy_range_uj"))
+        except PermissionError:
+            return None, "%s is readable by root only" % os.path.join(base, "energy_uj")
+        except (OSError, ValueError) as exc:
+            return None, "cannot read %s (%s)" % (base, exc)
+        try:
+            with open(os.path.join(base, "name")) as fh:
+                label = fh.read().strip()[:40] or name
+        except OSError:
+            label = name
+        zones.append({"zone": "%s/%s" % (name, label), "energy_uj": energy, "max_uj": top})
+    return zones, None
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -406,6 +449,7 @@ def op_workdir_id(req):
 def op_probe(req):
     """Everything the controller's health check needs, in one request."""
     gpus, source, error = _probe_gpus(req.get("gpu_reader"))
+    rapl, rapl_error = _probe_rapl()
     ram_percent, ram_total_mb = _probe_meminfo()
     disk_percent, disk_free_gb = _probe_disk(req.get("workdir") or "~")
     return {
@@ -421,6 +465,8 @@ def op_probe(req):
         "gpus": gpus,
         "gpu_source": source,
         "gpu_error": error,
+        "rapl": rapl,
+        "rapl_error": rapl_error,
         "job_procs": _probe_job_procs(),
         "workdir_id": ugro_workdir_id(req.get("workdir") or "~"),
     }

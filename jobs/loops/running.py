@@ -6,6 +6,8 @@
 - RUNNING with no metric line for longer than its hang limit: HUNG (jobs/recovery.py check_hang).
 - A rank much slower than the others: a straggler alert (jobs/recovery.py check_stragglers).
 - Checkpoints beyond the job's --keep: deleted on every node that holds them (jobs/retention.py).
+- A running attempt's energy meters folded from the health samples every minute, an ended one's made final
+  (jobs/energy.py record_due; a conditional update, so no lock).
 
 Batch: the RUNNING jobs, each claimed under locks.RUNNING (retention: under locks.RETENTION).
 """
@@ -17,7 +19,7 @@ from django.utils import timezone
 
 from cluster.fanout import node_request, on_each, unreachable
 
-from .. import lifecycle, locks, recovery
+from .. import energy, lifecycle, locks, recovery
 from ..models import Job, Rank
 from . import Report, each_claimed, run_retention, run_rule, scope
 
@@ -29,6 +31,7 @@ def run(job_ids: list[int] | None, report: Report, *, wait: bool) -> None:
     running = scope(job_ids).filter(state=Job.State.RUNNING)
     run_rule("running", lambda: each_claimed(locks.RUNNING, running, lambda job: check_job(job, report), wait=wait))
     run_rule("retention", lambda: report.freed.extend(run_retention(running, wait=wait)))
+    run_rule("energy", lambda: energy.record_due(scope(job_ids)))
 
 
 def check_job(job: Job, report: Report) -> None:

@@ -36,6 +36,12 @@
 
   async function load() {
     const json = await UGRO.getJSON(section.dataset.url);
+    // the job's energy so far (docs/power.md), refreshed with its power curve; text, never markup
+    const energy = document.getElementById("job-energy");
+    if (energy && json.energy && energy.firstChild) {
+      energy.firstChild.textContent = json.energy.text;
+      energy.title = json.energy.detail;
+    }
     const metrics = (json.metrics || []).filter((m) => Object.keys(m.lines).length);
     if (!metrics.length && !panels.size) {
       box.replaceChildren(UGRO.el("p", "empty", "No health samples in this window yet."));
