@@ -221,3 +221,81 @@ def test_the_monitor_does_not_probe_an_asleep_node_and_its_history_shows_asleep(
     (sample,) = HealthSample.objects.filter(node=node)
     assert sample.status == "asleep" and sample.error == "asleep"
     assert Node.objects.get(pk=node.pk).status == Node.Status.ASLEEP and not Alert.objects.exists()
+
+
+# -- end to end: a real sshd node that sleeps and a magic packet that wakes it ------------------------------------
+
+
+@pytest.mark.e2e
+def test_an_idle_node_sleeps_and_a_queued_job_wakes_it_by_magic_packet_and_starts(db, fast_settings, tmp_path):
+    """Covers: the sleep command run through a real node's agent (it stops that node's own sshd), the knock finding
+    it asleep, a queued job that fits only with it sending a real magic packet over UDP, the node coming back and
+    the job launched there once its probe answers."""
+    import threading
+
+    from cluster.links import pool
+    from jobs.models import Job
+
+    from .conftest import cluster_yaml
+    from .loopback import LoopbackCluster
+
+    lab = LoopbackCluster(tmp_path / "sleeper", count=1, first_octet=77).start()
+    node = lab.nodes[0]
+    (node.workdir / "hello.py").write_text("print('awake and running')\n")
+    pidfile = lab.root / f"{node.name}.pid"
+    card = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the node's network card, on an address of its own
+    card.bind(("127.0.0.78", 0))
+    card.settimeout(0.2)
+    packets: list[bytes] = []
+    stop = threading.Event()
+
+    def listen() -> None:  # a valid magic packet for its MAC powers the machine on: its sshd starts again
+        while not stop.is_set():
+            try:
+                data = card.recv(200)
+            except OSError:
+                continue
+            packets.append(data)
+            if data == power.magic_packet(MAC):
+                node.start()
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        doc = yaml.safe_load(cluster_yaml(lab, 1))
+        doc["nodes"][node.name]["power"] = {
+            "sleep": f"sh -c 'kill $(cat {pidfile})'", "wake": "wol", "mac": MAC, "broadcast": "127.0.0.78",
+            "port": card.getsockname()[1], "idle_after": "1s", "wake_timeout": "20s",
+        }  # fmt: skip
+        import_cluster(yaml.safe_dump(doc))
+        monitor.poll_once(force=True)
+        row = Node.objects.get(name=node.name)
+        assert row.status == Node.Status.HEALTHY and row.power["broadcast"] == "127.0.0.78"
+        # given the node idle past idle_after, it is put to sleep: its sshd is gone, and it is ASLEEP
+        now = timezone.now()
+        sleep_idle(now)
+        (line,) = sleep_idle(now + timedelta(seconds=2))
+        assert line.startswith(f"{node.name} asleep since"), line
+        assert not node.running and Node.objects.get(pk=row.pk).status == Node.Status.ASLEEP
+        assert power.watch() == [] and not Alert.objects.exists()  # the knock finds nobody: still asleep
+        # when a job that needs it is queued, the scheduler wakes it with a magic packet and the job waits
+        job = create_job(LaunchRequest(name="wakeup", count=1, script="hello.py"))
+        assert scheduler.schedule() == []
+        assert waiting_reason(job).startswith(f"(waking): waking {node.name} (")
+        for _ in range(100):  # bounded: the card starts the sshd when the packet arrives
+            if node.running:
+                break
+            threading.Event().wait(0.1)
+        assert packets == [power.magic_packet(MAC)] and node.running
+        # then the next knock finds it awake, it is probed, and the job starts on it
+        assert power.watch()[0].startswith(f"{node.name} woke after")
+        assert Node.objects.get(pk=row.pk).status == Node.Status.HEALTHY
+        assert scheduler.schedule() == [job]
+        job.refresh_from_db()
+        assert job.state == Job.State.RUNNING
+    finally:
+        stop.set()
+        listener.join(timeout=2)
+        card.close()
+        pool.close_all()
+        lab.stop()
