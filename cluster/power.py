@@ -258,11 +258,11 @@ def wake(node: Node, why: str) -> str:
         raise PowerError(f"{node.name} has no power: block: UGRO cannot wake it")
     if node.status == Node.Status.WAKING:
         return node.status_reason
-    if node.status != Node.Status.ASLEEP:
+    if node.status not in (Node.Status.ASLEEP, Node.Status.DOWN):  # DOWN: a wake that timed out, tried again
         raise PowerError(f"{node.name} is {node.status}, not asleep")
     now = timezone.now()
     reason = f"waking since {_clock(now)} ({why})"[:500]
-    if not Node.objects.filter(pk=node.pk, status=Node.Status.ASLEEP).update(
+    if not Node.objects.filter(pk=node.pk, status=node.status).update(
         status=Node.Status.WAKING, status_reason=reason, power_since=now
     ):
         node.refresh_from_db()

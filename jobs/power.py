@@ -94,3 +94,16 @@ def _holds_nothing(node: Node) -> bool:
 def _minutes(now: datetime, node: Node) -> str:
     seconds = int((now - node.idle_since).total_seconds())
     return f"{seconds // 60} min" if seconds >= 120 else f"{seconds} s"
+
+
+def by_hand(node: Node, verb: str, who: str) -> str:
+    """`ugro node sleep NAME` / `ugro node wake NAME` (operators): a line saying what was done; PowerError in one
+    line (a node that holds a job or a service is not put to sleep)."""
+    if verb == "sleep":
+        if not _holds_nothing(node):
+            raise power.PowerError(f"{node.name} holds a job's or a service's GPUs: not put to sleep")
+        return f"{node.name} {power.put_to_sleep(node, f'asked by {who}', _holds_nothing)}"
+    if verb == "wake":
+        timeout = (node.power or {}).get("wake_timeout_s", power.WAKE_TIMEOUT_S)
+        return f"{node.name} {power.wake(node, f'asked by {who}')}: awake when it answers (wake_timeout {timeout} s)"
+    raise ValueError(f"unknown power verb {verb!r}")

@@ -223,6 +223,69 @@ def test_the_monitor_does_not_probe_an_asleep_node_and_its_history_shows_asleep(
     assert Node.objects.get(pk=node.pk).status == Node.Status.ASLEEP and not Alert.objects.exists()
 
 
+# -- by hand: ugro node sleep / wake (operators) --------------------------------------------------------------------
+
+
+def test_node_sleep_and_wake_by_hand_through_the_command_the_api_and_the_client(monkeypatch):
+    import io
+
+    from django.contrib.auth.models import Group, User
+    from django.core.management import CommandError, call_command
+    from django.test import Client as DjangoClient
+
+    from accounts.tokens import create_token
+    from ugro_client import cli
+
+    fake = FakeCluster("gpu2").install(monkeypatch)
+    sent = []
+    monkeypatch.setattr(power, "send_magic_packet", lambda *a: sent.append(a))
+    node = _sleeper()
+    olga = User.objects.create_user("olga")
+    olga.groups.add(Group.objects.get(name="operator"))
+    lars = User.objects.create_user("lars")
+    lars.groups.add(Group.objects.get(name="launcher"))
+    # an operator puts it to sleep with the command: its sleep command runs, it is ASLEEP
+    out = io.StringIO()
+    call_command("node_sleep", "gpu2", "--as", "olga", stdout=out)
+    assert out.getvalue().startswith("gpu2 asleep since") and "(asked by olga)" in out.getvalue()
+    assert ("exec", {"argv": ["systemctl", "suspend"]}) in fake["gpu2"].requests
+    assert Node.objects.get(pk=node.pk).status == Node.Status.ASLEEP
+    # a second sleep is refused in one line, and so is a launcher
+    with pytest.raises(CommandError, match="^gpu2 is asleep: only an awake node is put to sleep$"):
+        call_command("node_sleep", "gpu2", "--as", "olga")
+    with pytest.raises(CommandError, match="not allowed to manage nodes"):
+        call_command("node_wake", "gpu2", "--as", "lars")
+    # through the API: a launcher is refused, an operator wakes it
+    _, op_token = create_token(olga, "ops", "operate")
+    _, l_token = create_token(lars, "cli", "launch")
+    web = DjangoClient()
+    assert web.post("/api/v1/nodes/gpu2/wake", HTTP_AUTHORIZATION=f"Bearer {l_token}").status_code == 403
+    answer = web.post("/api/v1/nodes/gpu2/wake", HTTP_AUTHORIZATION=f"Bearer {op_token}")
+    assert answer.status_code == 200 and answer.json()["status"] == "waking" and sent == [(MAC, "255.255.255.255", 9)]
+    assert answer.json()["lines"][0].endswith("(asked by olga): awake when it answers (wake_timeout 120 s)")
+    # a node that holds a service is not put to sleep: 409, one line
+    Node.objects.filter(pk=node.pk).update(status=Node.Status.HEALTHY)
+    Allocation.objects.create(node=node, gpu_index=-1, holder="serve:chat/0")
+    refused = web.post("/api/v1/nodes/gpu2/sleep", HTTP_AUTHORIZATION=f"Bearer {op_token}")
+    assert refused.status_code == 409
+    assert refused.json()["error"] == "gpu2 holds a job's or a service's GPUs: not put to sleep"
+    # and through the client, which prints the line
+    Allocation.objects.all().delete()
+
+    def post(self, path, body=None):
+        got = web.post(f"/api/v1/{path}", body or {}, content_type="application/json",
+                       HTTP_AUTHORIZATION=f"Bearer {op_token}")  # fmt: skip
+        assert got.status_code == 200, got.content
+        return got.json()
+
+    monkeypatch.setattr(cli.Client, "post", post)
+    monkeypatch.setenv("UGRO_TOKEN", op_token)
+    shown = io.StringIO()
+    monkeypatch.setattr("sys.stdout", shown)
+    assert cli.run(["node", "sleep", "gpu2"]) == 0
+    assert shown.getvalue().startswith("gpu2 asleep since")
+
+
 # -- end to end: a real sshd node that sleeps and a magic packet that wakes it ------------------------------------
 
 
