@@ -52,6 +52,7 @@ urlpatterns = [
     path("v1/tokens", api(views.TokensView), name="tokens"),
     path("v1/tokens/<str:prefix>/revoke", api(views.TokenRevokeView), name="token-revoke"),
     path("v1/preflight", api(views.PreflightView), name="preflight"),
+    path("v1/netcheck", api(views.NetcheckView), name="netcheck"),
     path("v1/spec/<str:kind>.schema.json", api(views.SpecSchemaView), name="spec-schema"),
     path("v1/spec/<str:kind>", api(views.SpecView), name="spec-read"),
     path("v1/cluster", api(views.ClusterConfigView), name="cluster"),

@@ -37,6 +37,8 @@ from jobs.energy import energy_record
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
+from jobs.network import NetcheckError, netcheck
+from jobs.network import report as netcheck_report
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
@@ -862,6 +864,28 @@ class PreflightView(APIView):
         report = run.report
         return Response({"ok": report.ok, "nodes": [n.name for n in run.nodes], "problems": report.problems,
                          "rendezvous": run.rendezvous, "notes": report.notes, "versions": report.versions})  # fmt: skip
+
+
+class NetcheckView(APIView):
+    """`ugro netcheck`: the network between nodes measured now (jobs/network.py); like preflight, a request that
+    talks to the nodes, bounded by the measurement's own limits. A refusal is an answer with ok false."""
+
+    policy_actions = {"POST": "launch"}
+
+    @extend_schema(summary='Measure the network between nodes (`ugro netcheck`): body {"nodes": [names], '
+                   '"sizes": [MB]}', request=None)  # fmt: skip
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        names, sizes = body.get("nodes") or [], body.get("sizes") or None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValidationError("nodes must be a list of node names")
+        if sizes is not None and (not isinstance(sizes, list) or not all(type(x) is int for x in sizes)):
+            raise ValidationError("sizes must be a list of whole numbers of MB")
+        try:
+            chosen, out = netcheck(names, sizes)
+        except NetcheckError as exc:
+            raise ValidationError(str(exc)) from None
+        return Response(netcheck_report(chosen, out))
 
 
 class SyncView(APIView):

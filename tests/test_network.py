@@ -217,3 +217,26 @@ def test_advice_keeps_every_node_when_compute_dominates_and_is_silent_for_one_no
     assert "(network not measured)" in found.sentence and "fewer nodes would not be faster" in found.sentence
     solo = job_with_steps("solo", [(1.0, 0.0)], count=1)
     assert network.advice(solo) == "" and network.advice(job_with_steps("early", [(1, 0.1), (1, 0.1)], steps=1)) == ""
+
+
+def test_the_api_answers_a_refusal_with_its_line_and_bad_input_in_one_line(lan):
+    from django.contrib.auth.models import Group, User
+    from django.test import Client
+
+    from accounts.tokens import create_token
+
+    user = User.objects.create_user("carol")
+    user.groups.add(Group.objects.get(name="launcher"))
+    _, token = create_token(user, "laptop", "launch")
+    client, auth = Client(), {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+    # given gpu-master cannot reach gpu1's VPN address
+    Node.objects.filter(name="gpu1").update(env={"GLOO_SOCKET_IFNAME": "wg0"})
+    lan["gpu-master"].reaches = {"10.0.0.2"}
+    answer = client.post("/api/v1/netcheck", {"nodes": ["gpu-master", "gpu1"]}, content_type="application/json", **auth)
+    assert answer.status_code == 200 and answer.json()["ok"] is False
+    assert answer.json()["problems"][0].startswith("gpu1: its interface wg0 (GLOO_SOCKET_IFNAME in its env) at 10.8")
+    for body, line in (({"nodes": "gpu1"}, "nodes must be a list"), ({"sizes": [1.5]}, "sizes must be a list"),
+                       ({"nodes": ["gpu1"]}, "netcheck needs two nodes or more")):  # fmt: skip
+        bad = client.post("/api/v1/netcheck", body, content_type="application/json", **auth)
+        assert bad.status_code == 400 and bad.json()["error"].startswith(line)
+    assert not NetCheck.objects.exists()

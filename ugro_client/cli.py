@@ -38,6 +38,7 @@ GROUPS = [
                  "node disk NAME: what a node's store holds and why; node envs NAME: its Python environments "
                  "(operators)"),
         ("preflight", "the checks every launch runs first, on all or the given nodes"),
+        ("netcheck", "the network between all or the given nodes: interfaces, bus bandwidth, latency"),
     ]),
     ("Account", [
         ("whoami", "the account, role and token scope the client acts as"),
@@ -192,6 +193,10 @@ def build_parser() -> Parser:
     p = sub.add_parser("preflight", help="pre-flight checks")
     p.add_argument("--nodes", nargs="+", default=[], metavar="NODE", help="a,b or a b (default: all enabled)")
     p.add_argument("--script", default="", help="training script (default: the cluster's)")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("netcheck", help="measure the network between nodes")
+    p.add_argument("--nodes", nargs="+", default=[], metavar="NODE", help="a,b or a b (default: all enabled)")
+    p.add_argument("--sizes", default="", help="all_reduce sizes in MB, e.g. 1,16,64 (the default)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("token", help="your API tokens")
     verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
@@ -871,6 +876,26 @@ def cmd_preflight(client: Client, a) -> int:
     return EXIT_OK
 
 
+def cmd_netcheck(client: Client, a) -> int:
+    nodes = [n for item in a.nodes for n in item.split(",") if n]
+    try:
+        sizes = [int(s) for s in a.sizes.split(",") if s.strip()] or None
+    except ValueError:
+        sys.stderr.write(f"ugro netcheck: --sizes: whole numbers of MB separated by commas, not {a.sizes[:40]!r}\n")
+        return EXIT_USAGE
+    report = client.post("netcheck", {"nodes": nodes, "sizes": sizes})
+    if a.json:
+        emit_json(report)
+    else:
+        for line in report["problems"] + report["lines"]:
+            print(line)
+    if not report["ok"]:
+        why = f"refused: {len(report['problems'])} problem(s)" if report["problems"] else "not measured"
+        sys.stderr.write(f"ugro netcheck: {why}\n")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def cmd_token(client: Client, a) -> int:
     if a.verb == "list":
         tokens = client.get("tokens")["tokens"]
@@ -910,7 +935,7 @@ COMMANDS = {
     "resume": cmd_resume, "queue": cmd_queue, "health": cmd_health, "drain": cmd_drain, "undrain": cmd_drain,
     "whoami": cmd_whoami, "audit": cmd_audit, "sweep": cmd_sweep, "alerts": cmd_alerts,
     "import_cluster": cmd_import_cluster, "export_cluster": cmd_export_cluster, "trust": cmd_trust,
-    "preflight": cmd_preflight, "token": cmd_token, "serve": cmd_serve, "node": cmd_node,
+    "preflight": cmd_preflight, "netcheck": cmd_netcheck, "token": cmd_token, "serve": cmd_serve, "node": cmd_node,
 }  # fmt: skip
 
 if __name__ == "__main__":
