@@ -31,6 +31,7 @@ from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.hostkeys import trust
 from cluster.links import AgentRequestError, LinkError
 from cluster.models import Alert, Node
+from cluster.power import PowerError
 from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, envs, report, retention, sync
 from jobs.energy import energy_record
@@ -39,6 +40,7 @@ from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
 from jobs.network import NetcheckError, netcheck
 from jobs.network import report as netcheck_report
+from jobs.power import by_hand as power_by_hand
 from jobs.recovery import RecoveryError
 from jobs.scheduler import request_schedule
 from jobs.snapshot import queue
@@ -606,6 +608,34 @@ class NodeProbeView(APIView):
             return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
         audit.record(request.user, "node_probe", name, source=source, changed=result.changed)
         return Response(result.as_dict())
+
+
+class NodePowerView(APIView):
+    """`ugro node sleep NAME` / `ugro node wake NAME` (operators): jobs/power.py by_hand."""
+
+    policy_actions = {"POST": "nodes"}
+    verb = "sleep"
+
+    @extend_schema(summary="Put a node to sleep now (its power: block's sleep command; refused while it holds a job "
+                   "or a service), or wake it (POST .../wake: its magic packet or wake command). Asks the node",
+                   request=None)  # fmt: skip
+    def post(self, request: Request, name: str) -> Response:
+        node = Node.objects.filter(name=name).first()
+        if node is None:
+            raise Http404(f"no node named {name!r}")
+        source = web_source(request)
+        try:
+            line = power_by_hand(node, self.verb, request.user.username)
+        except PowerError as exc:
+            audit.record(request.user, f"node_{self.verb}", name, source=source, outcome=f"refused: {exc}")
+            return Response({"error": str(exc)}, status=status.HTTP_409_CONFLICT)
+        audit.record(request.user, f"node_{self.verb}", name, source=source)
+        node.refresh_from_db()
+        return Response({"node": node.name, "status": node.status, "lines": [line]})
+
+
+class NodeWakeView(NodePowerView):
+    verb = "wake"
 
 
 class NodeEnvsView(NodeReportView):

@@ -35,8 +35,8 @@ GROUPS = [
         ("export_cluster", "the cluster as cluster.yaml, to stdout or a file"),
         ("trust", "pin the SSH host key a node offers now (operators)"),
         ("node", "node add [USER@]HOST[:PORT]: add a machine by probing it; node probe NAME: read it again; "
-                 "node disk NAME: what a node's store holds and why; node envs NAME: its Python environments "
-                 "(operators)"),
+                 "node disk NAME: what a node's store holds and why; node envs NAME: its Python environments; "
+                 "node sleep NAME / node wake NAME: put it to sleep or wake it now (operators)"),
         ("preflight", "the checks every launch runs first, on all or the given nodes"),
         ("netcheck", "the network between all or the given nodes: interfaces, bus bandwidth, latency"),
     ]),
@@ -226,7 +226,7 @@ def build_parser() -> Parser:
     p.add_argument("node")
     p.add_argument("--fingerprint", default="", help="pin only if the node's key has this SHA256 fingerprint")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("node", help="add [USER@]HOST[:PORT], probe NAME, disk NAME, envs NAME")
+    p = sub.add_parser("node", help="add [USER@]HOST[:PORT], probe NAME, disk NAME, envs NAME, sleep NAME, wake NAME")
     verbs = p.add_subparsers(dest="verb", required=True, parser_class=Parser)
     v = verbs.add_parser("add", help="add a machine: pin its host key, read its GPUs, CPUs, RAM, disk, Pythons, route")
     v.add_argument("target", help="[USER@]HOST[:PORT]")
@@ -242,6 +242,12 @@ def build_parser() -> Parser:
     v.add_argument("node")
     v.add_argument("--json", action="store_true")
     v = verbs.add_parser("envs", help="its Python environments (--packages): size, last use, the jobs that name them")
+    v.add_argument("node")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("sleep", help="put it to sleep now (its power: block's sleep command; operators)")
+    v.add_argument("node")
+    v.add_argument("--json", action="store_true")
+    v = verbs.add_parser("wake", help="wake it now (its magic packet or wake command); awake when it answers")
     v.add_argument("node")
     v.add_argument("--json", action="store_true")
     p = sub.add_parser("whoami", help="account, role, scope")
@@ -784,8 +790,8 @@ def cmd_node(client: Client, a) -> int:
     if a.verb == "add":
         report = client.post("nodes", {"target": a.target, "name": a.name, "key": a.key, "workdir": a.workdir,
                                        "fingerprint": a.fingerprint})  # fmt: skip
-    elif a.verb == "probe":
-        report = client.post(f"nodes/{a.node}/probe")
+    elif a.verb in ("probe", "sleep", "wake"):
+        report = client.post(f"nodes/{a.node}/{a.verb}")
     else:
         report = client.get(f"nodes/{a.node}/{a.verb}")
     if a.json:
