@@ -23,10 +23,17 @@ def _service(name: str) -> Service:
     return service
 
 
-def _int(body: dict, key: str, default: int) -> int:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
+def _int(body: dict, key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ServeError(f"{key} must be a whole number, not {value!r}")
+    return value
+
+
+def _duration(body: dict, key: str) -> str | int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
+        raise ServeError(f"{key} must be a duration like 15m or a number of seconds, not {value!r}")
     return value
 
 
@@ -39,21 +46,31 @@ class ServicesView(APIView):
         return Response({"services": services, "lines": listing(services)})
 
     @extend_schema(summary='Start a service (`ugro serve NAME --from JOB[:STEP]`): body {"name", "from", "replicas", '
-                   '"gpus_per_replica", "engine", "command"}; the worker starts its replicas', request=None,
+                   '"gpus_per_replica", "engine", "command", "min_replicas", "max_replicas", "target_outstanding", '
+                   '"idle_after", "cold_start_timeout"}; the worker starts its replicas. For a service not stopped, '
+                   '"from" alone is a rolling update (200, "update": true)', request=None,
                    responses=None)  # fmt: skip
     def post(self, request: Request) -> Response:
         body = request.data if isinstance(request.data, dict) else {}
+        name = str(body.get("name") or "")
         try:
             req = ServeRequest(
-                name=str(body.get("name") or ""), source=str(body.get("from") or ""),
-                replicas=_int(body, "replicas", 1), gpus_per_replica=_int(body, "gpus_per_replica", 1),
-                engine=str(body.get("engine") or "transformers"), command=str(body.get("command") or ""),
+                name=name, source=str(body.get("from") or ""),
+                replicas=_int(body, "replicas"), gpus_per_replica=_int(body, "gpus_per_replica"),
+                engine=str(body["engine"]) if body.get("engine") else None,
+                command=str(body["command"]) if body.get("command") else None,
+                min_replicas=_int(body, "min_replicas"), max_replicas=_int(body, "max_replicas"),
+                target_outstanding=_int(body, "target_outstanding"), idle_after=_duration(body, "idle_after"),
+                cold_start_timeout=_duration(body, "cold_start_timeout"),
             )  # fmt: skip
+            updating = Service.objects.filter(name=name, state__in=Service.AWAKE_OR_ASLEEP).exists()
             service = start_service(request.user, req, web_source(request))
         except ServeError as exc:
             return Response({"error": str(exc)}, status=status.HTTP_400_BAD_REQUEST)
         except NoWorker as exc:
             return Response({"error": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        if updating:
+            return Response({**describe(service), "update": True})
         return Response(describe(service), status=status.HTTP_201_CREATED)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .engines import COLD_START_S
 from .models import Replica, Service
 
 COOLDOWN_S = 5.0
@@ -22,6 +23,39 @@ class Target:
     outstanding: int = 0
     picked: int = 0
     failed_at: float = 0.0
+    busy: float = 0.0  # requests in flight times seconds, since the last sample
+    changed: float = field(default_factory=time.monotonic)
+    sampled: float = field(default_factory=time.monotonic)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.busy += self.outstanding * (now - self.changed)
+        self.changed = now
+
+    def begin(self) -> None:
+        self._tick()
+        self.outstanding += 1
+
+    def end(self) -> None:
+        self._tick()
+        self.outstanding -= 1
+
+    def sample(self) -> tuple[int, float]:
+        """Requests in flight now, and on average since the last sample (the autoscaler's load)."""
+        self._tick()
+        span = max(self.changed - self.sampled, 1e-6)
+        mean, self.busy, self.sampled = self.busy / span, 0.0, self.changed
+        return self.outstanding, mean
+
+
+@dataclass
+class Waking:
+    """What the endpoint needs of a service with no ready replica: whether it wakes (min_replicas 0) and how long
+    a request waits for it."""
+
+    wakes: bool
+    timeout_s: float
+    retry_after_s: int
 
 
 class Balancer:
@@ -30,7 +64,9 @@ class Balancer:
     def __init__(self) -> None:
         self.targets: dict[int, Target] = {}
         self.ready: dict[str, tuple[float, list[int]]] = {}
+        self.waking: dict[str, Waking] = {}
         self.ticket = itertools.count(1)
+        self.reported: set[int] = set()  # targets whose last sample had requests in flight
 
     def refresh(self, service: str) -> list[int] | None:
         """The ready replicas' keys (read again past READY_CACHE_S); None when no such service runs."""
@@ -38,9 +74,13 @@ class Balancer:
         now = time.monotonic()
         if seen is not None and now - seen[0] < READY_CACHE_S:
             return seen[1]
-        if not Service.objects.filter(name=service, state=Service.State.RUNNING).exists():
+        row = Service.objects.filter(name=service, state__in=Service.AWAKE_OR_ASLEEP).first()
+        if row is None:
             self.ready.pop(service, None)
             return None
+        timeout = float(row.cold_start_timeout_s or COLD_START_S.get(row.engine, 300))
+        retry = max(1, round(row.last_cold_start_s)) if row.last_cold_start_s else 10
+        self.waking[service] = Waking(row.min_replicas == 0, timeout, retry)
         rows = Replica.objects.filter(service__name=service, state=Replica.State.READY)
         rows = rows.select_related("node", "service")
         keys = []
@@ -65,6 +105,17 @@ class Balancer:
 
     def failed(self, target: Target) -> None:
         target.failed_at = time.monotonic()
+
+    def samples(self) -> dict[int, tuple[int, float]]:
+        """Each replica's requests in flight now and on average since the last call, for those that had or have
+        any (a replica that had some is reported once more at zero). Called on the event loop, by the flusher."""
+        out = {}
+        for key, target in self.targets.items():
+            outstanding, mean = target.sample()
+            if outstanding or mean > 0 or key in self.reported:
+                out[key] = (outstanding, mean)
+        self.reported = {key for key, (n, mean) in out.items() if n or mean > 0}
+        return out
 
 
 def served_model(replica: Replica) -> str:

@@ -19,6 +19,9 @@ TEMPLATES = {
     "sglang": "{python} -m sglang.launch_server --model-path {model} --host {host} --port {port} --tp {gpus} "
     "--served-model-name {name}",
 }
+# How long a request waits for a sleeping service's first replica to answer (--cold-start-timeout's default):
+# transformers serve loads the weights and answers; vLLM and SGLang also profile memory and capture CUDA graphs
+COLD_START_S = {"transformers": 180, "vllm": 600, "sglang": 600, "custom": 300}
 FIELDS = ("model", "host", "port", "gpus", "name", "python", "transformers", "vllm")
 
 

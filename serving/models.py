@@ -19,12 +19,17 @@ from jobs.models import Checkpoint, Job
 class Service(models.Model):
     """What the user asked for: this checkpoint, this engine, this many replicas of this many GPUs.
 
-    RUNNING: the worker keeps its replicas up (places, starts, checks, restarts them);
-    STOPPING: the worker stops every replica and frees its GPUs; STOPPED: nothing is left of it.
+    RUNNING: the worker keeps `replicas` replicas up (places, starts, checks, restarts them), between
+    min_replicas and max_replicas as the load asks (serving/scaling.py); SLEEPING: min_replicas 0 and no request
+    for idle_after_s: no replica runs, no GPU is held; WAKING: a request came while it slept, a replica starts and
+    the request is held until it answers (cold_start_timeout_s); STOPPING: the worker stops every replica and frees
+    its GPUs; STOPPED: nothing is left of it. A rolling update (next_checkpoint) happens while RUNNING.
     """
 
     class State(models.TextChoices):
         RUNNING = "running", "running"
+        SLEEPING = "sleeping", "sleeping"
+        WAKING = "waking", "waking"
         STOPPING = "stopping", "stopping"
         STOPPED = "stopped", "stopped"
 
@@ -34,6 +39,9 @@ class Service(models.Model):
         SGLANG = "sglang", "SGLang"
         CUSTOM = "custom", "custom command"
 
+    AWAKE = (State.RUNNING, State.WAKING)
+    AWAKE_OR_ASLEEP = (State.RUNNING, State.SLEEPING, State.WAKING)
+
     name = models.CharField(max_length=48, unique=True, validators=[validate_safe_name])
     state = models.CharField(max_length=10, choices=State.choices, default=State.RUNNING, db_index=True)
     job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="+")
@@ -42,7 +50,24 @@ class Service(models.Model):
     command_template = models.CharField(
         max_length=1000, blank=True, help_text="The engine's command; {model} {host} {port} {gpus} {name} {python}."
     )
-    replicas = models.PositiveIntegerField(default=1)
+    replicas = models.PositiveIntegerField(default=1, help_text="How many the worker keeps up now (awake).")
+    min_replicas = models.PositiveIntegerField(default=1, help_text="0: it sleeps after idle_after_s.")
+    max_replicas = models.PositiveIntegerField(default=1)
+    target_outstanding = models.PositiveIntegerField(
+        default=4, help_text="Requests in flight per replica above which another is added."
+    )
+    idle_after_s = models.PositiveIntegerField(null=True, blank=True, help_text="min_replicas 0: sleep after this.")
+    cold_start_timeout_s = models.PositiveIntegerField(
+        null=True, blank=True, help_text="How long a request waits for a waking service (null: the engine's)."
+    )
+    last_request_at = models.DateTimeField(null=True, blank=True, help_text="Written by the endpoint's flusher.")
+    wake_at = models.DateTimeField(null=True, blank=True, help_text="When the current (or last) wake was asked.")
+    last_cold_start_s = models.FloatField(null=True, blank=True, help_text="Its last wake: asked to first ready.")
+    scaled_at = models.DateTimeField(null=True, blank=True, help_text="The last change of `replicas`.")
+    quiet_since = models.DateTimeField(null=True, blank=True, help_text="Load below the scale-down line since.")
+    next_checkpoint = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.PROTECT, related_name="+",
+                                        help_text="A rolling update in progress: where it goes.")  # fmt: skip
+    note = models.CharField(max_length=500, blank=True, help_text="Its last wake, scale or update, one line.")
     gpus_per_replica = models.PositiveIntegerField(default=1, help_text="GPUs of one node (0: a whole GPU-less node).")
     min_vram_mb = models.PositiveIntegerField(
         null=True, blank=True, help_text="Each of a replica's GPUs needs this much: its share of the weights."
@@ -70,13 +95,16 @@ class Replica(models.Model):
         STARTING = "starting", "starting"  # started, not answering yet
         READY = "ready", "ready"  # answers its health check: takes requests
         UNHEALTHY = "unhealthy", "unhealthy"  # was ready, stopped answering: no requests, restarted if it lasts
+        DRAINING = "draining", "draining"  # leaving (scaled down, updated, asleep): no new requests, then stopped
         FAILED = "failed", "failed"  # restarted max_restarts times: given up, GPUs freed
         STOPPED = "stopped", "stopped"
 
-    HOLDING = (State.STARTING, State.READY, State.UNHEALTHY)
+    HOLDING = (State.STARTING, State.READY, State.UNHEALTHY, State.DRAINING)
 
     service = models.ForeignKey(Service, on_delete=models.CASCADE, related_name="replica_set")
     index = models.PositiveIntegerField()
+    checkpoint = models.ForeignKey(Checkpoint, null=True, blank=True, on_delete=models.PROTECT, related_name="+",
+                                   help_text="What it serves (an update starts replicas of another).")  # fmt: skip
     state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     gpu_indices = models.JSONField(default=list, blank=True)
@@ -89,6 +117,12 @@ class Replica(models.Model):
     unhealthy_since = models.DateTimeField(null=True, blank=True)
     checked_at = models.DateTimeField(null=True, blank=True)
     note = models.CharField(max_length=500, blank=True, help_text="What happened last, one line.")
+    draining_since = models.DateTimeField(null=True, blank=True)
+    # the endpoint's flusher (serving/stats.py): requests in flight at its last flush, and on average since the one
+    # before (the autoscaler's load); one web process writes them (several would overwrite each other)
+    outstanding = models.PositiveIntegerField(default=0)
+    load = models.FloatField(default=0.0)
+    load_at = models.DateTimeField(null=True, blank=True)
     # every web process adds its counts here (serving/stats.py): Prometheus' counters
     requests_total = models.PositiveBigIntegerField(default=0)
     errors_total = models.PositiveBigIntegerField(default=0)

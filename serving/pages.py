@@ -27,7 +27,14 @@ class ServeForm(forms.Form):
     source = forms.CharField(
         label="From", max_length=120, help_text="JOB, JOB:STEP or JOB:latest (a checkpoint directory)."
     )
-    replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS, initial=1)
+    replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS, required=False,
+                                  help_text="How many start (default: the minimum, at least 1).")  # fmt: skip
+    min_replicas = forms.IntegerField(label="Min replicas", min_value=0, max_value=MAX_REPLICAS, required=False,
+                                      help_text="0: it sleeps when idle and wakes on a request.")  # fmt: skip
+    max_replicas = forms.IntegerField(label="Max replicas", min_value=1, max_value=MAX_REPLICAS, required=False,
+                                      help_text="Added with the load up to this.")  # fmt: skip
+    idle_after = forms.CharField(label="Idle after", max_length=20, required=False,
+                                 help_text="Min 0: sleep after this long without a request (15m).")  # fmt: skip
     gpus_per_replica = forms.IntegerField(label="GPUs per replica", min_value=0, initial=1)
     engine = forms.ChoiceField(choices=Service.Engine.choices, initial=Service.Engine.TRANSFORMERS)
     command = forms.CharField(
@@ -44,7 +51,10 @@ class ServeForm(forms.Form):
             replicas=d["replicas"],
             gpus_per_replica=d["gpus_per_replica"],
             engine=d["engine"],
-            command=d["command"] or "",
+            command=d["command"] or None,
+            min_replicas=d["min_replicas"],
+            max_replicas=d["max_replicas"],
+            idle_after=d["idle_after"].strip() or None,
         )
 
 
@@ -71,16 +81,20 @@ def service_start(request: HttpRequest) -> HttpResponse:
 def _page(request: HttpRequest, form: ServeForm, status: int = 200) -> HttpResponse:
     """Services not stopped first, then stopped ones; each replica with its request stats (three queries)."""
     stopped_last = Case(When(state=Service.State.STOPPED, then=Value(1)), default=Value(0), output_field=IntegerField())
-    services = list(Service.objects.select_related("job", "checkpoint").order_by(stopped_last, "name"))
-    replicas = list(Replica.objects.filter(service__in=services).select_related("node").order_by("index"))
+    services = Service.objects.select_related("job", "checkpoint", "next_checkpoint")
+    services = list(services.order_by(stopped_last, "name"))
+    replicas = list(Replica.objects.filter(service__in=services).select_related("node", "checkpoint").order_by("index"))
     traffic = recent(replicas)
     by_service: dict[int, list[Replica]] = {s.pk: [] for s in services}
     for r in replicas:
         r.stats = traffic[r.pk]
         by_service[r.service_id].append(r)
     for s in services:
-        s.rows = by_service[s.pk]
+        # replicas that left (asleep, scaled down, replaced by an update) are not listed while the service lives
+        s.rows = [r for r in by_service[s.pk] if s.state == Service.State.STOPPED or r.state != Replica.State.STOPPED]
+        s.idle_after_min = f"{s.idle_after_s / 60:g}" if s.idle_after_s else ""
     return render(request, "serving/services.html", {"services": services, "window_s": int(WINDOW_S), "form": form,
+                                                     "live_states": Service.AWAKE_OR_ASLEEP,
                                                      "may_serve": policy.allowed(request.user, "serve"),
                                                      "nav": "services"}, status=status)  # fmt: skip
 

@@ -8,6 +8,7 @@ One worker tends a service at a time, under a lease on its row; each step is saf
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from jobs.models import Job
 from jobs.retention import Uses
 from jobs.stop import stop_tagged
 
+from . import scaling, updates
 from .engines import EngineError, engine_argv
 from .models import Replica, Service
 from .placement import place, release
@@ -61,11 +63,15 @@ def _lease(pk: int) -> Service | None:
     free = Q(tend_until__isnull=True) | Q(tend_until__lt=now)
     if not Service.objects.filter(free, pk=pk).update(tender=me, tend_until=now + timedelta(seconds=TEND_LEASE_S)):
         return None
-    return Service.objects.select_related("checkpoint__node", "checkpoint__job").get(pk=pk)
+    return Service.objects.select_related("checkpoint__node", "checkpoint__job", "next_checkpoint__job").get(pk=pk)
+
+
+def _replicas(service: Service) -> list[Replica]:
+    return list(service.replica_set.select_related("node", "checkpoint__node").order_by("index"))
 
 
 def tend_one(service: Service) -> None:
-    replicas = list(service.replica_set.select_related("node").order_by("index"))
+    replicas = _replicas(service)
     if service.state == Service.State.STOPPING:
         unclean = [r for r in replicas if not stop(r)]
         if not unclean:
@@ -73,6 +79,11 @@ def tend_one(service: Service) -> None:
                 state=Service.State.STOPPED, stopped_at=timezone.now()
             )
         return
+    # first what the service needs (serving/scaling.py, serving/updates.py), then each replica's care
+    if service.next_checkpoint_id and service.state in Service.AWAKE:
+        updates.step(service, replicas)
+    scaling.decide(service, replicas)
+    replicas = _replicas(service)
     for replica in replicas:
         replica.service = service
         try:
@@ -81,10 +92,32 @@ def tend_one(service: Service) -> None:
                     start(replica)
                 elif not replica.note.startswith("waiting"):
                     _save(replica, note=f"waiting for {service.gpus_per_replica or 'a whole node of'} free GPUs")
+            elif replica.state == Replica.State.DRAINING:
+                if scaling.drained(replica):
+                    stop(replica)
             elif replica.state in Replica.HOLDING:
                 check(replica)
         except Exception:  # one replica's trouble must not stop the others' care
             log.exception("service %s replica %s", service.name, replica.index)
+    if service.state == Service.State.WAKING:
+        hurry(service, replicas)
+
+
+WAKE_POLL_S = 4.0  # a waking service's starting replica is asked this long (a held request waits for it)
+WAKE_POLL_EVERY_S = 0.25
+
+
+def hurry(service: Service, replicas: list[Replica]) -> None:
+    """While requests wait for a waking service, ask its starting replicas more often than each pass (bounded)."""
+    deadline = time.monotonic() + WAKE_POLL_S
+    starting = [r for r in replicas if r.state == Replica.State.STARTING]
+    while starting and time.monotonic() < deadline:
+        up = [r for r in starting if answers(r)]
+        if up:
+            for r in up:
+                check(r)
+            return
+        time.sleep(WAKE_POLL_EVERY_S)
 
 
 def _save(replica: Replica, **fields) -> None:
@@ -95,20 +128,27 @@ def _save(replica: Replica, **fields) -> None:
 
 def checkpoint_uses(job: Job) -> Uses:
     """What checkpoint retention (jobs/retention.py) must know of a job's checkpoints: the one each service not
-    stopped serves stays, and the copies replicas were given go with their checkpoint."""
+    stopped serves stays (and the one it is updating to, and each of its replicas'), and the copies replicas were
+    given go with their checkpoint."""
     uses = Uses()
-    serving = Service.objects.filter(checkpoint__job=job).exclude(state=Service.State.STOPPED)
-    for pk, name in serving.values_list("checkpoint_id", "name"):
+    live = Service.objects.exclude(state=Service.State.STOPPED)
+    for pk, name in live.filter(checkpoint__job=job).values_list("checkpoint_id", "name"):
         uses.needed.setdefault(pk, f"service {name} serves it")
-    copies = Replica.objects.filter(service__checkpoint__job=job, node__isnull=False).exclude(model_path="")
+    for pk, name in live.filter(next_checkpoint__job=job).values_list("next_checkpoint_id", "name"):
+        uses.needed.setdefault(pk, f"service {name} is updating to it")
+    serving = Replica.objects.filter(checkpoint__job=job, service__in=live).exclude(state=Replica.State.STOPPED)
+    for pk, name in serving.values_list("checkpoint_id", "service__name"):
+        uses.needed.setdefault(pk, f"a replica of service {name} serves it")
+    copies = Replica.objects.filter(node__isnull=False).exclude(model_path="")
+    copies = copies.filter(Q(checkpoint__job=job) | Q(checkpoint__isnull=True, service__checkpoint__job=job))
     for r in copies.select_related("node", "service"):
-        uses.copies.append((r.service.checkpoint_id, r.node, r.model_path))
+        uses.copies.append((r.checkpoint_id or r.service.checkpoint_id, r.node, r.model_path))
     return uses
 
 
 def model_path(replica: Replica) -> str:
     """The checkpoint's directory on the replica's node, copied there first when it is elsewhere."""
-    checkpoint = replica.service.checkpoint
+    checkpoint = replica.checkpoint or replica.service.checkpoint
     if checkpoint.node_id == replica.node_id:
         return checkpoint.path
     ensure_on(checkpoint, [replica.node])
@@ -134,8 +174,9 @@ def start(replica: Replica) -> bool:
     except (*NODE_ERRORS, ValueError, EngineError) as exc:
         _gave_up_or_retry(replica, f"could not start on {node.name}: {exc}", release_slots=True)
         return False
+    again = f"{replica.note}; " if replica.restarts and replica.note.startswith("restart ") else ""  # why, kept
     _save(replica, state=Replica.State.STARTING, tag=tag, port=port, model_path=path, started_at=timezone.now(),
-          ready_at=None, unhealthy_since=None, note=f"starting on {node.name}:{port}")  # fmt: skip
+          ready_at=None, unhealthy_since=None, note=f"{again}starting on {node.name}:{port}"[:500])  # fmt: skip
     return True
 
 

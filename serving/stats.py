@@ -22,7 +22,7 @@ from django.db import IntegrityError, close_old_connections, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from .models import Replica, ReplicaTraffic
+from .models import Replica, ReplicaTraffic, Service
 
 log = logging.getLogger(__name__)
 
@@ -224,21 +224,41 @@ def drop_old(now: datetime | None = None) -> int:
 recorder = Recorder()
 
 
-def _flush_now() -> int:
+def write_load(samples: dict[int, tuple[int, float]], now: datetime | None = None) -> None:
+    """Each replica's requests in flight and their recent average (serving/scaling.py reads them), and the last
+    request's time on each service with requests or requests in flight (its idle clock)."""
+    now = now or timezone.now()
+    for pk, (outstanding, mean) in samples.items():
+        Replica.objects.filter(pk=pk).update(outstanding=max(outstanding, 0), load=round(mean, 3), load_at=now)
+
+
+def touch(replica_pks: set[int], now: datetime | None = None) -> None:
+    """The services of these replicas had a request now: their idle clock starts again."""
+    if replica_pks:
+        services = Replica.objects.filter(pk__in=list(replica_pks)).values("service_id")
+        Service.objects.filter(pk__in=services).update(last_request_at=now or timezone.now())
+
+
+def _flush_now(samples: dict[int, tuple[int, float]] | None = None) -> int:
     close_old_connections()  # this thread's connection, if the database dropped it since the last flush
     try:
-        return recorder.flush()
+        taken = recorder.take()
+        busy = {pk for pk, (n, _) in (samples or {}).items() if n}
+        touch(busy | set(taken[1] if taken else ()))
+        write_load(samples or {})
+        return write(taken[0], timezone.now(), taken[1]) if taken else 0
     finally:
         close_old_connections()  # as a request's end does: not kept open past CONN_MAX_AGE
 
 
-async def flush_every(interval: float = FLUSH_S) -> None:
+async def flush_every(interval: float = FLUSH_S, sample=None) -> None:
     """The web process's flusher: runs for the life of its event loop, on a thread of the loop's pool (not a
-    request's: the request that started it has ended)."""
+    request's: the request that started it has ended). `sample` (on the loop) gives each replica's requests in
+    flight (balancer.samples)."""
     flush = sync_to_async(_flush_now, thread_sensitive=False)
     while True:
         await asyncio.sleep(interval)
         try:
-            await flush()
+            await flush(sample() if sample else None)
         except Exception:  # the database away for a moment: these counts are lost, the next flush goes on
             log.exception("request stats not written")

@@ -29,6 +29,7 @@ from accounts.audit import client_address
 from accounts.tokens import digest, find_token, mark_used
 
 from .balancer import Target, balancer
+from .scaling import wake
 from .stats import TokenCount, flush_every, recorder
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("content-type", "accept")
 # a token let in is not read again for this long: revoking it, or its user's role, bites within these seconds
 ADMITTED_S = 5.0
+WAKE_POLL_S = 0.25  # a request held for a waking service looks for a ready replica this often
 KEEPALIVE_S = 4.0  # below uvicorn's 5 s (transformers serve, vLLM): never reuse a connection it is closing
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _flushers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -128,7 +130,14 @@ async def _answer(request: HttpRequest, name: str, route: str) -> HttpResponse:
     if not isinstance(payload, dict):
         return _error(400, "the request body must be a JSON object")
     if not keys:
-        return _error(503, f"no replica of service {name} is ready yet (ugro serve --list)")
+        keys = await _woken(name)
+    if not keys:
+        waking = balancer.waking.get(name)
+        retry = waking.retry_after_s if waking else 10
+        why = f"waited {waking.timeout_s:g} s for it to wake" if waking and waking.wakes else "ugro serve --list"
+        response = _error(503, f"no replica of service {name} is ready yet ({why})")
+        response["Retry-After"] = str(retry)
+        return response
     headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     client = _client()
@@ -140,7 +149,7 @@ async def _answer(request: HttpRequest, name: str, route: str) -> HttpResponse:
         if target is None:
             break
         tried.add(target.key)
-        target.outstanding += 1
+        target.begin()
         content = json.dumps({**payload, "model": target.model}).encode()
         began = time.monotonic()
         try:
@@ -148,14 +157,14 @@ async def _answer(request: HttpRequest, name: str, route: str) -> HttpResponse:
                 client.build_request(method, f"{target.url}/v1/{route}", content=content, headers=headers), stream=True
             )
         except httpx.HTTPError as exc:
-            target.outstanding -= 1
+            target.end()
             balancer.failed(target)
             recorder.record(target.key, None, error=True)
             why = f"{target.url}: {type(exc).__name__}: {exc}"
             continue
         if upstream.status_code in RETRY_STATUSES and len(tried) < 2:
             await upstream.aclose()
-            target.outstanding -= 1
+            target.end()
             balancer.failed(target)
             recorder.record(target.key, None, error=True)
             why = f"{target.url}: HTTP {upstream.status_code}"
@@ -187,9 +196,27 @@ async def _relay(upstream: httpx.Response, target: Target, deadline: float, bega
         balancer.failed(target)
         log.warning("%s failed while answering: %s", target.url, exc)
     finally:
-        target.outstanding -= 1
+        target.end()
         recorder.record(target.key, None if failed else time.monotonic() - began, tokens.tokens, error=failed)
         await upstream.aclose()
+
+
+async def _woken(name: str) -> list[int]:
+    """A service that sleeps when idle (min_replicas 0) and has no ready replica: wake it (serving/scaling.py) and
+    hold the request until a replica is ready, at most its cold-start timeout; the ready replicas, or []."""
+    waking = balancer.waking.get(name)
+    if waking is None or not waking.wakes:
+        return []
+    await sync_to_async(wake)(name)
+    deadline = time.monotonic() + waking.timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(WAKE_POLL_S)  # the ready replicas are read at most once a second (READY_CACHE_S)
+        keys = await sync_to_async(balancer.refresh)(name)
+        if keys is None:  # stopped meanwhile
+            return []
+        if keys:
+            return keys
+    return []
 
 
 def _start_flusher() -> None:
@@ -197,4 +224,4 @@ def _start_flusher() -> None:
     loop = asyncio.get_running_loop()
     task = _flushers.get(loop)
     if task is None or task.done():  # a context of its own: not the request's, which ends before it
-        _flushers[loop] = loop.create_task(flush_every(), context=contextvars.Context())
+        _flushers[loop] = loop.create_task(flush_every(sample=balancer.samples), context=contextvars.Context())

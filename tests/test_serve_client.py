@@ -41,7 +41,12 @@ def test_serve_starts_lists_refuses_and_stops(ugro_script, server, trained, work
 
     # bad input and a token that may only call services are refused in one line, nothing written
     for args, why in [(("chat2", "--from", "nosuch"), "no job named 'nosuch'"),
-                      (("chat", "--from", "trained"), "service chat exists (running)")]:  # fmt: skip
+                      (("chat", "--from", "trained"), "service chat already serves trained step 10"),
+                      (("chat", "--from", "trained", "--replicas", "2"), "--replicas need a new service"),
+                      (("chat2", "--from", "trained", "--min-replicas", "3", "--max-replicas", "2"),
+                       "--min-replicas 3 is above --max-replicas 2"),
+                      (("chat2", "--from", "trained", "--min-replicas", "0", "--idle-after", "30s"),
+                       "--idle-after must be at least 1m, not 30s")]:  # fmt: skip
         refused = ugro(ugro_script, server, "serve", *args)
         assert refused.returncode != 0 and why in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
     infer = create_token(server["user"], "app", "infer")[1]

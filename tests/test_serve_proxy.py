@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -193,3 +194,52 @@ def test_models_lists_the_service_and_unknown_services_are_404(web, engines, tok
     assert "set-cookie" not in models.headers and "content-security-policy" not in models.headers
     assert models.headers["x-content-type-options"] == "nosniff"
     assert httpx.get(f"{web}/serve/nope/v1/models", headers=headers, timeout=10).status_code == 404
+
+
+def test_a_request_to_a_sleeping_service_wakes_it_and_is_held_until_a_replica_is_ready(web, engines, token):
+    # given a service asleep (min 0 replicas), its replica stopped, a request waiting at most 20 s for it
+    service = service_on([engines("a")])
+    (engines.gate / "go").touch()
+    Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING, min_replicas=0, idle_after_s=60,
+                                                 cold_start_timeout_s=20)  # fmt: skip
+    service.replica_set.update(state=Replica.State.STOPPED)
+    answer = {}
+    asking = threading.Thread(target=lambda: answer.update(r=completion(web, token)), daemon=True)
+
+    # when a request comes
+    asking.start()
+    # then the endpoint wakes the service and holds the request (no answer while no replica is ready)
+    wait_for(lambda: Service.objects.filter(pk=service.pk, state=Service.State.WAKING).exists(), timeout=15,
+             what="the service woken")  # fmt: skip
+    assert asking.is_alive() and Service.objects.get(pk=service.pk).wake_at is not None
+    # and once a replica is ready (the worker's part), the held request is answered by it
+    service.replica_set.update(state=Replica.State.READY)
+    asking.join(timeout=30)
+    assert answer["r"].status_code == 200 and answer["r"].json()["served_by"] == "a"
+
+    # and past the cold-start timeout, a request gets 503 with Retry-After
+    Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING, cold_start_timeout_s=1,
+                                                 last_cold_start_s=12.4)  # fmt: skip
+    service.replica_set.update(state=Replica.State.STOPPED)
+    late = completion(web, token)
+    assert late.status_code == 503 and late.headers["retry-after"] == "12"
+    assert "waited 1 s for it to wake" in late.json()["error"]["message"]
+
+
+def test_the_endpoint_reports_each_replicas_requests_in_flight(web, engines, token):
+    # given a replica holding a stream open (its engine waits for the test's word)
+    service = service_on([engines("a")])
+    replica = service.replica_set.get()
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.stream("POST", f"{web}/serve/chat/v1/completions", json={"prompt": "hi", "stream": True},
+                      headers=headers, timeout=30) as held:  # fmt: skip
+        lines = held.iter_lines()
+        next(lines)
+        # then the flusher reports one request in flight (the autoscaler's load), and the service's last request
+        wait_for(lambda: Replica.objects.filter(pk=replica.pk, outstanding=1, load__gt=0).exists(), timeout=20,
+                 what="one request in flight reported")  # fmt: skip
+        assert Service.objects.get(pk=service.pk).last_request_at is not None
+        (engines.gate / "go").touch()
+    # and none once it has ended
+    wait_for(lambda: Replica.objects.filter(pk=replica.pk, outstanding=0).exists(), timeout=20,
+             what="nothing in flight reported")  # fmt: skip

@@ -157,8 +157,8 @@ def test_the_api_and_prometheus_carry_the_same_stats(service, os_account, settin
     assert 10 <= stats["p50_ms"] <= 11 and 200 <= stats["p99_ms"] <= 220
     assert replicas[1]["stats"]["p50_ms"] is None
     listed = Client().get("/api/v1/services/", headers={"Authorization": f"Bearer {token}"}).json()["lines"]
-    assert "  1.00 req/s  p50 1" in listed[1] and "errors 2" in listed[1]  # ugro serve --list prints these lines
-    assert "  0.00 req/s  p50 -  errors 0" in listed[2]
+    assert "  1.00 req/s  p50 1" in listed[2] and "errors 2" in listed[2]  # ugro serve --list prints these lines
+    assert "  0.00 req/s  p50 -  errors 0" in listed[3]
 
     settings.UGRO_PROMETHEUS_TOKEN = TOKEN
     text = Client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).content.decode()

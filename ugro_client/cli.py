@@ -50,6 +50,7 @@ FOLLOW_POLL_S = 0.5
 WAIT_POLL_S = 2.0  # how often a followed queued job asks the queue why it waits (a whole plan per ask)
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what the shell reports for a program whose reader went away (head)
 CANCEL_WAIT_S = 120.0
+SERVE_UPDATE_WAIT_S = 900.0  # a rolling update starts each new replica (a cold start) and drains an old one
 EXIT_STATES = {"succeeded": 0, "failed": 1, "cancelled": 2}
 NOT_ENDED_EXIT = 3
 
@@ -174,11 +175,18 @@ def build_parser() -> Parser:
     p = sub.add_parser("serve", help="serve a job's checkpoint behind one OpenAI-compatible endpoint")
     p.add_argument("name", nargs="?", help="the service's name: its endpoint is /serve/NAME/v1/")
     p.add_argument("--from", dest="source", metavar="JOB[:STEP|latest]", help="the checkpoint to serve")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--gpus-per-replica", type=int, default=1, dest="gpus_per_replica")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "sglang", "custom"])
-    p.add_argument("--command", default="", dest="engine_command", help="with --engine custom: {model} {host} "
+    p.add_argument("--replicas", type=int, help="how many start (default: --min-replicas, at least 1)")
+    p.add_argument("--gpus-per-replica", type=int, dest="gpus_per_replica", help="default 1")
+    p.add_argument("--engine", choices=["transformers", "vllm", "sglang", "custom"], help="default transformers")
+    p.add_argument("--command", dest="engine_command", help="with --engine custom: {model} {host} "
                    "{port} {gpus} {name} {python}")  # fmt: skip
+    p.add_argument("--min-replicas", type=int, dest="min_replicas", help="0: sleeps when idle, wakes on a request")
+    p.add_argument("--max-replicas", type=int, dest="max_replicas", help="added with the load up to this")
+    p.add_argument("--target-outstanding", type=int, dest="target_outstanding",
+                   help="requests in flight per replica above which another is added (default 4)")  # fmt: skip
+    p.add_argument("--idle-after", dest="idle_after", help="with --min-replicas 0: sleep after this long idle (15m)")
+    p.add_argument("--cold-start-timeout", dest="cold_start_timeout",
+                   help="how long a request waits for a sleeping service (default: the engine's)")  # fmt: skip
     p.add_argument("--stop", action="store_true", help="stop it: no process left, its GPUs free")
     p.add_argument("--list", action="store_true", help="every service and each replica's state")
     p.add_argument("--json", action="store_true")
@@ -719,15 +727,36 @@ def cmd_serve(client: Client, a) -> int:
         return EXIT_OK
     if not a.source:
         raise ApiError("--from JOB[:STEP|latest] names the checkpoint to serve", EXIT_USAGE)
-    service = client.post("services/", {"name": a.name, "from": a.source, "replicas": a.replicas,
-                                        "gpus_per_replica": a.gpus_per_replica, "engine": a.engine,
-                                        "command": a.engine_command})  # fmt: skip
+    body = {"name": a.name, "from": a.source, "replicas": a.replicas, "gpus_per_replica": a.gpus_per_replica,
+            "engine": a.engine, "command": a.engine_command, "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas, "target_outstanding": a.target_outstanding, "idle_after": a.idle_after,
+            "cold_start_timeout": a.cold_start_timeout}  # fmt: skip
+    service = client.post("services/", {key: value for key, value in body.items() if value is not None})
+    if service.get("update"):
+        return _serve_update(client, a, service)
     if a.json:
         emit_json(service)
     else:
         print(f"service {a.name}: {len(service['replicas'])} replica(s) of {service['engine']} serving "
               f"{service['checkpoint']} (step {service['step']}); endpoint {client.url}{service['endpoint']} "
               "(ugro serve --list shows when they are ready)")  # fmt: skip
+    return EXIT_OK
+
+
+def _serve_update(client: Client, a, service: dict) -> int:
+    """`ugro serve NAME --from JOB` on a running service: wait (bounded) for its rolling update to end."""
+    deadline = time.monotonic() + SERVE_UPDATE_WAIT_S
+    while service["updating_to_step"] is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        service = client.get(f"services/{a.name}/")
+    if a.json:
+        emit_json(service)
+    if service["updating_to_step"] is not None:
+        raise ApiError(f"service {a.name} is still updating ({service['note']}): ugro serve --list", EXIT_FAILED)
+    if " failed: " in service["note"]:
+        raise ApiError(f"service {a.name}: {service['note']}", EXIT_FAILED)
+    if not a.json:
+        print(f"service {a.name}: {service['note']}")
     return EXIT_OK
 
 
