@@ -20,6 +20,7 @@ from .data import summary as data_summary
 from .energy import energy_record, job_energy
 from .envs import summary as env_summary
 from .models import Checkpoint, Job, JobCode
+from .network import advice as network_advice
 from .retention import summary as retention_summary
 from .retention import summary_text as retention_text
 from .scale_probe import summary_lines as probe_lines
@@ -191,6 +192,7 @@ def job_record(job: Job) -> dict:
         "rendezvous": job.rdzv_endpoint or None,
         "start_spread_s": job.launch_spread_s,
         "sync_window_s": job.sync_window_s,
+        "network_advice": network_advice(job) or None,  # a multi-node job's share of communication (jobs/network.py)
         "ranks": [
             {
                 "rank": r.index,
@@ -377,6 +379,8 @@ def job_detail(job: Job) -> list[str]:
     if job.started_at:
         out.append(f"  energy{'' if job.is_ended else ' so far'} {job_energy(job).text()}")
     out.extend(f"  {line}" for line in probe_lines(probe_record(job)))
+    if advice := network_advice(job):
+        out.append(f"  network: {advice}")
     out.extend(code_lines(job))
     if kept := retention_text(job):
         out.append(f"  {kept}")

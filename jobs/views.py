@@ -26,7 +26,7 @@ from metrics.final import final_loss, format_value
 from metrics.models import LAST_FIRST, FinalMetric, JobMetrics, MetricPoint
 from metrics.series import metric_names
 
-from . import energy, lifecycle, recovery, report, retention
+from . import energy, lifecycle, network, recovery, report, retention
 from .batches import parse_weights
 from .launch import LaunchError, LaunchRequest, build_job
 from .limits import parse_duration, parse_size_mb
@@ -188,6 +188,7 @@ def detail(request: HttpRequest, pk: int) -> HttpResponse:
         retention_text=retention.summary_text(job),
         energy=energy.job_energy(job) if job.started_at else None,  # so far, while it runs (docs/power.md)
         scale_probe=report.probe_record(job),
+        network_advice=network.advice(job),  # how much of a step is communication, and whether fewer nodes win
     )
     if job.is_ended:
         context["final_ranks"], context["final"] = final_metrics(job, names)

@@ -240,3 +240,25 @@ def test_the_api_answers_a_refusal_with_its_line_and_bad_input_in_one_line(lan):
         bad = client.post("/api/v1/netcheck", body, content_type="application/json", **auth)
         assert bad.status_code == 400 and bad.json()["error"].startswith(line)
     assert not NetCheck.objects.exists()
+
+
+def test_the_job_page_status_and_topology_show_the_figures(lan, admin_client):
+    # given a two-node job whose steps are mostly exchange, and a measurement of its nodes
+    job = job_with_steps("slowpage", [(0.1, 0.5), (0.1, 0.52)])
+    NetCheck.objects.create(
+        time=timezone.now(),
+        nodes=["gpu-master", "gpu1"],
+        node_set="gpu-master,gpu1",
+        backend="gloo",
+        group=figures(1e8),
+        pairs=[dict(figures(1e8), a="gpu-master", b="gpu1")],
+    )
+    sentence = network.advice(job)
+    # then the job page says it, status says it, and the cluster page shows the pair's last figures
+    page = admin_client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="network-advice"' in page and "1 node would be faster: about 2.58x the samples/s of 2" in page
+    out = io.StringIO()
+    call_command("status", "slowpage", stdout=out)
+    assert f"  network: {sentence}" in out.getvalue().splitlines()
+    overview = admin_client.get("/").content.decode()
+    assert "gpu-master &harr; gpu1" in overview and "0.8 Gbit/s" in overview and "100 &micro;s" in overview

@@ -14,6 +14,7 @@ from cluster.gpus import gpu_text
 from cluster.history import MAX_BUCKETS, history
 from cluster.models import GPU, Alert, ClusterSettings, HealthSample, Node
 from jobs.models import Allocation, Job, Rank
+from jobs.network import last_pairs
 
 # Per-GPU reading names, as the node probe reports them (and HealthSample's gpu_* fields repeat them).
 GPU_FIELDS = ("util_percent", "mem_used_mb", "mem_total_mb", "temp_c")
@@ -99,6 +100,7 @@ def overview(request: HttpRequest) -> HttpResponse:
             "alerts": Alert.objects.filter(resolved_at__isnull=True).select_related("node")[:ALERTS_SHOWN],
             "live_jobs": Job.objects.filter(state__in=Job.LIVE_STATES).count(),
             "queued_jobs": Job.objects.filter(state=Job.State.QUEUED).count(),
+            "links": last_pairs(),
             "nav": "cluster",
         },
     )
