@@ -289,9 +289,9 @@ def test_the_page_api_compare_sweep_and_prometheus_show_the_energy_and_escape_th
     sweep = Sweep.objects.create(name="sw", script="train.py", spec={}, base={})
     job = _job([(node, [0])])
     Job.objects.filter(pk=job.pk).update(sweep=sweep, sweep_params={"lr": 0.1})
-    Attempt.objects.filter(pk=job.current_id).update(finished_at=timezone.now())
-    start = timezone.now() - timedelta(seconds=36)
-    Attempt.objects.filter(pk=job.current_id).update(started_at=start, running_at=start)
+    end = timezone.now()
+    start = end - timedelta(seconds=36)
+    Attempt.objects.filter(pk=job.current_id).update(started_at=start, running_at=start, finished_at=end)
     HealthSample.objects.bulk_create(
         HealthSample(node=node, time=start + timedelta(seconds=t), gpus=[{"index": 0, "power_w": 200.0}])
         for t in range(0, 37, 4)
