@@ -149,6 +149,8 @@ def pick(node: Node, master: str, var: str, addresses: dict, route: tuple[str | 
 def _survey(node: Node, master: str, var: str) -> Choice | str:
     def ip(*argv: str) -> str:
         out = node_request(node, "exec", timeout=15, argv=["ip", "-o", *argv])
+        if out["rc"] == 127:  # no iproute2 there: nothing to choose from; its collective picks as it would alone
+            raise LookupError
         if out["rc"] != 0:
             raise NetcheckError(f"{node.name}: ip {' '.join(argv)} failed: {(out['stderr'] or '').strip()[:200]}")
         return out["stdout"]
@@ -158,6 +160,8 @@ def _survey(node: Node, master: str, var: str) -> Choice | str:
         route = parse_route(ip("route", "get", master)) if not (node.env or {}).get(var) else (None, False)
     except NetcheckError as exc:  # one line for this node; the others are still chosen
         return str(exc)
+    except LookupError:
+        return Choice(node.name, "", node.address, "not chosen: no `ip` command on the node")
     return pick(node, master, var, addresses, route)
 
 
@@ -200,8 +204,8 @@ def check_reach(nodes: list[Node], choices: dict[str, Choice]) -> list[str]:
                 failed.setdefault(other, []).append(f"{node.name} ({choices[node.name].address}): {error}")
     for name, whom in failed.items():
         c = choices[name]
-        problems.append(f"{name}: its interface {c.interface} ({c.source}) at {c.address} cannot be reached from "
-                        + "; ".join(whom))  # fmt: skip
+        where = f"{name}: its interface {c.interface or '-'} ({c.source}) at {c.address}"
+        problems.append(f"{where} cannot be reached from " + "; ".join(whom))
     return problems
 
 
@@ -217,7 +221,7 @@ def torch_python(node: Node) -> list[str] | None:
 def socket_env(node: Node, choice: Choice | None) -> dict[str, str]:
     """NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for a node's processes: its chosen interface, each unless its env
     sets it."""
-    if choice is None:
+    if choice is None or not choice.interface:
         return {}
     own = node.env or {}
     return {var: choice.interface for var in VARS if var not in own}
@@ -506,7 +510,7 @@ def advice(job: Job) -> str:
 def report(nodes: list[Node], out: Outcome) -> dict:
     """What `ugro netcheck` (the command, the API, the client) says: ok, the lines to print, the figures."""
     row = out.measured
-    lines = [f"{name}: interface {c.interface} at {c.address} ({c.source})" for name, c in out.choices.items()]
+    lines = [f"{name}: interface {c.interface or '-'} at {c.address} ({c.source})" for name, c in out.choices.items()]
     lines += [f"note: {note}" for note in out.notes]
     if row is not None:
         lines += summary(row)

@@ -38,6 +38,8 @@ class NetNode:
 
     def request(self, op: str, timeout: float = 30.0, when_silent: bool = True, **fields) -> dict:
         self.requests.append((op, fields))
+        if op == "exec" and fields["argv"][0] == "ip" and self.addrs is None:
+            return {"rc": 127, "stdout": "", "stderr": "ip was not found on PATH on this node"}
         if op == "exec" and fields["argv"][:4] == ["ip", "-o", "-4", "addr"]:
             return {"rc": 0, "stdout": self.addrs, "stderr": ""}
         if op == "exec" and fields["argv"][:4] == ["ip", "-o", "route", "get"]:
@@ -113,6 +115,14 @@ def test_an_env_interface_without_an_address_is_refused(lan):
     Node.objects.filter(name="gpu1").update(env={"GLOO_SOCKET_IFNAME": "eth9"})
     _, problems = network.choose(nodes(), "gloo")
     assert problems == ["gpu1: interface eth9 (GLOO_SOCKET_IFNAME in its env) has no IPv4 address there"]
+
+
+def test_a_node_without_ip_keeps_its_collectives_own_choice_and_is_not_refused(lan):
+    lan["gpu1"].addrs = None
+    choices, problems = network.choose(nodes(), "gloo")
+    assert problems == [] and choices["gpu1"].address == "10.0.0.2" and choices["gpu1"].interface == ""
+    assert network.socket_env(nodes()[1], choices["gpu1"]) == {}
+    assert network.check_reach(nodes(), choices) == []
 
 
 def test_netcheck_refuses_bad_input_in_one_line(lan):
