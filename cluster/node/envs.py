@@ -14,6 +14,7 @@
 # after). Builds hold <workdir>/.ugro/uv-cache.lock shared; the trim (op_env_cache_trim) takes it alone, so it never
 # removes the cache under a build.
 import fcntl
+import gzip
 import json
 import os
 import shutil
@@ -190,8 +191,8 @@ def op_env_info(req):
 
 
 def _env_uv(root, store, uv):
-    """The uv binary from the store: the object itself (an executable), or taken out of uv's wheel (a node
-    whose platform is not the controller's), kept at <envs>/.uv/<sha256>/uv."""
+    """The uv binary from the store: the object itself (an executable, gzipped or not), or taken out of uv's
+    wheel (a node whose platform is not the controller's), kept at <envs>/.uv/<sha256>/uv."""
     sha = _xfer_sha(uv["sha256"])  # noqa: F821
     dest = os.path.join(root, ".uv", sha, "uv")
     if os.path.isfile(dest):
@@ -208,6 +209,9 @@ def _env_uv(root, store, uv):
                 raise AgentError("uv's wheel %s holds no uv binary" % uv.get("name"))  # noqa: F821
             with zf.open(names[0]) as src, open(tmp, "wb") as out:
                 shutil.copyfileobj(src, out)
+    elif uv.get("gzip"):  # the controller's binary, gzipped for the trip
+        with gzip.open(obj, "rb") as src, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
     else:
         shutil.copyfile(obj, tmp)
     os.chmod(tmp, 0o755)
