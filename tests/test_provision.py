@@ -194,10 +194,13 @@ def test_probe_records_gpus_pythons_and_torchrun_says_what_changed_on_every_surf
 
 
 @pytest.mark.e2e
-def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node(loopback, db, fast_settings, tmp_path):
+def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node(
+    loopback, db, fast_settings, tmp_path, monkeypatch
+):
     """Covers: `node add USER@HOST:PORT --key K` against a real sshd: the host key read, shown and pinned, the agent
     started over SSH with the node's own python3, the survey and the controller's route (`ip route get`) of an SSH
-    node, the row recorded and exported, and a port where no sshd listens or a key the sshd refuses refused with nothing
+    node, the row recorded and exported, a second machine added through the `ugro` client and the API (201, the
+    same lines, audited), and a port where no sshd listens or a key the sshd refuses refused with nothing
     recorded."""
     fast_settings.UGRO = {**fast_settings.UGRO, "KNOWN_HOSTS": str(tmp_path / "known_hosts")}
     lb = loopback.nodes[0]
@@ -232,6 +235,43 @@ def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node
     assert (exported["ip"], exported["ssh_port"], exported["torchrun"], exported["gpus"]) == (
         lb.address, lb.port, torchrun, 0)  # fmt: skip
 
+    # when an operator adds a second machine with the `ugro` client, through the API
+    from accounts.models import AuditEvent
+    from accounts.tokens import create_token
+    from ugro_client import cli
+
+    _, token = create_token(User.objects.get(username="olga"), "ops", "operate")
+    web = DjangoClient()
+    answers = []
+
+    def post(self, path, body=None):
+        got = web.post(f"/api/v1/{path}", body or {}, content_type="application/json",
+                       HTTP_AUTHORIZATION=f"Bearer {token}")  # fmt: skip
+        answers.append(got.status_code)
+        assert got.status_code in (200, 201), got.content
+        return got.json()
+
+    monkeypatch.setattr(cli.Client, "post", post)
+    monkeypatch.setenv("UGRO_TOKEN", token)
+    second = f"{loopback.user}@{loopback.nodes[1].address}:{lb.port}"
+    plain = tmp_path / "wd2"
+    plain.mkdir()
+    shown = io.StringIO()
+    monkeypatch.setattr("sys.stdout", shown)
+    try:
+        code = cli.run(["node", "add", second, "--key", str(loopback.client_key), "--workdir", str(plain), "--name",
+                        "box-two"])  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        pool.close_all()
+    lines = shown.getvalue().splitlines()
+    assert code == 0 and answers == [201], shown.getvalue()
+    two = Node.objects.get(name="box-two")
+    assert (two.address, two.workdir, two.host_key_fingerprint) == (loopback.nodes[1].address, str(plain), expected)
+    assert lines[0] == f"box-two: host key {expected} (ssh-ed25519) pinned"
+    assert lines[-1].startswith(f"node box-two added ({second}, no GPU, working directory {plain})")
+    assert AuditEvent.objects.filter(action="node_add", target="box-two", outcome="ok", username="olga").exists()
+
     # when a port where nothing listens is added: one line, nothing recorded
     port = free_port()
     with pytest.raises(CommandError) as info:
@@ -242,7 +282,7 @@ def test_node_add_over_ssh_pins_the_key_finds_torch_records_and_exports_the_node
     stranger = tmp_path / "stranger"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
     with pytest.raises(CommandError) as info:
-        call_command("node_add", f"{loopback.user}@{loopback.nodes[1].address}:{lb.port}", "--key", str(stranger),
+        call_command("node_add", f"{loopback.user}@{loopback.nodes[2].address}:{lb.port}", "--key", str(stranger),
                      "--name", "nobody", "--as", "olga")  # fmt: skip
     assert "cannot reach nobody" in str(info.value) and "\n" not in str(info.value)
     assert not Node.objects.filter(name="nobody").exists()
