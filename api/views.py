@@ -34,7 +34,7 @@ from cluster.models import Alert, Node
 from cluster.power import PowerError
 from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, envs, report, retention, sync
-from jobs.energy import energy_record
+from jobs.energy import energy_record, job_energy
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -677,6 +677,7 @@ def sweep_detail(sweep: Sweep) -> dict:
                 "best": r.best,
                 "steps": r.steps,
                 "is_best": r.is_best,
+                "energy": job_energy(r.job).to_dict(),  # energy per trial (docs/power.md)
             }
             for r in trial_rows(sweep)
         ],  # fmt: skip

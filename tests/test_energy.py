@@ -5,14 +5,17 @@ power, "not measured" (never 0)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.management import call_command
 from django.urls import reverse
 from django.utils import timezone
 
+from cluster import monitor
 from cluster.config_yaml import ConfigError, export_cluster, import_cluster
 from cluster.models import ClusterSettings, HealthSample, Node
 from jobs import energy, report
@@ -310,10 +313,33 @@ def test_the_page_api_compare_sweep_and_prometheus_show_the_energy_and_escape_th
     system = client.get(reverse("api-job-system", args=[job.pk])).json()
     assert system["energy"]["text"] == "2.0 Wh (0.30 <i>€)"
     assert any(m["name"] == "gpu_power" and m["lines"] for m in system["metrics"])
-    # And `status NAME` prints it
+    trial = client.get("/api/v1/sweeps/sw/").json()["trials"][0]
+    assert trial["energy"]["wh"] == pytest.approx(2.0)
+    # And `status NAME` and `sweep NAME --show` print it
     assert "  energy 2.0 Wh (0.30 <i>€)" in report.job_detail(job)
+    out = io.StringIO()
+    call_command("sweep", "sw", "--show", stdout=out)
+    assert "energy 2.0 Wh (0.30 <i>€)  lr=0.1" in out.getvalue()
     # And Prometheus has it in joules, with its cost
     settings.UGRO_PROMETHEUS_TOKEN = "tok"
     text = client.get("/metrics", headers={"Authorization": "Bearer tok"}).content.decode()
     assert 'ugro_job_energy_joules{job="train",state="succeeded"} 7200.0' in text
     assert 'ugro_job_energy_cost{currency="<i>€",job="train",state="succeeded"} 0.3' in text
+
+
+def test_the_monitor_keeps_each_gpus_energy_counter_and_the_rapl_zones(monkeypatch):
+    # Given a node whose probe (stubbed: no SSH here) reads an energy counter and RAPL, then RAPL no more
+    node = _node(gpus=1)
+    zone = {"zone": "intel-rapl:0/package-0", "energy_uj": 1_234, "max_uj": 262_143_328_850}
+    answers = iter([
+        {"gpus": [{"index": 0, "power_w": 200.0, "energy_mj": 5_000_000}], "rapl": [zone, "junk"], "rapl_error": None},
+        {"gpus": [{"index": 0, "power_w": 200.0, "energy_mj": None}], "rapl": None, "rapl_error": "root only"},
+    ])  # fmt: skip
+    monkeypatch.setattr(monitor, "probe_node", lambda n, b, t, force=False: (next(answers), 1.0, "", False))
+    # When it is polled twice
+    monitor.poll_once(nodes=[node], force=True)
+    monitor.poll_once(nodes=[node], force=True)
+    # Then the samples keep the counter and the zones as read, and None where RAPL was not readable
+    first, second = HealthSample.objects.filter(node=node).order_by("time")
+    assert first.gpus[0]["energy_mj"] == 5_000_000 and first.rapl == [zone]
+    assert second.gpus[0]["energy_mj"] is None and second.rapl is None

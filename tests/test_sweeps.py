@@ -135,7 +135,7 @@ def test_trials_show_final_and_best_metric_and_the_best_trial_is_marked(four_gpu
     assert rows["b1-002"].is_best and not rows["b1-001"].is_best and rows["b1-003"].final is None
     out = io.StringIO()
     call_command("sweep", "b1", "--show", stdout=out)
-    assert re.search(r"b1-002 +queued +final +1\.1 best +1\.1 +lr=2  <- best", out.getvalue()), out.getvalue()
+    assert re.search(r"b1-002 +queued +final +1\.1 best +1\.1 +energy not measured +lr=2  <- best", out.getvalue())
 
 
 def test_sweep_page_lists_trials_marks_the_best_and_escapes_params(four_gpus):

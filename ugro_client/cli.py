@@ -703,7 +703,8 @@ def cmd_sweep(client: Client, a) -> int:
         best = "-" if t["best"] is None else f"{t['best']:.6g}"
         params = " ".join(f"{k}={v}" for k, v in t["params"].items())
         mark = "  <- best" if t["is_best"] else ""
-        print(f"  {t['name']:24} {t['state']:10} final {final:>10} best {best:>10}  {params}{mark}")
+        energy = (t.get("energy") or {}).get("text", "-")  # a server before energy per trial has none
+        print(f"  {t['name']:24} {t['state']:10} final {final:>10} best {best:>10}  energy {energy}  {params}{mark}")
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@ from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
+from jobs.energy import job_energy
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.lifecycle import wait_final
 from jobs.limits import parse_duration, parse_size_mb
@@ -103,8 +104,9 @@ class Command(UserCommand):
             final = "-" if row.final is None else f"{row.final:.6g}"
             best = "-" if row.best is None else f"{row.best:.6g}"
             mark = "  <- best" if row.is_best else ""
+            energy = job_energy(row.job).text()
             self.stdout.write(f"  {row.job.name:24} {row.job.state:10} final {final:>10} best {best:>10}  "
-                              f"{_params(row.params)}{mark}")  # fmt: skip
+                              f"energy {energy}  {_params(row.params)}{mark}")  # fmt: skip
 
     def _cancel(self, sweep: Sweep) -> None:
         try:
