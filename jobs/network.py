@@ -241,14 +241,15 @@ def check_sizes(sizes_mb: list[int] | None) -> list[int]:
 
 
 def measure(nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_mb: list[int],
-            job: Job | None = None) -> NetCheck:  # fmt: skip
-    """Run the measurement on every node at once (rank 0 = nodes[0]) and record it, figures or the reason none."""
+            job: Job | None = None, gpus: dict[str, int] | None = None) -> NetCheck:  # fmt: skip
+    """Run the measurement on every node at once (rank 0 = nodes[0]) and record it, figures or the reason none.
+    gpus: the GPU each node measures with (a launch: one its job holds), else its first."""
     t0 = time.monotonic()
     names = [n.name for n in nodes]
     row = NetCheck(time=timezone.now(), nodes=names, node_set=",".join(sorted(names)), backend=backend,
                    interfaces={k: v.as_dict() for k, v in choices.items()}, job=job)  # fmt: skip
     try:
-        result = _run(nodes, choices, backend, sizes_mb)
+        result = _run(nodes, choices, backend, sizes_mb, gpus or {})
     except (NetcheckError, LinkError, AgentRequestError) as exc:
         row.ok, row.error = False, str(exc)[:1000]
     else:
@@ -259,7 +260,9 @@ def measure(nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_m
     return row
 
 
-def _run(nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_mb: list[int]) -> dict:
+def _run(
+    nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_mb: list[int], gpus: dict[str, int]
+) -> dict:
     pythons = {n.name: torch_python(n) for n in nodes}
     lacking = [n.name for n in nodes if pythons[n.name] is None]
     if lacking:
@@ -278,7 +281,7 @@ def _run(nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_mb: 
         env = {str(k): str(v) for k, v in (node.env or {}).items()}
         env.update(socket_env(node, choices[node.name]))
         if backend == "nccl":
-            env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus.get(node.name, 0))
         cfg = dict(config, rank=nodes.index(node), address=choices[node.name].address)
         out = node_request(node, "exec", timeout=MEASURE_WAIT_S, argv=[*pythons[node.name], "-c", code,
                                                                         json.dumps(cfg)], env=env)  # fmt: skip
@@ -317,7 +320,7 @@ def recent(nodes: list[Node], choices: dict[str, Choice], backend: str) -> NetCh
 
 
 def check(nodes: list[Node], sizes_mb: list[int] | None = None, job: Job | None = None,
-          reuse: bool = False) -> Outcome:  # fmt: skip
+          reuse: bool = False, gpus: dict[str, int] | None = None) -> Outcome:  # fmt: skip
     """Interfaces chosen, reachability checked, then measured (reuse: a recent measurement serves, and nodes on one
     machine are not measured). Refusals are in `problems`; nothing is measured while there are any."""
     out = Outcome()
@@ -336,7 +339,7 @@ def check(nodes: list[Node], sizes_mb: list[int] | None = None, job: Job | None 
         if on_one_machine(nodes):
             out.notes.append("the nodes share one machine: the network between them was not measured")
             return out
-    out.measured = measure(nodes, out.choices, backend, check_sizes(sizes_mb), job)
+    out.measured = measure(nodes, out.choices, backend, check_sizes(sizes_mb), job, gpus)
     if not out.measured.ok:
         out.notes.append(f"the network was not measured: {out.measured.error}")
     return out
@@ -361,7 +364,8 @@ def for_launch(job: Job, ranks: list[Rank]) -> list[str]:
     nodes = [r.node for r in ranks]
     if len(nodes) < 2:
         return []
-    out = check(nodes, job=job, reuse=True)
+    held = {r.node.name: r.gpu_indices[0] for r in ranks if r.gpu_indices}
+    out = check(nodes, job=job, reuse=True, gpus=held)
     for node in nodes:
         node.socket_choice = out.choices.get(node.name)
     for note in out.notes:
