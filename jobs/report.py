@@ -17,7 +17,7 @@ from metrics.series import metric_names
 
 from . import sync
 from .data import summary as data_summary
-from .energy import energy_record, job_energy
+from .energy import attempt_energy, energy_record, job_energy
 from .envs import summary as env_summary
 from .models import Checkpoint, Job, JobCode
 from .network import advice as network_advice
@@ -445,6 +445,7 @@ def results(job: Job) -> list[str]:
             f"  attempt {a.number}: {a.state}{' ' + a.failure_kind if a.failure_kind else ''} at step "
             f"{a.last_step if a.last_step is not None else '-'} (from step {a.from_step or 0}) on "
             f"{','.join(a.nodes) or '-'}; then {a.next_reason}"
+            + (f"; energy {attempt_energy(a).text()}" if a.started_at else "")
         )
     if job.attempt > 1 or job.recovery_note:
         out.append(f"  attempt {job.attempt}: {job.state}" + (f"; {job.recovery_note}" if job.recovery_note else ""))

@@ -343,3 +343,24 @@ def test_the_monitor_keeps_each_gpus_energy_counter_and_the_rapl_zones(monkeypat
     first, second = HealthSample.objects.filter(node=node).order_by("time")
     assert first.gpus[0]["energy_mj"] == 5_000_000 and first.rapl == [zone]
     assert second.gpus[0]["energy_mj"] is None and second.rapl is None
+
+
+def test_a_jobs_energy_is_its_attempts_summed_and_results_show_each():
+    # Given attempt 1 at 100 W for 36 s (1 Wh), retried as attempt 2 at 200 W for 36 s (2 Wh) a minute later
+    node = _node(gpus=1)
+    job = _job([(node, [0])])
+    Attempt.objects.filter(pk=job.current_id).update(state="failed", next_reason="retry after NODE_LOST")
+    _samples(node, range(0, 37, 4), lambda t: [{"index": 0, "power_w": 100.0}])
+    second = Attempt.objects.create(job=job, number=2, started_at=T0 + timedelta(seconds=60),
+                                    finished_at=T0 + timedelta(seconds=96))  # fmt: skip
+    Job.objects.filter(pk=job.pk).update(current=second)
+    Rank.objects.create(job=job, attempt=second, node=node, index=0, gpu_indices=[0])
+    _samples(node, range(60, 97, 4), lambda t: [{"index": 0, "power_w": 200.0}])
+    job.refresh_from_db()
+    # Then the job's energy is 3 Wh, each attempt's its own, in the JSON and in `results`
+    record = energy.energy_record(job)
+    assert record["wh"] == pytest.approx(3.0)
+    assert [(a["attempt"], round(a["wh"], 6)) for a in record["attempts"]] == [(1, 1.0), (2, 2.0)]
+    lines = report.results(job)
+    assert "  energy 3.0 Wh" in lines
+    assert any(line.startswith("  attempt 1: failed") and line.endswith("; energy 1.0 Wh") for line in lines)
