@@ -357,7 +357,8 @@ def disk(node: Node) -> dict:
         e = answer["elsewhere"]
         items.append({"kind": "elsewhere", "bytes": e["bytes"], "files": e["count"], "last": None, "protected": "",
                       "why": f"{e['count']} objects also linked outside the job trees listed (a node's own data "
-                             "staged from where it lies): kept"})  # fmt: skip
+                             "staged from where it lies, the wheels uv's cache reads: .ugro/uv-wheels): "
+                             "kept"})  # fmt: skip
     for p in answer["partials"]:
         state = "being written" if p["writing"] else "resumes from here"
         items.append({"kind": "partial", "sha": p["sha"], "bytes": p["bytes"], "files": 1, "last": p["last"],
