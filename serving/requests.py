@@ -46,7 +46,7 @@ class ServeRequest:
 
     name: str
     source: str  # JOB, JOB:STEP or JOB:latest
-    replicas: int | None = None  # how many start: at least min_replicas (default 1)
+    replicas: int | None = None  # how many start: at least min_replicas (default 1); 0 with min 0: starts asleep
     gpus_per_replica: int | None = None
     engine: str | None = None
     command: str | None = None
@@ -106,8 +106,8 @@ def shape_of(req: ServeRequest) -> Shape:
         raise ServeError(f"--max-replicas must be 1-{MAX_REPLICAS}, not {high}")
     if low > high:
         raise ServeError(f"--min-replicas {low} is above --max-replicas {high}")
-    if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
-        raise ServeError(f"--replicas must be 1-{MAX_REPLICAS}, not {replicas}")
+    if replicas is not None and not (1 if low else 0) <= replicas <= MAX_REPLICAS:
+        raise ServeError(f"--replicas must be 1-{MAX_REPLICAS} (0 only with --min-replicas 0), not {replicas}")
     if replicas is not None and replicas > high:
         raise ServeError(f"--replicas {replicas} is above --max-replicas {high}")
     if replicas is not None and replicas < low:
@@ -169,7 +169,7 @@ def check_request(req: ServeRequest) -> tuple[Job, Checkpoint, int | None]:
         raise ServeError(str(exc)) from None
     job, checkpoint = checkpoint_of(req.source)
     vram = checked_vram(req.name, checkpoint, shape.gpus_per_replica)
-    problem = capacity_problem(max(shape.replicas, shape.min_replicas), shape.gpus_per_replica, vram)
+    problem = capacity_problem(max(shape.replicas, shape.min_replicas, 1), shape.gpus_per_replica, vram)
     if problem:
         raise ServeError(problem)
     old = Service.objects.filter(name=req.name).exclude(state=Service.State.STOPPED).first()
@@ -208,8 +208,11 @@ def create_service(req: ServeRequest) -> Service:
             replicas=shape.replicas, gpus_per_replica=shape.gpus_per_replica, min_vram_mb=vram, owner=req.owner,
             min_replicas=shape.min_replicas, max_replicas=shape.max_replicas, idle_after_s=shape.idle_after_s,
             target_outstanding=shape.target_outstanding, cold_start_timeout_s=shape.cold_start_timeout_s,
-            last_request_at=timezone.now(),
+            last_request_at=timezone.now(), state=Service.State.RUNNING if shape.replicas else Service.State.SLEEPING,
         )  # fmt: skip
+        if not shape.replicas:  # asleep from the start: the first request starts its first replica
+            service.replicas = 1
+            Service.objects.filter(pk=service.pk).update(replicas=1, note="asleep: the first request wakes it")
         Replica.objects.bulk_create(
             [Replica(service=service, index=i, checkpoint=checkpoint) for i in range(shape.replicas)]
         )

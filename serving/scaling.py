@@ -67,7 +67,8 @@ def add(service: Service, replicas: list[Replica], checkpoint_id: int, why: str)
                 for key, value in fields.items():
                     setattr(r, key, value)
                 return r
-    index = (Replica.objects.filter(service=service).aggregate(top=Max("index"))["top"] or 0) + 1
+    top = Replica.objects.filter(service=service).aggregate(top=Max("index"))["top"]
+    index = 0 if top is None else top + 1
     made = Replica.objects.create(service=service, index=index, **fields)
     replicas.append(made)
     log.info("service %s: replica %s added (%s)", service.name, made.index, why)

@@ -122,16 +122,18 @@ def test_an_idle_service_sleeps_frees_its_node_and_a_request_wakes_it(cluster):
 
 
 def test_a_wake_whose_replica_cannot_start_goes_back_to_sleep_saying_why(cluster):
-    create_service(ServeRequest(name="chat", source="trained:30", min_replicas=0, replicas=None, idle_after="1m"))
-    Service.objects.update(state=Service.State.SLEEPING)
-    Replica.objects.update(state=Replica.State.STOPPED)
+    # given a service started asleep (no replica yet) whose engine cannot load its checkpoint
+    create_service(ServeRequest(name="chat", source="trained:30", min_replicas=0, replicas=0, idle_after="1m"))
+    assert (Service.objects.get().state, Replica.objects.count()) == ("sleeping", 0)
+    # when a request wakes it, and its replica is started 1 + 3 times
     scaling.wake("chat")
     for _ in range(10):  # 1 start + 3 restarts, each exiting at once
         service = tend()
         if service.state == "sleeping":
             break
+    # then it is asleep again, saying why, holding nothing
     assert service.state == "sleeping" and service.note.startswith("could not wake: given up after 3 restarts")
-    assert held() == set()
+    assert held() == set() and list(service.replica_set.values_list("index", "state")) == [(0, "stopped")]
 
 
 def test_load_adds_a_replica_up_to_the_bound_and_a_quiet_period_takes_it_away(cluster, monkeypatch):

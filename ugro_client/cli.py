@@ -738,7 +738,9 @@ def cmd_serve(client: Client, a) -> int:
     if a.json:
         emit_json(service)
     else:
-        print(f"service {a.name}: {len(service['replicas'])} replica(s) of {service['engine']} serving "
+        count = "asleep until its first request," if service["state"] == "sleeping" else \
+            f"{len(service['replicas'])} replica(s) of"  # fmt: skip
+        print(f"service {a.name}: {count} {service['engine']} serving "
               f"{service['checkpoint']} (step {service['step']}); endpoint {client.url}{service['endpoint']} "
               "(ugro serve --list shows when they are ready)")  # fmt: skip
     return EXIT_OK

@@ -58,8 +58,10 @@ class Command(UserCommand):
         if updating:
             return self.update(service)
         c = service.checkpoint
+        count = "asleep until its first request," if service.state == Service.State.SLEEPING else \
+            f"{service.replicas} replica(s) of"  # fmt: skip
         self.stdout.write(
-            f"service {service.name}: {service.replicas} replica(s) of {service.engine} serving "
+            f"service {service.name}: {count} {service.engine} serving "
             f"{c.node.name}:{c.path} (step {c.step}); endpoint /serve/{service.name}/v1/ "
             f"(manage.py serve --list shows when they are ready)"
         )
