@@ -16,6 +16,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from cluster.models import HealthSample, Node
+from jobs.energy import job_energy
 from jobs.models import Checkpoint, Job, Rank
 from metrics import rollup
 from metrics.ingest import Sample, save_points
@@ -146,6 +147,7 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     """
     nodes = list(Node.objects.order_by("name"))[:3]
     job = ran_job("curves", nodes)
+    Rank.objects.filter(job=job).update(gpu_indices=[0, 1])  # each held both GPUs of its node
     add_curves(job, 3, 200, CURVES)
     add_health(nodes, hours=0.25, every_s=10)
     page, errors = open_job_page(chromium, web, job)
@@ -252,6 +254,10 @@ def test_job_page_panels_smoothing_log_hover_csv_png_and_url_state(web, chromium
     assert names == ["gpu_util", "gpu_mem", "gpu_temp", "gpu_power", "cpu", "ram"]
     lines = page.evaluate("Array.from(UGRO.systemPanels.get('gpu_util').lines.keys()).sort()")
     assert lines == [f"{n.name} GPU {g}" for n in nodes for g in (0, 1)]
+    # its energy beside the elapsed time, as the system series said it (docs/power.md)
+    used = job_energy(job)
+    assert used.wh and page.text_content("#job-energy") == used.text()
+    assert page.get_attribute("#job-energy", "title") == used.detail()
     page.goto(f"{web}/jobs/{job.pk}/")
     ready(page, "#system-panels[data-ready]", errors)
     # the page down to its system metrics (the logs of this job are empty)
