@@ -19,6 +19,7 @@ import ipaddress
 import json
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -165,9 +166,23 @@ def _survey(node: Node, master: str, var: str) -> Choice | str:
     return pick(node, master, var, addresses, route)
 
 
+def _resolved(host: str) -> str | None:
+    """host as an IPv4 address (a name resolved by the controller), None when it does not resolve."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        try:
+            return socket.gethostbyname(host)
+        except OSError:
+            return None
+
+
 def choose(nodes: list[Node], backend: str) -> tuple[dict[str, Choice], list[str]]:
     """Each node's interface (rank 0 first: its address is the master's), and the refusals."""
-    var, master = _ifname_var(backend), nodes[0].address
+    var, master = _ifname_var(backend), _resolved(nodes[0].address)
+    if master is None:  # `ip route get` needs an address: no route to choose by, each collective picks its own
+        why = f"not chosen: the master's name {nodes[0].address} does not resolve here"
+        return {n.name: Choice(n.name, "", n.address, why) for n in nodes}, []
     choices, problems = {}, []
     for node, result, err in on_each(nodes, lambda n: _survey(n, master, var)):
         if err is not None or isinstance(result, str):

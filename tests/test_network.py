@@ -125,6 +125,13 @@ def test_a_node_without_ip_keeps_its_collectives_own_choice_and_is_not_refused(l
     assert network.check_reach(nodes(), choices) == []
 
 
+def test_a_master_named_by_a_name_that_does_not_resolve_leaves_the_choice_to_each_collective(lan):
+    Node.objects.filter(name="gpu-master").update(address="gpu-master.invalid")
+    choices, problems = network.choose(nodes(), "gloo")
+    assert problems == [] and {c.interface for c in choices.values()} == {""}
+    assert choices["gpu1"].source == "not chosen: the master's name gpu-master.invalid does not resolve here"
+
+
 def test_netcheck_refuses_bad_input_in_one_line(lan):
     for argv, message in (
         (["--nodes", "gpu1"], "two nodes or more"),
