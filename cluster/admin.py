@@ -55,7 +55,7 @@ class NodeAdmin(admin.ModelAdmin):
     health_fields = ("status", "health_score", "status_reason", "health_checks", "last_seen", "last_poll_at")
     # the pin changes only by first contact or `ugro trust NODE`, never by a form
     host_key_fields = ("host_key_fingerprint", "host_key_source", "host_key_pinned_at", "host_key")
-    readonly_fields = health_fields + host_key_fields + ("probed",)
+    readonly_fields = health_fields + host_key_fields + ("probed", "power_since", "idle_since")
     inlines = [GPUInline]
     fieldsets = (
         (None, {"fields": ("name", "hostname", "role", "order", "enabled")}),
@@ -63,6 +63,7 @@ class NodeAdmin(admin.ModelAdmin):
         ("SSH host key", {"fields": host_key_fields}),
         ("GPUs", {"fields": ("gpu_count", "gpu_model", "gpu_vram_gb", "gpu_reader")}),
         ("Training environment", {"fields": ("torchrun_command", "workdir", "env")}),
+        ("Power (sleep when idle, docs/power.md)", {"fields": ("power", "power_since", "idle_since")}),
         ("Health", {"fields": health_fields}),
         ("What node add / node probe found", {"fields": ("probed",)}),
     )

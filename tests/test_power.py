@@ -84,6 +84,22 @@ def test_a_power_block_survives_export_and_import():
     assert Node.objects.get(name="gpu2").power == before and before["mac"] == MAC
 
 
+def test_admin_checks_a_power_block_as_import_does_and_keeps_the_stored_form():
+    from django.core.exceptions import ValidationError
+
+    node = Node(name="gpu2", address="10.9.9.2", power={"sleep": "systemctl suspend", "wake": "wol", "mac": "nope"})
+    with pytest.raises(ValidationError) as err:
+        node.clean()
+    assert err.value.message_dict == {"power": ["mac: must be a MAC address like 3c:7c:3f:aa:bb:cc, not 'nope'"]}
+    stored = power.parse_power(WOL, "10.9.9.2", "ssh")
+    node.power = dict(stored)
+    node.clean()  # the form admin shows (idle_after_s ...) is read back as it was
+    assert node.power == stored
+    node.address = "127.0.0.1"
+    with pytest.raises(ValidationError, match="controller's own machine"):
+        node.clean()
+
+
 def test_the_magic_packet_is_six_ff_then_the_mac_sixteen_times_sent_over_udp():
     packet = power.magic_packet(MAC)
     assert len(packet) == 102 and packet[:6] == b"\xff" * 6
