@@ -164,6 +164,18 @@ def test_the_controllers_own_machine_is_never_put_to_sleep(monkeypatch):
     assert Node.objects.get(pk=node.pk).status == Node.Status.HEALTHY
 
 
+def test_a_minute_asleep_stays_asleep_when_raw_samples_are_rolled_up():
+    node = _sleeper()
+    minute = (timezone.now() - timedelta(hours=25)).replace(second=0, microsecond=0)
+    for s in (5, 45):
+        HealthSample.objects.create(node=node, time=minute + timedelta(seconds=s), ok=False, status="asleep",
+                                    error="asleep")  # fmt: skip
+    HealthSample.objects.create(node=node, time=minute + timedelta(minutes=1), ok=False, status="down", error="x")
+    monitor.prune_samples()
+    rolled = HealthSample.objects.filter(node=node, kind=HealthSample.Kind.MINUTE).order_by("time")
+    assert [(r.status, r.samples) for r in rolled] == [("asleep", 2), ("down", 1)]
+
+
 # -- the queue wakes them -----------------------------------------------------------------------------------------
 
 
