@@ -34,7 +34,7 @@ from cluster.models import Alert, Node
 from cluster.power import PowerError
 from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, envs, report, retention, sync
-from jobs.energy import energy_record, job_energy
+from jobs.energy import energy_record, energy_records, job_energy
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -90,8 +90,9 @@ def _job(name: str) -> Job:
     return job
 
 
-def job_summary(job: Job, prog: dict | None = None) -> dict:
-    """A job as the API lists it; `prog` is jobs.report.job_progress's answer (None: not asked, or none)."""
+def job_summary(job: Job, prog: dict | None = None, energy: dict | None = None) -> dict:
+    """A job as the API lists it; `prog` is jobs.report.job_progress's answer (None: not asked, or none); `energy`
+    its jobs.energy record where a list read all of them at once."""
     ranks = list(job.ranks.all())
     nodes = [r.node.name for r in sorted(ranks, key=lambda r: r.index)] or job.nodes_asked
     pct = prog["percent"] if prog else (100.0 if job.state == Job.State.SUCCEEDED else None)
@@ -113,7 +114,7 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "duration_s": job.duration(),
         "failure_kind": job.failure_kind,
         "failure_reason": job.failure_reason,
-        "energy": energy_record(job),
+        "energy": energy if energy is not None else energy_record(job),
     }
 
 
@@ -176,7 +177,10 @@ class JobsView(APIView):
             if state not in Job.State.values:
                 raise ValidationError(f"state must be one of {', '.join(Job.State.values)}")
             jobs = jobs.filter(state=state)
-        return Response(s.JobSerializer([job_summary(j, live_progress(j)) for j in jobs[:limit]], many=True).data)
+        listed = list(jobs[:limit])
+        energy = energy_records(listed)  # every job's in a few queries
+        rows = [job_summary(j, live_progress(j), energy[j.pk]) for j in listed]
+        return Response(s.JobSerializer(rows, many=True).data)
 
     @extend_schema(
         summary="Launch a job (`ugro launch`): queued now, started by the worker when its nodes are free",
@@ -363,9 +367,11 @@ class QueueView(APIView):
     @extend_schema(summary="Waiting jobs in the order they will start, with the reason each waits and its "
                    "estimated start (`ugro queue`)", responses=s.QueueEntrySerializer(many=True))  # fmt: skip
     def get(self, request: Request) -> Response:
+        waiting = queue()
+        energy = energy_records([e.job for e in waiting])  # every job's in a few queries
         entries = [
             {
-                **job_summary(e.job),
+                **job_summary(e.job, energy=energy[e.job.pk]),
                 "position": e.decision.position,
                 "starts_now": e.decision.start,
                 "reason": None if e.decision.start else e.decision.reason,
@@ -373,7 +379,7 @@ class QueueView(APIView):
                 "estimated_start": e.est_start,
                 "gpus": e.placement_text() or None,
             }
-            for e in queue()
+            for e in waiting
         ]
         return Response(s.QueueEntrySerializer(entries, many=True).data)
 

@@ -141,8 +141,9 @@ def _when(value) -> str | None:
     return value.isoformat() if value else None
 
 
-def job_summary(job: Job, prog: dict | None = None) -> dict:
-    """A job as JSON for `status --json`, `queue --json` and the detail views."""
+def job_summary(job: Job, prog: dict | None = None, energy: dict | None = None) -> dict:
+    """A job as JSON for `status --json`, `queue --json` and the detail views; `energy`: its jobs.energy record
+    where a list read all of them at once (`energy_records`)."""
     now = timezone.now()
     return {
         "name": job.name,
@@ -161,7 +162,8 @@ def job_summary(job: Job, prog: dict | None = None) -> dict:
         "finished_at": _when(job.finished_at),
         "age_s": round((now - job.created_at).total_seconds(), 1),
         "duration_s": round(job.duration(), 1) if job.duration() is not None else None,
-        "energy": energy_record(job),  # its GPUs' (and hosts') energy and cost, each attempt's (docs/power.md)
+        # its GPUs' (and hosts') energy and cost, each attempt's (docs/power.md)
+        "energy": energy if energy is not None else energy_record(job),
         "waits_for_nodes": list(job.wait_nodes) if job.state == Job.State.QUEUED else [],
         "failure": None
         if not job.failure_reason

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from accounts.models import ApiToken, AuditEvent
 from accounts.tokens import create_token
-from cluster.models import Node
+from cluster.models import ClusterSettings, Node
 from jobs.models import Job, Rank
 
 
@@ -234,7 +234,9 @@ def test_the_jobs_list_costs_the_same_few_queries_for_many_ended_jobs(lab, djang
         job = Job.objects.create(name=f"old{i}", script="s.py", state=Job.State.FAILED, owner=lab["user"],
                                  started_at=now, running_at=now, finished_at=now)  # fmt: skip
         Rank.objects.create(job=job, node=node, index=0, state=Rank.State.EXITED, active=False)
-    with django_assert_max_num_queries(8):
+    ClusterSettings.load()  # as every running cluster has it (its price prices the energy)
+    # 8, and the energy of every job at once: the price, attempts, ranks, samples (jobs/energy.py energy_records)
+    with django_assert_max_num_queries(12):
         rows = api(lab, "get", "/api/v1/jobs/", {"limit": 30}).json()
     assert len(rows) == 30 and rows[0]["nodes"] == ["n1"]
 

@@ -364,3 +364,17 @@ def test_a_jobs_energy_is_its_attempts_summed_and_results_show_each():
     lines = report.results(job)
     assert "  energy 3.0 Wh" in lines
     assert any(line.startswith("  attempt 1: failed") and line.endswith("; energy 1.0 Wh") for line in lines)
+
+
+def test_a_list_reads_every_jobs_energy_in_the_same_few_queries(django_assert_max_num_queries):
+    # Given 20 ended jobs, none folded yet (their samples are read), and 20 with a final state
+    node = _node(gpus=1)
+    jobs = [_job([(node, [0])], name=f"j{i}") for i in range(40)]
+    _samples(node, range(0, 37, 4), lambda t: [{"index": 0, "power_w": 100.0}])
+    assert energy.record_due(Job.objects.filter(pk__in=[j.pk for j in jobs[20:]]), now=T0 + timedelta(seconds=90)) == 20
+    ClusterSettings.load()
+    # When their records are read together: the price, attempts, ranks, samples
+    with django_assert_max_num_queries(4):
+        records = energy.energy_records(jobs)
+    # Then each says 1 Wh, folded now or stored
+    assert {round(r["wh"], 6) for r in records.values()} == {1.0}

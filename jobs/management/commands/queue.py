@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 from accounts.commands import UserCommand
+from jobs.energy import energy_records
 from jobs.report import job_summary, queue_table
 from jobs.snapshot import Snapshot, holders_by_job, queue
 
@@ -18,10 +19,11 @@ class Command(UserCommand):
         entries = queue(snap)
         holders = holders_by_job(snap)
         if as_json:
+            energy = energy_records([e.job for e in entries])
             rows = [
                 {
                     "position": e.decision.position,
-                    **job_summary(e.job),
+                    **job_summary(e.job, energy=energy[e.job.pk]),
                     "starts_now": e.decision.start,
                     "reason": None if e.decision.start else e.decision.reason,
                     "detail": e.decision.detail,

@@ -5,6 +5,7 @@ import json
 from django.core.management.base import CommandError
 
 from accounts.commands import UserCommand
+from jobs.energy import energy_records
 from jobs.models import Job
 from jobs.report import get_job, job_detail, job_progress, job_record, job_summary, jobs_table
 
@@ -36,7 +37,9 @@ class Command(UserCommand):
             jobs = list(Job.objects.select_related("owner", "current").prefetch_related("current__ranks__node")[:limit])
             prog = {job.pk: job_progress(job) for job in jobs}
             if as_json:
-                self.stdout.write(json.dumps({"jobs": [job_summary(j, prog[j.pk]) for j in jobs]}, indent=2))
+                energy = energy_records(jobs)
+                rows = [job_summary(j, prog[j.pk], energy[j.pk]) for j in jobs]
+                self.stdout.write(json.dumps({"jobs": rows}, indent=2))
                 return
             for row in jobs_table(jobs, prog):
                 self.stdout.write(row)
