@@ -160,6 +160,10 @@ class JobDetailSerializer(JobSerializer):
     lines = serializers.ListField(child=serializers.CharField(), help_text="what `ugro status NAME` prints")
     code = serializers.JSONField(allow_null=True, help_text="synced directory, git, per-node versions (docs/sync.md)")
     retention = serializers.JSONField(allow_null=True, help_text="what --keep kept and freed (docs/recovery.md)")
+    scale_probe = serializers.JSONField(
+        allow_null=True, help_text="--scale-probe: each node count's samples/s, the count chosen and why, the batch "
+        "weights it measured (docs/scaling.md)",
+    )  # fmt: skip
 
 
 class LogsSerializer(serializers.Serializer):

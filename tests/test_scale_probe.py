@@ -240,3 +240,25 @@ def test_a_probe_that_cannot_run_says_so_in_one_line_and_the_job_runs_as_asked(t
         "scale probe did not run: no step line within 5s; runs on the 2 nodes asked"
     )
     assert [n for n, _, _ in paced.started] == ["n1"]  # a count that cannot run: larger ones are not tried
+
+
+def test_the_job_page_and_the_api_show_the_table_and_escape_what_a_node_said(db, settings, tmp_path):
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    settings.JOBS_DIR = tmp_path / "jobs"
+    job = Job.objects.create(name="shown", script="train.py")
+    hostile = "<script>alert(1)</script>"
+    probe = {"state": "done", "asked": 2, "chosen": 1, "line": "runs on 1 of 2 nodes: 100.0 samples/s",
+             "rows": with_efficiency([{"nodes": 1, "workers": 1, "samples_per_s": 100.0, "unit": "samples",
+                                       "compute_s": 0.08, "sync_wait_s": 0.0},
+                                      {"nodes": 2, "workers": 2, "error": f"did not start: {hostile}"}]),
+             "weights": {"n1": 2.0, "n2": 1.0}}  # fmt: skip
+    scale_probe.record(job, probe)
+    client = Client()
+    client.force_login(User.objects.create_superuser("probe-admin", password="pw-probe-123"))
+    html = client.get(f"/jobs/{job.pk}/").content.decode()
+    assert 'id="scale-probe-table"' in html and "runs on 1 of 2 nodes" in html and "n1=2.0" in html
+    assert hostile not in html and "&lt;script&gt;" in html
+    detail = client.get("/api/v1/jobs/shown/").json()
+    assert detail["scale_probe"]["chosen"] == 1 and detail["scale_probe"]["rows"][0]["efficiency"] == 1.0
