@@ -34,7 +34,7 @@ from cluster.models import Alert, Node
 from cluster.power import PowerError
 from cluster.provision import ProvisionError, add_node, probe_node
 from jobs import cache, envs, report, retention, sync
-from jobs.energy import energy_record, energy_records, job_energy
+from jobs.energy import energy_record, energy_records, job_energies
 from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
@@ -667,6 +667,8 @@ def _sweep(name: str) -> Sweep:
 
 
 def sweep_detail(sweep: Sweep) -> dict:
+    rows = trial_rows(sweep)
+    used = job_energies([r.job for r in rows])
     return {
         "name": sweep.name,
         "id": sweep.pk,
@@ -683,9 +685,9 @@ def sweep_detail(sweep: Sweep) -> dict:
                 "best": r.best,
                 "steps": r.steps,
                 "is_best": r.is_best,
-                "energy": job_energy(r.job).to_dict(),  # energy per trial (docs/power.md)
+                "energy": used[r.job.pk].to_dict(),  # energy per trial (docs/power.md)
             }
-            for r in trial_rows(sweep)
+            for r in rows
         ],  # fmt: skip
     }
 

@@ -213,11 +213,12 @@ def sweep_detail(request: HttpRequest, pk: int) -> HttpResponse:
     sweep = get_object_or_404(Sweep, pk=pk)
     rows = trial_rows(sweep)
     names = sorted({k for r in rows for k in r.params})
+    used = energy.job_energies([r.job for r in rows])
     for r in rows:
         r.cells = [r.params.get(k, "") for k in names]
         r.final_text = format_value(r.final) if r.final is not None else "—"
         r.best_text = format_value(r.best) if r.best is not None else "—"
-        r.energy = energy.job_energy(r.job)  # energy per trial (docs/power.md)
+        r.energy = used[r.job.pk]  # energy per trial (docs/power.md)
     return render(
         request,
         "jobs/sweep.html",

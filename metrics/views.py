@@ -9,7 +9,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from jobs import report
-from jobs.energy import job_energy
+from jobs.energy import job_energies
 from jobs.models import Job
 from jobs.report import attempt_marks, human_duration
 
@@ -109,11 +109,12 @@ def compare(request: HttpRequest) -> HttpResponse:
     metric = request.GET.get("metric", "")[:100]
     if metric not in names:
         metric = names[0] if names else "loss"
+    used = job_energies(chosen)
     rows = [
         {
             "job": job,
             "duration": human_duration(job.duration(), empty="", sep=" "),
-            "energy": job_energy(job),
+            "energy": used[job.pk],
             **metric_facts(job, metric),
         }
         for job in chosen

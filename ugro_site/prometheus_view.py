@@ -20,8 +20,8 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cluster.models import GPU, Alert, ClusterSettings, HealthSample, Node
-from jobs.energy import J_PER_WH, job_energy
+from cluster.models import GPU, Alert, HealthSample, Node
+from jobs.energy import J_PER_WH, job_energies
 from jobs.models import Job
 from serving.models import Replica, Service
 from serving.stats import recent
@@ -135,11 +135,11 @@ def _energy(since) -> Iterator[Metric]:
     )  # fmt: skip
     cost = GaugeMetricFamily("ugro_job_energy_cost", "That energy at cluster.yaml's power.price_per_kwh",
                              labels=["job", "state", "currency"])  # fmt: skip
-    cs = ClusterSettings.load()
     live = [*Job.LIVE_STATES, *Job.STOPPING_STATES]
-    jobs = Job.objects.filter(Q(state__in=live) | Q(current__finished_at__gte=since))
-    for job in jobs.order_by("-pk")[:100]:
-        e = job_energy(job, settings=cs)
+    jobs = list(Job.objects.filter(Q(state__in=live) | Q(current__finished_at__gte=since)).order_by("-pk")[:100])
+    used = job_energies(jobs)
+    for job in jobs:
+        e = used[job.pk]
         if e.wh is not None:
             joules.add_metric([job.name, job.state], e.wh * J_PER_WH)
         if e.cost is not None:

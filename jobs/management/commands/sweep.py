@@ -4,7 +4,7 @@ from django.core.management.base import CommandError
 
 from accounts import actions, policy
 from accounts.commands import UserCommand
-from jobs.energy import job_energy
+from jobs.energy import job_energies
 from jobs.launch import LaunchError, LaunchRequest
 from jobs.lifecycle import wait_final
 from jobs.limits import parse_duration, parse_size_mb
@@ -100,11 +100,13 @@ class Command(UserCommand):
         self.stdout.write(
             f"sweep {sweep.name}: {sweep.metric} ({sweep.mode}){' cancelled' if sweep.cancelled_at else ''}"
         )
-        for row in trial_rows(sweep):
+        rows = trial_rows(sweep)
+        used = job_energies([row.job for row in rows])
+        for row in rows:
             final = "-" if row.final is None else f"{row.final:.6g}"
             best = "-" if row.best is None else f"{row.best:.6g}"
             mark = "  <- best" if row.is_best else ""
-            energy = job_energy(row.job).text()
+            energy = used[row.job.pk].text()
             self.stdout.write(f"  {row.job.name:24} {row.job.state:10} final {final:>10} best {best:>10}  "
                               f"energy {energy}  {_params(row.params)}{mark}")  # fmt: skip
 
