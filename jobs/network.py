@@ -185,8 +185,10 @@ def choose(nodes: list[Node], backend: str) -> tuple[dict[str, Choice], list[str
         return {n.name: Choice(n.name, "", n.address, why) for n in nodes}, []
     choices, problems = {}, []
     for node, result, err in on_each(nodes, lambda n: _survey(n, master, var)):
-        if err is not None or isinstance(result, str):
-            problems.append(str(err or result).removeprefix(f"node {node.name}: ").strip())
+        if err is not None:  # the link's own "node X: ..." lines, as pre-flight says them
+            problems.append(f"{node.name}: " + str(err).removeprefix(f"node {node.name}: ").strip())
+        elif isinstance(result, str):
+            problems.append(result)
         else:
             choices[node.name] = result
     return choices, problems

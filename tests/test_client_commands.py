@@ -347,3 +347,17 @@ def test_an_attached_launch_that_waits_says_why_and_again_when_that_changes(ugro
     text = out.read_text()
     assert text.count("w1 waits") == 2, text  # each reason once, however often it was asked
     assert "-- job w1 cancelled" in text
+
+
+def test_netcheck_through_the_client_refuses_in_one_line_and_exits_1(ugro_script, server):  # noqa: F811
+    unknown = ugro(ugro_script, server, "netcheck", "--nodes", "n1,ghost")
+    assert unknown.returncode == 3 and unknown.stderr == "ugro netcheck: unknown node(s): ghost\n"
+    sizes = ugro(ugro_script, server, "netcheck", "--sizes", "1,x")
+    assert sizes.returncode == 2 and sizes.stderr.startswith("ugro netcheck: --sizes: whole numbers of MB")
+    # given a second node nothing answers for: its interface cannot be chosen, and nothing is measured
+    Node.objects.create(name="n9", address="127.0.0.9", ssh_port=9)
+    failed = ugro(ugro_script, server, "netcheck", "--json", timeout=120)
+    assert failed.returncode == 1 and failed.stderr.startswith("ugro netcheck: refused: ")
+    report = json.loads(failed.stdout)
+    assert report["ok"] is False and any(p.startswith("n9: ") for p in report["problems"]), report
+    assert not report["netcheck"]
