@@ -262,3 +262,20 @@ def test_the_job_page_and_the_api_show_the_table_and_escape_what_a_node_said(db,
     assert hostile not in html and "&lt;script&gt;" in html
     detail = client.get("/api/v1/jobs/shown/").json()
     assert detail["scale_probe"]["chosen"] == 1 and detail["scale_probe"]["rows"][0]["efficiency"] == 1.0
+
+
+def test_the_clusters_default_probe_is_checked_on_import_taken_at_launch_and_off_turns_it_off(db):
+    from cluster.config_yaml import ConfigError, import_cluster
+    from jobs.launch import LaunchError, LaunchRequest, build_job
+
+    yaml_text = ("cluster:\n  master_ip: 127.0.0.2\nnodes:\n  gpu1:\n    ip: 127.0.0.2\n    user: me\n"
+                 "    workdir: /w\ntraining:\n  script: train.py\n  scale_probe: {probe}\n")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^training\.scale_probe: --scale-probe 'soon' is not a duration"):
+        import_cluster(yaml_text.format(probe="soon"))
+    assert not Node.objects.exists()
+    import_cluster(yaml_text.format(probe="20s"))
+    assert build_job(LaunchRequest(name="a"))[0].params["scale_probe_s"] == 20
+    assert build_job(LaunchRequest(name="b", scale_probe="45s"))[0].params["scale_probe_s"] == 45
+    assert "scale_probe_s" not in build_job(LaunchRequest(name="c", scale_probe="off"))[0].params
+    with pytest.raises(LaunchError, match=r"^--scale-probe must be from 2s to 10m per node count$"):
+        build_job(LaunchRequest(name="d", scale_probe="1s"))
