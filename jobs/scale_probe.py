@@ -39,7 +39,7 @@ from .stop import stop_tagged
 log = logging.getLogger(__name__)
 
 PROBE_MIN_S, PROBE_MAX_S = 2, 600  # per node count
-FIRST_STEP_WAIT_S = 60.0  # a count's ranks start, meet and log a first step within max(this, its time), or it fails
+FIRST_STEP_WAIT_S = 180.0  # a count's first step line within max(this, its time) (a model loads first), or it fails
 WARMUP_LINES = 1  # the first step line of each count (start-up, first-step caches) is not measured
 MIN_MEASURED_LINES = 2  # step lines after the warm-up, at least, for a rate
 TIE = 0.02  # counts within 2 % of the fastest are as fast: the fewest of them runs, the rest of the nodes freed
