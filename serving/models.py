@@ -118,6 +118,8 @@ class Replica(models.Model):
     checked_at = models.DateTimeField(null=True, blank=True)
     note = models.CharField(max_length=500, blank=True, help_text="What happened last, one line.")
     draining_since = models.DateTimeField(null=True, blank=True)
+    log_tag = models.CharField(max_length=100, blank=True, help_text="The start whose log is copied centrally.")
+    log_offset = models.PositiveBigIntegerField(default=0, help_text="Bytes of that log copied so far.")
     # the endpoint's flusher (serving/stats.py): requests in flight at its last flush, and on average since the one
     # before (the autoscaler's load); one web process writes them (several would overwrite each other)
     outstanding = models.PositiveIntegerField(default=0)

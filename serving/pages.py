@@ -15,6 +15,7 @@ from accounts.audit import web_source
 from ugro_site.celery import NoWorker
 
 from .models import Replica, Service
+from .replica_logs import shown
 from .replicas import log_tail
 from .requests import MAX_REPLICAS, ServeError, ServeRequest, start_service, stop_service
 from .stats import WINDOW_S, recent
@@ -114,11 +115,15 @@ def service_stop(request: HttpRequest, name: str) -> HttpResponse:
 
 @require_GET
 def replica_log(request: HttpRequest, name: str, index: int) -> HttpResponse:
-    """The tail of one replica's log, read from its node now (escaped: it is what the engine printed)."""
+    """The tail of one replica's log: its central copy (serving/replica_logs.py), else read from its node now;
+    escaped (it is what the engine printed); the page reloads it every 5 s."""
     replica = get_object_or_404(Replica.objects.select_related("service", "node"), service__name=name, index=index)
-    try:
-        text, error = log_tail(replica), ""
-    except ValueError as exc:
-        text, error = "", str(exc)
+    text, error, central = shown(replica), "", True
+    if text is None:  # nothing copied yet (a replica started before logs were copied): read from its node
+        central = False
+        try:
+            text = log_tail(replica)
+        except ValueError as exc:
+            text, error = "", str(exc)
     return render(request, "serving/replica_log.html", {"replica": replica, "text": text, "error": error,
-                                                        "nav": "services"})  # fmt: skip
+                                                        "central": central, "nav": "services"})  # fmt: skip

@@ -24,7 +24,7 @@ from jobs.models import Job
 from jobs.retention import Uses
 from jobs.stop import stop_tagged
 
-from . import scaling, updates
+from . import replica_logs, scaling, updates
 from .engines import EngineError, engine_argv
 from .models import Replica, Service
 from .placement import place, release
@@ -93,9 +93,11 @@ def tend_one(service: Service) -> None:
                 elif not replica.note.startswith("waiting"):
                     _save(replica, note=f"waiting for {service.gpus_per_replica or 'a whole node of'} free GPUs")
             elif replica.state == Replica.State.DRAINING:
+                replica_logs.copy(replica)
                 if scaling.drained(replica):
                     stop(replica)
             elif replica.state in Replica.HOLDING:
+                replica_logs.copy(replica)  # before the check: a restart's reason is in what it wrote last
                 check(replica)
         except Exception:  # one replica's trouble must not stop the others' care
             log.exception("service %s replica %s", service.name, replica.index)
@@ -262,6 +264,7 @@ def _kill(replica: Replica) -> list[str]:
 
 def restart(replica: Replica, why: str) -> None:
     unclean = _kill(replica)
+    replica_logs.copy(replica)  # its last words, before the next start's tag replaces it
     log.warning("service %s replica %s: %s", replica.service.name, replica.index, why)
     # a node that cannot confirm the old engine gone lets go of the replica: it is placed again, elsewhere if need be
     if _gave_up_or_retry(replica, why, release_slots=bool(unclean)):
@@ -294,6 +297,7 @@ def stop(replica: Replica) -> bool:
     if unclean:
         _save(replica, note=f"stopping: {'; '.join(unclean)}"[:500])
         return False
+    replica_logs.copy(replica)  # kept centrally after it stops
     release(replica)
     _save(replica, state=Replica.State.STOPPED, note="stopped")
     return True

@@ -5,6 +5,7 @@ service end to end is tests/test_serve.py's."""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import pytest
@@ -176,3 +177,53 @@ def test_a_checkpoint_too_big_for_any_gpu_is_refused_and_replicas_go_where_the_w
     replica = Replica.objects.create(service=service, index=0)
     assert min(Node.objects.all(), key=lambda n: n.placement_key()).name == "gpu1"
     assert placement.place(replica) and Replica.objects.get(pk=replica.pk).node.name == "gpu9"
+
+
+def test_a_replicas_log_is_copied_centrally_as_written_shown_live_and_kept_after_it_stops(
+    trained, monkeypatch, settings, tmp_path
+):
+    from cluster.links import LinkError
+    from serving import replica_logs, replicas
+
+    settings.DATA_DIR = tmp_path
+    service = Service.objects.create(name="chat", job=trained, checkpoint=Checkpoint.objects.get())
+    replica = Replica.objects.create(service=service, index=0, state=Replica.State.READY,
+                                     node=Node.objects.get(name="gpu1"), port=8001, tag="serve-chat-0-a")  # fmt: skip
+    on_node = {"serve-chat-0-a": b"INFO: Uvicorn running\n"}  # each start's log on its node
+
+    def tail(node, op, timeout, files):
+        (item,) = files
+        data = on_node[item["path"].rsplit("/", 1)[1].removesuffix(".log")][item["offset"] :]
+        return {"files": [{"key": item["key"], "data": base64.b64encode(data).decode(), "zlib": False}]}
+
+    monkeypatch.setattr(replica_logs, "node_request", tail)
+    viewer = client_in("viewer")
+
+    # when the worker's passes copy it as it grows
+    assert replica_logs.copy(replica) == len(b"INFO: Uvicorn running\n")
+    on_node["serve-chat-0-a"] += b"<script>alert(1)</script> 200 OK\n"
+    replica_logs.copy(replica)
+    assert replica_logs.copy(replica) == 0  # nothing new: nothing written
+
+    # then the page shows the central copy (the node is not asked), escaped, and refreshes itself
+    monkeypatch.setattr(replicas, "node_request", lambda *a, **k: pytest.fail("the node was asked"))
+    html = viewer.get("/services/chat/replicas/0/log").content.decode()
+    assert "INFO: Uvicorn running\n&lt;script&gt;alert(1)&lt;/script&gt; 200 OK" in html and "<script>alert" not in html
+    assert "as copied to the controller" in html and 'data-region="services"' in html
+
+    # when it is restarted (a new start, a new log) and then stopped with its node gone
+    replica.tag = "serve-chat-0-b"
+    on_node["serve-chat-0-b"] = b"starting again\n"
+    replica_logs.copy(replica)
+
+    def silent(*a, **k):
+        raise LinkError("node gpu1: SSH did not answer within 5 s")
+
+    monkeypatch.setattr(replica_logs, "node_request", silent)
+    assert replica_logs.copy(replica) == 0
+    Replica.objects.filter(pk=replica.pk).update(state=Replica.State.STOPPED, tag="serve-chat-0-b")
+    # then each start's copy is kept, and the page shows the last one without its node
+    first = (tmp_path / "serve-logs" / "chat" / "0-serve-chat-0-a.log").read_bytes()
+    assert first == on_node["serve-chat-0-a"]
+    html = viewer.get("/services/chat/replicas/0/log").content.decode()
+    assert "starting again" in html and "log-error" not in html
