@@ -245,6 +245,9 @@ def socket_env(node: Node, choice: Choice | None) -> dict[str, str]:
 
 
 def pairs_for(count: int) -> list[tuple[int, int]]:
+    """The pairs measured apart from the group: none for two nodes (the group is the pair)."""
+    if count == 2:
+        return []
     pairs = list(combinations(range(count), 2))
     return pairs if len(pairs) <= MAX_PAIRS else [(0, j) for j in range(1, count)]
 
@@ -272,6 +275,8 @@ def measure(nodes: list[Node], choices: dict[str, Choice], backend: str, sizes_m
     else:
         row.group = result["group"]
         row.pairs = [dict(p, a=names[p["a"]], b=names[p["b"]]) for p in result["pairs"]]
+        if len(names) == 2:
+            row.pairs = [dict(result["group"], a=names[0], b=names[1])]
     row.seconds = round(time.monotonic() - t0, 3)
     row.save()
     return row

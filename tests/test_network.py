@@ -279,3 +279,13 @@ def test_the_job_page_status_and_topology_show_the_figures(lan, admin_client):
     assert f"  network: {sentence}" in out.getvalue().splitlines()
     overview = admin_client.get("/").content.decode()
     assert "gpu-master &harr; gpu1" in overview and "0.8 Gbit/s" in overview and "100 &micro;s" in overview
+
+
+def test_two_nodes_are_measured_once_their_group_being_their_pair(lan, monkeypatch):
+    asked = []
+    monkeypatch.setattr(network, "_run", lambda nodes, choices, backend, sizes, gpus: asked.append(
+        network.pairs_for(len(nodes))) or {"group": figures(2e8), "pairs": []})  # fmt: skip
+    choices, _ = network.choose(nodes(), "gloo")
+    row = network.measure(nodes(), choices, "gloo", [16])
+    assert asked == [[]] and row.pairs == [dict(figures(2e8), a="gpu-master", b="gpu1")]
+    assert network.last_pairs()[0]["rate"] == "1.6 Gbit/s" and network.pairs_for(3) == [(0, 1), (0, 2), (1, 2)]
