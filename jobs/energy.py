@@ -11,8 +11,9 @@ attempt's start or end counts for the part inside. A host's RAPL zones are meter
 segment is "not measured", never 0: an attempt none of whose GPUs was measured has no energy and no cost.
 
 The state of every meter (energy so far, the last reading) is kept on the attempt (`Attempt.energy`): folded in by
-the running loop every FOLD_EVERY_S (so raw samples, kept a day, are never needed again) and when the attempt ends;
-what a page asks is that state plus the samples after it (`attempt_energy`), so a running job shows its energy so far.
+the running loop every FOLD_EVERY_S (so raw samples, kept a day, are never needed again), and made final by it
+FOLD_LAG_S after the attempt ended; what a page asks is that state plus the samples after it (`attempt_energy`,
+`jobs_attempts_energy` for a list), so a running job shows its energy so far.
 """
 
 from __future__ import annotations
