@@ -4,10 +4,10 @@ While the job is STARTING on the N nodes it was given (and after its code, data 
 pre-flight passed), its first steps run on 1, 2, ... N of those nodes in turn, each count for a bounded time from
 the same start, with its outputs in a scratch directory that is then left behind (never the job's checkpoints).
 Each count's throughput comes from the job's own step lines: samples/s = steps/s x the global batch (every
-rank's local batch), steps/s from when the first node's step lines arrived (the agent's long-poll tail hears
-a line within milliseconds). The job then runs on the fastest count (`choose`): the first K nodes in rank order,
-the others freed (`lifecycle.shrink_starting`), unless it named its nodes (`--node`): those are what was asked,
-and it runs on all of them with a warning that says how much faster fewer would be.
+rank's local batch), steps/s from when the step lines of the node that holds the lowest logging rank arrived (the
+agent's long-poll tail hears a line within milliseconds). The job then runs on the fastest count (`choose`): the
+first K nodes in rank order, the others freed (`lifecycle.shrink_starting`), unless it named its nodes (`--node`):
+those are what was asked, and it runs on all of them with a warning that says how much faster fewer would be.
 
 With `--batch-weights auto`, each node's share of the global batch comes from its ranks' measured time per sample
 (the script's compute_s over its local batch) in the probe's largest count (`weights_from`).
@@ -137,12 +137,26 @@ def _median_after_warmup(lines: list[StepLine], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _timing_lines(run: CountRun) -> list[StepLine]:
+    """The step lines that time the count: those of the node that holds the lowest global rank that logged (ranks
+    follow join order under c10d: rank 0, often the only one that logs, may be on any node), else the most."""
+    logged = {name: lines for name, lines in run.lines.items() if lines}
+    if not logged:
+        return []
+
+    def key(name: str) -> tuple[int, int]:
+        ranks = [ln.worker for ln in logged[name] if ln.worker is not None]
+        return (min(ranks) if ranks else 1 << 30, -len(logged[name]))
+
+    return logged[min(logged, key=key)]
+
+
 def measure(run: CountRun) -> dict:
     """One row of the probe's table: nodes, steps/s, samples/s (the global batch x steps/s; with no batch known,
     per-rank batches x steps/s: `unit` says which), the compute/sync split where the script reports it, and each
     node's time per sample. `error` says why a count gave no rate."""
     row: dict[str, Any] = {"nodes": len(run.nodes), "workers": run.workers, "names": list(run.nodes)}
-    first = run.lines.get(run.nodes[0], [])
+    first = _timing_lines(run)
     rate = _rate(first)
     if rate is None:
         row["error"] = run.problem or (
@@ -324,10 +338,10 @@ def run_count(job: Job, ranks: list[Rank], count: int, seconds: float, build: St
                     run.lines.setdefault(rank.node.name, []).extend(lines)
                 if item.get("exit") and item.get("eof"):
                     exited.add(rank.pk)
-            if not measuring and run.lines.get(sub[0].node.name):
+            if not measuring and any(run.lines.values()):
                 measuring = True  # the time per count starts at the first step line: start-up is not the job's pace
                 until = min(until, clock() + seconds)
-        if exited and not run.lines.get(sub[0].node.name):
+        if exited and not any(run.lines.values()):
             run.problem = "the script exited before it logged a step"
         elif not measuring:
             run.problem = f"no step line within {max(FIRST_STEP_WAIT_S, seconds):.0f}s"

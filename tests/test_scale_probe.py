@@ -36,6 +36,9 @@ def test_a_count_is_measured_from_its_step_lines_after_the_warm_up():
     # a job with no batch known is measured in per-rank batches
     run.local_batches = [None, None]
     assert measure(run)["unit"] == "per-rank batches" and measure(run)["samples_per_s"] == pytest.approx(40.0)
+    # a script that logs on rank 0 only, which joined on the second node: timed from that node's lines
+    run.lines = {"a": [], "b": lines(0, 0.05, 0.04)}
+    assert measure(run)["steps_per_s"] == pytest.approx(20.0)
     # one step line (the warm-up) or none is no rate, and says so
     run.lines = {"a": lines(0, 0.05, 0.02, n=1)}
     assert measure(run)["error"] == "too few step lines (1) to measure a rate"
