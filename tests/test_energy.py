@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -364,6 +365,14 @@ def test_a_jobs_energy_is_its_attempts_summed_and_results_show_each():
     lines = report.results(job)
     assert "  energy 3.0 Wh" in lines
     assert any(line.startswith("  attempt 1: failed") and line.endswith("; energy 1.0 Wh") for line in lines)
+    # And `status --json` (every job) and `results NAME --json` carry it
+    out = io.StringIO()
+    call_command("status", "--json", stdout=out)
+    (listed,) = json.loads(out.getvalue())["jobs"]
+    assert listed["energy"]["wh"] == pytest.approx(3.0)
+    out = io.StringIO()
+    call_command("results", job.name, "--json", stdout=out)
+    assert [a["wh"] for a in json.loads(out.getvalue())["energy"]["attempts"]] == pytest.approx([1.0, 2.0])
 
 
 def test_a_list_reads_every_jobs_energy_in_the_same_few_queries(django_assert_max_num_queries):
