@@ -53,6 +53,7 @@ LISTEN_S = 5.0
 CONNECT_TIMEOUT_S = 3.0
 REUSE_S = 6 * 3600  # a launch reuses a measurement of the same nodes and interfaces this recent
 ADVICE_WINDOW_S = 300  # the advice reads the job's first minutes of step lines
+CLEARLY_FASTER = 1.05  # fewer nodes are called faster only from this gain on
 ADVICE_SKIP_LINES = 1  # the first line of each rank holds the warm-up (compile, first connections)
 IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -519,8 +520,11 @@ def advise(job: Job) -> Advice | None:
     measured = f" over a measured {rate(busbw[n])} bus bandwidth" if n in busbw else " (network not measured)"
     head = (f"communication is {share:.0%} of a {step_s:.3g} s step ({comm_s:.3g} s exchanging gradients"
             f"{measured}, {compute_s:.3g} s computing, on {n} nodes)")  # fmt: skip
-    if best < n:
+    if best < n and speedup >= CLEARLY_FASTER:
         tail = f"{best} node{'s' if best > 1 else ''} would be faster: about {speedup:.2f}x the samples/s of {n}"
+    elif best < n:  # within the estimate's own error: not worth giving up nodes for
+        tail = (f"fewer nodes would be about as fast ({best} node{'s' if best > 1 else ''}: about {speedup:.2f}x "
+                "the samples/s)")  # fmt: skip
     else:
         nxt = rates[n - 1] / rates[n]
         tail = f"fewer nodes would not be faster ({n - 1} node{'s' if n > 2 else ''}: about {nxt:.2f}x the samples/s)"

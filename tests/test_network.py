@@ -232,6 +232,10 @@ def test_advice_keeps_every_node_when_compute_dominates_and_is_silent_for_one_no
     found = network.advise(job)
     assert found.best == 2 and found.comm_s == pytest.approx(0.05)
     assert "(network not measured)" in found.sentence and "fewer nodes would not be faster" in found.sentence
+    # 2 nodes computing 0.1 s and exchanging 0.105 s: 1 node's 10 samples/s against 2's 9.76 is not worth a node
+    close = network.advise(job_with_steps("close", [(0.1, 0.105), (0.1, 0.105)]))
+    assert close.best == 1 and close.speedup == pytest.approx(1.025)
+    assert close.sentence.endswith("fewer nodes would be about as fast (1 node: about 1.02x the samples/s).")
     solo = job_with_steps("solo", [(1.0, 0.0)], count=1)
     assert network.advice(solo) == "" and network.advice(job_with_steps("early", [(1, 0.1), (1, 0.1)], steps=1)) == ""
 
