@@ -164,6 +164,10 @@ class JobDetailSerializer(JobSerializer):
         allow_null=True, help_text="--scale-probe: each node count's samples/s, the count chosen and why, the batch "
         "weights it measured (docs/scaling.md)",
     )  # fmt: skip
+    network_advice = serializers.CharField(
+        allow_null=True, help_text="a multi-node job: how much of a step is communication and whether fewer nodes "
+        "would be faster, with the numbers (docs/scaling.md)",
+    )  # fmt: skip
 
 
 class LogsSerializer(serializers.Serializer):

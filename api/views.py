@@ -39,6 +39,7 @@ from jobs.launch import LaunchError, preflight_nodes
 from jobs.logs import LogLine, earlier_attempt, job_lines, rank_lines
 from jobs.models import Job, JobCode, Rank, Sweep
 from jobs.network import NetcheckError, netcheck
+from jobs.network import advice as network_advice
 from jobs.network import report as netcheck_report
 from jobs.power import by_hand as power_by_hand
 from jobs.recovery import RecoveryError
@@ -148,6 +149,7 @@ def job_detail(job: Job) -> dict:
         "code": report.code_record(job),
         "retention": retention.summary(job),
         "scale_probe": report.probe_record(job),  # each node count's samples/s and the count chosen
+        "network_advice": network_advice(job) or None,  # a multi-node job's share of communication
     }
 
 

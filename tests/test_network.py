@@ -281,6 +281,8 @@ def test_the_job_page_status_and_topology_show_the_figures(lan, admin_client):
     out = io.StringIO()
     call_command("status", "slowpage", stdout=out)
     assert f"  network: {sentence}" in out.getvalue().splitlines()
+    detail = admin_client.get("/api/v1/jobs/slowpage/").json()
+    assert detail["network_advice"] == sentence and f"  network: {sentence}" in detail["lines"]
     overview = admin_client.get("/").content.decode()
     assert "gpu-master &harr; gpu1" in overview and "0.8 Gbit/s" in overview and "100 &micro;s" in overview
 
