@@ -18,6 +18,23 @@ completion of `--max-tokens` tokens (`"the cluster"`), with an infer-scoped toke
   request through it are read from /proc.
 
 Goal (issue 27): under 5 ms added at p50, at least 90% of direct throughput. Results: bench/results/serve.json.
+
+`--part scaling` (or `all`, the default) then measures issue 40's scaling on a node of this machine reached through
+the real local agent (Node.transport local), recorded with 4 GPU slots so that replicas fit beside each other (the
+engines run on CPU and ignore CUDA_VISIBLE_DEVICES), the worker's pass (serving.replicas.tend) run by a thread of
+this process every 0.5 s (a real worker gets the wake's task at once, then passes every 5 s), results in
+bench/results/serve_scaling.json:
+
+- cold start: a service asleep (--min-replicas 0), `--cold-starts` times: one streamed request through the endpoint,
+  from sending it to its first token and to its end (the request is held while `transformers serve` starts), and
+  the service's own record (asked -> first ready); then it is put to sleep again (idle clock set back).
+- rolling update: one replica under `--concurrency` closed-loop clients through the endpoint, updated `--updates`
+  times between two checkpoints; every request that did not come back whole is counted (goal: 0).
+- autoscaling: a service of 1-2 replicas (target 1 in flight each) under the same clients: the time until its second
+  replica is ready; then `--pairs` latency pairs as above (direct to either replica vs the endpoint) with the
+  worker and the flusher's load reports running (goal: under 5 ms added at p50; the quiet period held off meanwhile);
+  then the time until the quiet service is back to one replica (SCALE_DOWN_QUIET_S set to 15 s here, 120 s by
+  default).
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ from _common import (  # noqa: E402
     setup_django,
     write_json,
 )
+from _dash_common import wait_for as until  # noqa: E402
 from _db import throwaway_database  # noqa: E402
 
 PROMPT = "the cluster"
@@ -160,6 +178,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--part", choices=["all", "endpoint", "scaling"], default="all")
+    ap.add_argument("--cold-starts", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=2)
     args = ap.parse_args()
 
     tmp = make_tmp("ugro-bench-serve-")
@@ -169,7 +190,7 @@ def main() -> None:
         with throwaway_database(keep=args.keep) as url:
             run(args, tmp, tag, url, info)
     finally:
-        left = kill_tagged(tag)
+        left = kill_tagged(tag) + kill_tagged("serve-bench", prefix=True)
         if left:
             print(f"{left} tagged processes survived", file=sys.stderr)
         if not args.keep:
@@ -205,12 +226,21 @@ def run(args, tmp: Path, tag: str, database_url: str, info: dict) -> None:
     job = Job.objects.create(name="trained", script="train.py", state=Job.State.SUCCEEDED)
     ckpt = Checkpoint.objects.create(job=job, node=node, path=str(model), size=1, mtime=0, step=10,
                                      kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
-    service = Service.objects.create(name="bench", job=job, checkpoint=ckpt, replicas=2)
+    service = Service.objects.create(name="bench", job=job, checkpoint=ckpt, replicas=2, min_replicas=2, max_replicas=2)
     for i, port in enumerate(ports):
         Replica.objects.create(service=service, index=i, state=Replica.State.READY, node=node, port=port,
                                model_path=str(model))  # fmt: skip
     token = create_token(User.objects.get(username=getpass.getuser()), "bench", "infer")[1]
 
+    if args.part in ("all", "scaling"):
+        node.enabled = False  # its replicas are started by hand here: the scaling part places on the local node
+        node.save()
+        run_scaling(args, tmp, token, base, info)
+        if args.part == "scaling":
+            daphne.terminate()
+            return
+        node.enabled = True
+        node.save()
     direct = [Target(f"http://127.0.0.1:{p}/v1/completions", str(model), args.max_tokens) for p in ports]
     endpoint = Target(f"{base}/serve/bench/v1/completions", "bench", args.max_tokens,
                       {"Authorization": f"Bearer {token}"})  # fmt: skip
@@ -265,6 +295,202 @@ def run(args, tmp: Path, tag: str, database_url: str, info: dict) -> None:
     print(f"throughput kept: {result['throughput']['kept']} (median of rounds {kept}); "
           f"load {info['loadavg_start']} -> {info['loadavg_end']}")  # fmt: skip
     daphne.terminate()
+
+
+class Worker:
+    """The worker's pass over services (serving.replicas.tend), on a thread of this process every 0.5 s."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self) -> None:
+        from django.db import close_old_connections
+
+        from serving.replicas import tend
+
+        while not self.stop.wait(0.5):
+            try:
+                tend()
+            except Exception as exc:  # the bench says so and goes on, as a worker would
+                print(f"worker pass failed: {exc}", file=sys.stderr)
+        close_old_connections()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
+class Load:
+    """`clients` closed-loop clients through the endpoint until stopped: answered whole, and what failed."""
+
+    def __init__(self, target: Target, clients: int) -> None:
+        self.target, self.ok, self.failed = target, 0, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.loop, daemon=True) for _ in range(clients)]
+
+    def loop(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self.stop.is_set():
+                try:
+                    self.target.call(client)
+                    self.ok += 1
+                except (RuntimeError, httpx.HTTPError, ValueError) as exc:
+                    self.failed.append(str(exc)[:200])
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def first_token(base: str, name: str, token: str, max_tokens: int) -> tuple[float, float]:
+    """A streamed completion through the endpoint: seconds to its first token, and to its end."""
+    t0 = time.perf_counter()
+    first = None
+    body = {"model": name, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", f"{base}/serve/{name}/v1/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {token}"}) as r:  # fmt: skip
+        if r.status_code != 200:
+            raise SystemExit(f"cold start: HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.perf_counter() - t0
+    return first if first is not None else float("nan"), time.perf_counter() - t0
+
+
+def run_scaling(args, tmp: Path, token: str, base: str, info: dict) -> None:
+    import shutil
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from cluster.models import GPU, Node
+    from jobs.models import Checkpoint, Job
+    from serving import scaling
+    from serving.models import Replica, Service
+    from serving.requests import ServeRequest, create_service, request_stop
+    from serving.updates import begin_update
+
+    workdir = tmp / "node"
+    workdir.mkdir()
+    # 4 GPU slots recorded (the engines run on CPU): a node without GPUs is taken whole by one replica, and an update
+    # or a scale-up needs a second one beside it
+    node = Node.objects.create(name="local", address="127.0.0.1", transport="local", workdir=str(workdir),
+                               torchrun_command=str(NODE_ENV / "bin" / "torchrun"), gpu_count=4)  # fmt: skip
+    GPU.objects.filter(node=node).update(vram_mb=80 * 1024)
+    local = Job.objects.create(name="trained-local", script="train.py", state=Job.State.SUCCEEDED)
+    checkpoints = {}
+    for step in (10, 20):
+        path = workdir / f"checkpoint-{step}"
+        shutil.copytree(tmp / "checkpoint-10", path)
+        checkpoints[step] = Checkpoint.objects.create(job=local, node=node, path=str(path), size=1, mtime=0,
+                                                      step=step, kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+    headers = {"Authorization": f"Bearer {token}"}
+    out: dict = {"machine": info, "settings": {k: getattr(args, k) for k in
+                 ("cold_starts", "updates", "concurrency", "max_tokens", "pairs")}}  # fmt: skip
+    scaling.SCALE_DOWN_QUIET_S = 15.0
+    try:
+        with Worker():
+            # cold start from zero: asleep, a request, its first token
+            cold = create_service(ServeRequest(name="bench-cold", source="trained-local:10", min_replicas=0,
+                                               replicas=0, idle_after="1m"))  # fmt: skip
+            starts = []
+            for i in range(args.cold_starts):
+                print(f"cold start {i + 1} ...", flush=True)
+                first, whole = first_token(base, cold.name, token, args.max_tokens)
+                row = until(lambda: Service.objects.filter(pk=cold.pk, state="running").first(), 60, "running")
+                starts.append({"first_token_s": round(first, 2), "answered_s": round(whole, 2),
+                               "recorded_cold_start_s": round(row.last_cold_start_s, 2)})  # fmt: skip
+                print(f"  first token {first:.2f} s, answered {whole:.2f} s, recorded {row.last_cold_start_s:.2f} s")
+                t0 = time.monotonic()
+                Service.objects.filter(pk=cold.pk).update(last_request_at=timezone.now() - timedelta(minutes=2))
+                until(lambda: Service.objects.filter(pk=cold.pk, state="sleeping").exists()
+                      and not Replica.objects.filter(service=cold, state__in=Replica.HOLDING).exists(),
+                      120, "asleep")  # fmt: skip
+                starts[-1]["to_sleep_s"] = round(time.monotonic() - t0, 2)
+            median = statistics.median(r["first_token_s"] for r in starts)
+            out["cold_start"] = {"runs": starts, "first_token_s_median": median}
+
+            # rolling updates under load: failed requests (goal 0)
+            roll = create_service(ServeRequest(name="bench-roll", source="trained-local:10"))
+            until(lambda: Replica.objects.filter(service=roll, state="ready").exists(), 300, "bench-roll ready")
+            target = Target(f"{base}/serve/{roll.name}/v1/completions", roll.name, args.max_tokens, headers)
+            updates = []
+            with Load(target, args.concurrency) as load:
+                time.sleep(2)
+                for k in range(args.updates):
+                    step = 20 if k % 2 == 0 else 10
+                    print(f"update {k + 1} to step {step} under load ...", flush=True)
+                    service = Service.objects.get(pk=roll.pk)
+                    t0 = time.monotonic()
+                    begin_update(service, local, checkpoints[step], None)
+
+                    def done(pk=roll.pk):
+                        s = Service.objects.get(pk=pk)
+                        return s.next_checkpoint_id is None and not Replica.objects.filter(
+                            service_id=pk, state__in=(Replica.State.DRAINING, Replica.State.PENDING,
+                                                      Replica.State.STARTING)).exists()  # fmt: skip
+
+                    until(done, 600, f"update {k + 1}")
+                    note = Service.objects.get(pk=roll.pk).note
+                    updates.append({"to_step": step, "seconds": round(time.monotonic() - t0, 2), "note": note})
+                    print(f"  {note} in {updates[-1]['seconds']} s; {load.ok} answered, {len(load.failed)} failed")
+                time.sleep(2)
+            out["rolling_update"] = {"updates": updates, "requests": load.ok, "failed": len(load.failed),
+                                     "failures": load.failed[:10], "goal_failed": 0}  # fmt: skip
+            request_stop(roll)
+
+            # autoscaling: 1 -> 2 under load, the latency added with it on, back to 1 when quiet
+            auto = create_service(ServeRequest(name="bench-auto", source="trained-local:10", min_replicas=1,
+                                               max_replicas=2, target_outstanding=1))  # fmt: skip
+            until(lambda: Replica.objects.filter(service=auto, state="ready").exists(), 300, "bench-auto ready")
+            target = Target(f"{base}/serve/{auto.name}/v1/completions", auto.name, args.max_tokens, headers)
+            print("autoscaling: load on one replica ...", flush=True)
+            with Load(target, args.concurrency) as load:
+                t0 = time.monotonic()
+                ready = until(lambda: len(r := list(Replica.objects.filter(service=auto, state="ready"))) == 2 and r,
+                              300, "a second replica")  # fmt: skip
+                scale_up = time.monotonic() - t0
+            print(f"  second replica ready {scale_up:.1f} s after the load began; latency pairs ...", flush=True)
+            scaling.SCALE_DOWN_QUIET_S = 3600.0  # both replicas stay while the pairs run (one request at a time)
+            ready = list(Replica.objects.filter(service=auto, state="ready"))
+            direct = [Target(f"http://127.0.0.1:{r.port}/v1/completions", r.model_path, args.max_tokens) for r in ready]
+            with httpx.Client(timeout=60) as client:
+                for _ in range(10):
+                    for t in (*direct, target):
+                        t.call(client)
+            lat = latency(direct, target, args.pairs)
+            scaling.SCALE_DOWN_QUIET_S = 15.0
+            t0 = time.monotonic()
+            until(lambda: Replica.objects.filter(service=auto, state="ready").count() == 1 and not
+                  Replica.objects.filter(service=auto, state="draining").exists(), 300, "back to one")  # fmt: skip
+            scale_down = time.monotonic() - t0
+            out["autoscaling"] = {"scale_up_s": round(scale_up, 2), "scale_down_after_quiet_s": round(scale_down, 2),
+                                  "scale_down_quiet_setting_s": scaling.SCALE_DOWN_QUIET_S, "latency": lat,
+                                  "goal_added_p50_ms_under": 5}  # fmt: skip
+            print(f"  added p50 {lat['added_p50_ms']} ms (p99 {lat['added_p99_ms']} ms); back to one replica "
+                  f"{scale_down:.1f} s after the load ended")  # fmt: skip
+            for s in Service.objects.exclude(state="stopped"):
+                request_stop(s)
+            until(lambda: not Service.objects.exclude(state="stopped").exists(), 120, "services stopped")
+    finally:
+        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        for tag in Replica.objects.exclude(tag="").values_list("tag", flat=True):
+            kill_tagged(tag)
+    out["goal"] = {"failed_during_update": 0, "added_p50_ms_under": 5}
+    added = out["autoscaling"]["latency"]["added_p50_ms"]
+    out["goal"]["met"] = bool(out["rolling_update"]["failed"] == 0 and added < 5)
+    write_json(RESULTS / "serve_scaling.json", out)
 
 
 if __name__ == "__main__":

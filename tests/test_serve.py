@@ -139,7 +139,9 @@ def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
         ("chat", "--from", "trained:7"): "no complete checkpoint directory at step 7 (steps: 10)",
         ("chat", "--from", "trained", "--replicas", "4"): "4 replicas of 1 GPUs each do not fit",
         ("chat", "--from", "trained", "--gpus-per-replica", "2", "--replicas", "4"): "do not fit",
-        ("taken", "--from", "trained"): "service taken exists (running)",
+        ("taken", "--from", "trained"): "service taken already serves trained step 10",
+        ("taken", "--from", "trained", "--replicas", "2"): "--replicas need a new service",
+        ("chat", "--from", "trained", "--min-replicas", "2", "--max-replicas", "1"): "--min-replicas 2 is above",
         ("chat", "--from", "trained", "--engine", "custom"): "--engine custom needs --command",
         ("bad name!", "--from", "trained"): "service name 'bad name!' is not allowed",
     }
