@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--part", choices=["all", "endpoint", "scaling"], default="all")
     ap.add_argument("--cold-starts", type=int, default=3)
     ap.add_argument("--updates", type=int, default=2)
+    ap.add_argument("--results", default="serve_scaling.json", help="--part scaling's file in bench/results")
     args = ap.parse_args()
 
     tmp = make_tmp("ugro-bench-serve-")
@@ -418,7 +419,7 @@ def run_scaling(args, tmp: Path, token: str, base: str, info: dict) -> None:
                       and not Replica.objects.filter(service=cold, state__in=Replica.HOLDING).exists(),
                       120, "asleep")  # fmt: skip
                 starts[-1]["to_sleep_s"] = round(time.monotonic() - t0, 2)
-            median = statistics.median(r["first_token_s"] for r in starts)
+            median = statistics.median(r["first_token_s"] for r in starts) if starts else None
             out["cold_start"] = {"runs": starts, "first_token_s_median": median}
 
             # rolling updates under load: failed requests (goal 0)
@@ -490,7 +491,7 @@ def run_scaling(args, tmp: Path, token: str, base: str, info: dict) -> None:
     out["goal"] = {"failed_during_update": 0, "added_p50_ms_under": 5}
     added = out["autoscaling"]["latency"]["added_p50_ms"]
     out["goal"]["met"] = bool(out["rolling_update"]["failed"] == 0 and added < 5)
-    write_json(RESULTS / "serve_scaling.json", out)
+    write_json(RESULTS / args.results, out)
 
 
 if __name__ == "__main__":
