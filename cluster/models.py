@@ -117,6 +117,7 @@ class Node(models.Model):
 
     # Statuses in which nothing is asked of the node (it would not answer): loops and pages leave it alone.
     NOT_ANSWERING = (Status.DOWN, Status.ASLEEP, Status.WAKING)
+    RESTING = (Status.ASLEEP, Status.WAKING)  # by its power: block, not a failure: `health` exits 0
 
     name = models.CharField(max_length=64, unique=True, validators=[validate_safe_name])
     hostname = models.CharField(max_length=255, blank=True)

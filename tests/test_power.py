@@ -251,6 +251,32 @@ def test_the_monitor_does_not_probe_an_asleep_node_and_its_history_shows_asleep(
     assert Node.objects.get(pk=node.pk).status == Node.Status.ASLEEP and not Alert.objects.exists()
 
 
+def test_health_shows_an_asleep_node_as_resting_and_exits_0_from_the_command_and_the_client(monkeypatch):
+    import io
+
+    from django.core.management import call_command
+
+    from ugro_client import cli
+
+    FakeCluster("gpu2").install(monkeypatch)
+    node = _sleeper()
+    Node.objects.filter(pk=node.pk).update(status=Node.Status.ASLEEP, status_reason="asleep since 03:00 (idle 30 min)")
+    monkeypatch.setattr("cluster.management.commands.health.scheduler_alive", lambda: True)
+    out = io.StringIO()
+    call_command("health", stdout=out)  # raises CommandError (exit 1) were the asleep node a failure
+    assert "○ gpu2" in out.getvalue() and "ASLEEP: asleep since 03:00 (idle 30 min)" in out.getvalue()
+    # the client reads the API's rows: the same mark, exit 0; a DOWN node still fails it
+    rows = [{"name": "gpu2", "enabled": True, "gpu": "", "status": "asleep", "reason": "", "checks": []}]
+    answers = {"health": rows, "controller": {"problem": ""}}
+    monkeypatch.setattr(cli.Client, "get", lambda self, path, **kw: answers[path])
+    shown = io.StringIO()
+    monkeypatch.setattr("sys.stdout", shown)
+    monkeypatch.setenv("UGRO_TOKEN", "t")
+    assert cli.run(["health"]) == 0 and "○ gpu2" in shown.getvalue()
+    rows[0]["status"] = "down"
+    assert cli.run(["health"]) != 0
+
+
 # -- by hand: ugro node sleep / wake (operators) --------------------------------------------------------------------
 
 

@@ -849,6 +849,9 @@ def cmd_queue(client: Client, a) -> int:
     return EXIT_OK
 
 
+RESTING = ("asleep", "waking")  # put to sleep by a node's power: block: not a failure (docs/power.md)
+
+
 def cmd_health(client: Client, a) -> int:
     nodes = [n for n in client.get("health") if n["enabled"]]
     controller = client.get("controller")
@@ -858,13 +861,15 @@ def cmd_health(client: Client, a) -> int:
     for n in nodes if not a.json else []:
         if n["status"] == "healthy":
             print(f"✓ {n['name']:<{width}} {n['gpu']} - Ready (score {n['score']})")
+        elif n["status"] in RESTING:
+            print(f"○ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'woken when a job needs it'}")
         else:
             print(f"✗ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'no reading'}")
         for check in n["checks"]:
             print(f"    {check.get('severity')}: {check.get('detail')}")
     if controller["problem"] and not a.json:
         print(f"✗ {controller['problem']}")
-    return EXIT_FAILED if any(n["status"] != "healthy" for n in nodes) else EXIT_OK
+    return EXIT_FAILED if any(n["status"] not in ("healthy", *RESTING) for n in nodes) else EXIT_OK
 
 
 def cmd_drain(client: Client, a) -> int:

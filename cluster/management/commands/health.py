@@ -19,9 +19,12 @@ def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
     waits for 3 failures in a row): the line says so instead of showing the last good reading.
     """
     ok = node.status == Node.Status.HEALTHY and failed is None
-    head = f"{'✓' if ok else '✗'} {node.name:<{width}} {node.gpu_label}"
+    resting = node.status in Node.RESTING and failed is None
+    head = f"{'✓' if ok else '○' if resting else '✗'} {node.name:<{width}} {node.gpu_label}"
     if ok:
         lines = [f"{head} - Ready (score {node.health_score})"]
+    elif resting:  # put to sleep by its power: block (cluster/power.py): woken when the queue needs it
+        lines = [f"{head} - {node.status.upper()}: {node.status_reason or 'woken when a job needs it'}"]
     elif failed is not None:
         so_far = Breaker.from_dict(node.breaker).failures
         lines = [f"{head} - UNREACHABLE: {failed} ({so_far} of {BREAKER_TRIP_AFTER} failed probes before DOWN)"]
@@ -38,7 +41,10 @@ def node_line(node: Node, width: int, failed: str | None = None) -> list[str]:
 
 
 class Command(UserCommand):
-    help = "Probe every enabled node now and show its health. Exit code 1 if any node is not healthy."
+    help = (
+        "Probe every enabled node now and show its health. Exit code 1 if any node is not healthy "
+        "(one asleep or waking by its power: block is not a failure)."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
@@ -55,7 +61,7 @@ class Command(UserCommand):
             for node in nodes:
                 for line in node_line(node, width, failed.get(node.name)):
                     self.stdout.write(line)
-        bad = [n.name for n in nodes if n.status != Node.Status.HEALTHY or n.name in failed]
+        bad = [n.name for n in nodes if n.status not in (Node.Status.HEALTHY, *Node.RESTING) or n.name in failed]
         if not as_json and not scheduler_alive():
             self.stdout.write(f"✗ {NO_SCHEDULER}")
         if bad:
