@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from cluster.models import Node
@@ -117,6 +118,11 @@ def test_an_idle_service_sleeps_frees_its_node_and_a_request_wakes_it(cluster):
     assert service.note.startswith("woke in ")
     line = listing([describe(service)])[1]
     assert "sleeps after 1 min idle  last cold start " in line and " s" in line
+    viewer = Client()
+    viewer.force_login(make_user("viewer"))
+    page = viewer.get("/services/").content.decode()
+    assert "sleeps after 1 min idle" in page and "last cold start <span data-cold-start>" in page
+    assert 'data-cold-start>—' not in page and "woke in " in page
     # and a service that may not sleep is not woken
     assert not scaling.wake("chat")
 
