@@ -355,7 +355,7 @@ def run_probe(job: Job, ranks: list[Rank], seconds: float, build: StartBuilder, 
     """Probe 1..N of these ranks' nodes in turn and choose a count. The probe's record (also saved on the
     attempt): rows, the count chosen and its line, or `skipped` with the one line that says why it did not
     run. None when the job left STARTING meanwhile (cancelled or timed out: its teardown stops the rest)."""
-    probe: dict[str, Any] = {"state": "probing", "seconds_per_count": seconds, "asked": len(ranks), "rows": []}
+    probe: dict[str, Any] = {"phase": "probing", "seconds_per_count": seconds, "asked": len(ranks), "rows": []}
     record(job, probe)
     for count in range(1, len(ranks) + 1):
         probe["probing"] = count
@@ -376,19 +376,19 @@ def run_probe(job: Job, ranks: list[Rank], seconds: float, build: StartBuilder, 
     rows = probe["rows"]
     if not any(r.get("samples_per_s") for r in rows):
         first = rows[0].get("error", "no rate") if rows else "nothing ran"
-        probe.update(state="skipped", chosen=len(ranks), line=f"scale probe did not run: {first}; runs on the "
+        probe.update(phase="skipped", chosen=len(ranks), line=f"scale probe did not run: {first}; runs on the "
                      f"{len(ranks)} nodes asked", warning=True)  # fmt: skip
         record(job, probe)
         return probe
     choice = choose(rows, len(ranks), forced, floor)
-    probe.update(state="done", chosen=choice.nodes, line=choice.line, warning=choice.warning)
+    probe.update(phase="done", chosen=choice.nodes, line=choice.line, warning=choice.warning)
     record(job, probe)
     return probe
 
 
 def skipped(job: Job, line: str) -> dict:
     """A probe that could not run at all (one node, ...): recorded with its one line; the job runs as asked."""
-    probe = {"state": "skipped", "asked": job.ranks.count(), "rows": [], "line": line, "warning": True}
+    probe = {"phase": "skipped", "asked": job.ranks.count(), "rows": [], "line": line, "warning": True}
     record(job, probe)
     return probe
 
@@ -397,7 +397,7 @@ def summary_lines(probe: dict | None) -> list[str]:
     """The probe as `status` and the launch print it: its table, then its line and the weights it set."""
     if not probe:
         return []
-    if probe.get("state") == "probing":
+    if probe.get("phase") == "probing":
         head = [f"scale probe: measuring {probe.get('probing', '?')} of {probe.get('asked', '?')} nodes"]
     else:
         head = [f"scale probe: {probe.get('line', '')}"]

@@ -513,12 +513,12 @@ def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_t
     page.click("nav >> text=Services")
     page.wait_for_selector('section[data-service="chat"]')
 
-    # then each replica shows its state, node, restarts and last minute's requests; the note is text
+    # then each replica shows its state, the step it serves, node, restarts and last minute's requests; the note is text
     row = page.locator('section[data-service="chat"] tr[data-replica="0"]')
     assert row.get_attribute("data-state") == "ready"
     cells = [c.strip() for c in row.locator("td").all_text_contents()]
-    assert cells[:6] == ["0", "ready", "node2:8001", "whole node", "2", "0.50"]
-    assert cells[6].endswith("ms") and cells[8:10] == ["4.0", "0"] and cells[10] == hostile
+    assert cells[:7] == ["0", "ready", "10", "node2:8001", "whole node", "2", "0.50"]  # "10": the step it serves
+    assert cells[7].endswith("ms") and cells[9:11] == ["4.0", "0"] and cells[11] == hostile
     assert page.locator('section[data-service="chat"] img').count() == 0 and dialogs == []
     waiting = page.locator('section[data-service="chat"] tr[data-replica="1"]').text_content()
     assert "pending" in waiting and "waiting for 1 free GPUs" in waiting
@@ -533,7 +533,7 @@ def test_services_page_shows_each_replica_and_its_stats_with_a_hostile_note_as_t
     page.wait_for_selector('section[data-service="chat"] tr[data-replica="1"][data-state="ready"]', timeout=20_000)
     second = page.locator('section[data-service="chat"] tr[data-replica="1"] td')
     ready = [c.strip() for c in second.all_text_contents()]
-    assert ready[1:3] == ["ready", "node2:8002"] and float(ready[5]) > 0
+    assert ready[1:4] == ["ready", "10", "node2:8002"] and float(ready[6]) > 0
     assert page.input_value("#id_name") == "typed"
     assert not errors, errors
 

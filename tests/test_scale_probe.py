@@ -252,7 +252,7 @@ def test_the_job_page_and_the_api_show_the_table_and_escape_what_a_node_said(db,
     settings.JOBS_DIR = tmp_path / "jobs"
     job = Job.objects.create(name="shown", script="train.py")
     hostile = "<script>alert(1)</script>"
-    probe = {"state": "done", "asked": 2, "chosen": 1, "line": "runs on 1 of 2 nodes: 100.0 samples/s",
+    probe = {"phase": "done", "asked": 2, "chosen": 1, "line": "runs on 1 of 2 nodes: 100.0 samples/s",
              "rows": with_efficiency([{"nodes": 1, "workers": 1, "samples_per_s": 100.0, "unit": "samples",
                                        "compute_s": 0.08, "sync_wait_s": 0.0},
                                       {"nodes": 2, "workers": 2, "error": f"did not start: {hostile}"}]),

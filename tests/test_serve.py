@@ -159,7 +159,10 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
     """Covers: real `transformers serve` replicas of a tiny GPT-2 started through real agents on two nodes, each
     holding its node, the checkpoint copied to the second; answering through the controller's endpoint (streamed
     too); one killed under load and restarted in place by the worker, every request answered whole; `serve --list`
-    after the restart and after the stop; stop leaving no process and no slot held.
+    after the restart and after the stop; stop leaving no process and no slot held; then a service from zero
+    (--min-replicas 0 --replicas 0) holding nothing until its first request, which wakes it, is held while the engine
+    loads and is answered, its cold start recorded and listed (the rolling update's and the load's decisions are
+    tests/test_serve_scaling.py's on the fake agent; bench/serve.py runs an update under load with real engines).
     """
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
@@ -225,50 +228,33 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
         assert [s for s in load.statuses if s != 200] == []
         assert job_pids(victim.tag) == []
 
-    # and its stats count what it answered (tokens from the engine's usage field)
-    stats = describe(Service.objects.get(name="gpt"))["replicas"]
-    assert all(r["stats"]["requests_total"] > 0 and r["stats"]["tokens_total"] > 0 for r in stats), stats
+        # and its stats count what it answered (tokens from the engine's usage field)
+        stats = describe(Service.objects.get(name="gpt"))["replicas"]
+        assert all(r["stats"]["requests_total"] > 0 and r["stats"]["tokens_total"] > 0 for r in stats), stats
 
-    # and stopping leaves no process (the killed engine's included), no slot held, and the list says so
-    assert "service gpt stopped" in serve("gpt", "--stop")
-    tags = list(Replica.objects.filter(service__name="gpt").values_list("tag", flat=True))
-    assert [t for t in [*tags, victim.tag] if job_pids(t)] == []
-    assert not Allocation.objects.filter(active=True, job=None).exists()
-    assert set(Replica.objects.filter(service__name="gpt").values_list("state", flat=True)) == {"stopped"}
-    assert "gpt  stopped" in serve("--list")
+        # and stopping leaves no process (the killed engine's included), no slot held, and the list says so
+        assert "service gpt stopped" in serve("gpt", "--stop")
+        tags = list(Replica.objects.filter(service__name="gpt").values_list("tag", flat=True))
+        assert [t for t in [*tags, victim.tag] if job_pids(t)] == []
+        assert not Allocation.objects.filter(active=True, job=None).exists()
+        assert set(Replica.objects.filter(service__name="gpt").values_list("state", flat=True)) == {"stopped"}
+        assert "gpt  stopped" in serve("--list")
 
-
-def test_a_sleeping_transformers_service_wakes_on_a_request_that_is_held_and_answered(
-    lab, tender, controller_env, os_account, tmp_path
-):
-    """Covers: `transformers serve` from zero on a real node: a service started asleep (--min-replicas 0 --replicas 0),
-    holding nothing, woken by a request through daphne that is held while the engine loads and then answered, its
-    cold start recorded and listed. (The rolling update's and the load's decisions are tests/test_serve_scaling.py's
-    on the fake agent; bench/serve.py runs an update under load with real engines.)
-    """
-    # given a tiny GPT-2 saved at step 10
-    checkpoint = trained_job({})
-    subprocess.run([str(NODE_ENV / "bin" / "python"), str(TINY_GPT2), checkpoint.path], check=True,
-                   capture_output=True, timeout=300)  # fmt: skip
-
-    # when it is served asleep: nothing runs, nothing is held
-    said = serve("gpt", "--from", "trained:10", "--min-replicas", "0", "--replicas", "0", "--idle-after", "15m")
-    assert "service gpt: asleep until its first request, transformers" in said
-    assert not Allocation.objects.filter(active=True).exists() and "gpt  sleeping" in serve("--list")
-    token = create_token(os_account, "app", "infer")[1]
-    with daphne_serving(controller_env, tmp_path / "daphne.log") as web:
-        # then the first request wakes it, is held while `transformers serve` loads, and is answered
-        first = httpx.post(f"{web}/serve/gpt/v1/completions", json={"model": "gpt", "prompt": "the cluster",
-                           "max_tokens": 4}, headers={"Authorization": f"Bearer {token}"}, timeout=200)  # fmt: skip
+        # when the checkpoint is served again from zero (--min-replicas 0 --replicas 0): nothing runs or is held
+        said = serve("cold", "--from", "trained:10", "--min-replicas", "0", "--replicas", "0", "--idle-after", "15m")
+        assert "service cold: asleep until its first request, transformers" in said
+        assert not Allocation.objects.filter(active=True).exists() and "cold  sleeping" in serve("--list")
+        # then its first request wakes it, is held while `transformers serve` loads, and is answered
+        first = httpx.post(f"{web}/serve/cold/v1/completions", json={"model": "cold", "prompt": "the cluster",
+                           "max_tokens": 4}, headers=headers, timeout=200)  # fmt: skip
         assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length", first.text
-    service = wait_for(lambda: Service.objects.filter(name="gpt", state="running").first(), timeout=30,
-                       what="the service running")  # fmt: skip
+    service = wait_for(lambda: Service.objects.filter(name="cold", state="running").first(), timeout=30,
+                       what="the woken service running")  # fmt: skip
     assert service.last_cold_start_s > 0 and service.note.startswith("woke in ")
-    assert "last cold start " in serve("--list", "gpt")
-    (replica,) = ready("gpt", 1)
-    assert Allocation.objects.get(active=True).holder == "serve:gpt/0" and replica.checkpoint_id == checkpoint.pk
-
-    assert "service gpt stopped" in serve("gpt", "--stop")
+    assert "last cold start " in serve("--list", "cold")
+    (replica,) = ready("cold", 1)
+    assert Allocation.objects.get(active=True).holder == "serve:cold/0" and replica.checkpoint_id == checkpoint.pk
+    assert "service cold stopped" in serve("cold", "--stop")
     assert not Allocation.objects.filter(active=True).exists() and job_pids(replica.tag) == []
 
 

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from accounts.tokens import create_token, find_token, revoke
 from cluster.models import Node
 from jobs.models import Checkpoint, Job
+from serving.balancer import READY_CACHE_S
 from serving.models import Replica, Service
 
 from .conftest import REPO, wait_for
@@ -221,6 +223,7 @@ def test_a_request_to_a_sleeping_service_wakes_it_and_is_held_until_a_replica_is
     Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING, cold_start_timeout_s=1,
                                                  last_cold_start_s=12.4)  # fmt: skip
     service.replica_set.update(state=Replica.State.STOPPED)
+    time.sleep(READY_CACHE_S + 0.2)  # the web server's view of the ready replicas is read again past this
     late = completion(web, token)
     assert late.status_code == 503 and late.headers["retry-after"] == "12"
     assert "waited 1 s for it to wake" in late.json()["error"]["message"]
