@@ -72,6 +72,22 @@ class Cut:
         self.frozen = []
 
 
+def drop_stale_cuts() -> list[str]:
+    """Remove the chains of earlier runs killed before their restore() (UGRO_CUT_<pid> of a process that is gone):
+    one left behind drops that subnet's packets, and this worker's nodes would never listen. Returns their names."""
+    listed = subprocess.run(["iptables", "-w", "-S"], capture_output=True, text=True, timeout=30).stdout
+    stale = []
+    for line in listed.splitlines():
+        parts = line.split()
+        if parts[:1] == ["-N"] and parts[1].startswith("UGRO_CUT_") and parts[1][9:].isdigit():
+            if not os.path.exists(f"/proc/{parts[1][9:]}"):
+                stale.append(parts[1])
+    for chain in stale:
+        for args in (("-D", "INPUT", "-j", chain), ("-D", "OUTPUT", "-j", chain), ("-F", chain), ("-X", chain)):
+            subprocess.run(["iptables", "-w", *args], capture_output=True, timeout=30)
+    return stale
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -85,6 +101,7 @@ def cut_lab(tmp_path_factory, transactional_db, fast_settings):
     worker's nodes, which share 127.0.0.x), imported from cluster.yaml."""
     if shutil.which("iptables") is None:
         pytest.fail("iptables is not installed (apt-get install iptables; .ci/run does)")
+    drop_stale_cuts()
     from cluster.config_yaml import import_cluster
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
