@@ -78,6 +78,16 @@ class UserCommand(BaseCommand):
             sys.exit(EXIT_PIPE_CLOSED)
 
 
+    def named_node(self, name: str):
+        """The node named so, or the one-line refusal every node command gives."""
+        from cluster.models import Node
+
+        found = Node.objects.filter(name=name).first()
+        if found is None:
+            raise CommandError(f"no node named {name!r}")
+        return found
+
+
 _INVALID = re.compile(r"argument (?P<option>\S+?): invalid (?P<type>int|float) value: (?P<value>.*)")
 _TAKES = {"int": "a whole number", "float": "a number"}
 

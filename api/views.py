@@ -425,9 +425,7 @@ class NodeDrainView(APIView):
     @extend_schema(summary="Drain a node (no new job is placed on it; a running one goes on) or undrain it",
                    request=None, responses=s.NodeSerializer)  # fmt: skip
     def post(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
+        node = _node(name)
         node = actions.set_node_enabled(request.user, node, self.enable, web_source(request))
         return Response(s.NodeSerializer(node_summary(node, _running_by_node())).data)
 
@@ -523,9 +521,7 @@ class NodeTrustView(APIView):
                    '"SHA256:..."} to pin only that key. The one request that talks to a node: it reads the '
                    "node's key (bounded by the connect timeout)", request=None)  # fmt: skip
     def post(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
+        node = _node(name)
         body = request.data if isinstance(request.data, dict) else {}
         fingerprint = str(body.get("fingerprint") or "")[:200]
         source = web_source(request)
@@ -549,9 +545,7 @@ class NodeReportView(APIView):
         raise NotImplementedError
 
     def get(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
+        node = _node(name)
         try:
             return Response(self.report(node))
         except (LinkError, AgentRequestError, OSError) as exc:
@@ -605,9 +599,7 @@ class NodeProbeView(APIView):
                    "environments and route recorded anew; `changed` says what differs. Asks the node",
                    request=None)  # fmt: skip
     def post(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
+        node = _node(name)
         source = web_source(request)
         try:
             result = probe_node(node)
@@ -628,9 +620,7 @@ class NodePowerView(APIView):
                    "or a service), or wake it (POST .../wake: its magic packet or wake command). Asks the node",
                    request=None)  # fmt: skip
     def post(self, request: Request, name: str) -> Response:
-        node = Node.objects.filter(name=name).first()
-        if node is None:
-            raise Http404(f"no node named {name!r}")
+        node = _node(name)
         source = web_source(request)
         try:
             line = power_by_hand(node, self.verb, request.user.username)
@@ -659,6 +649,13 @@ class NodeEnvsView(NodeReportView):
 
     def report(self, node: Node) -> dict:
         return envs.report(node)
+
+
+def _node(name: str) -> Node:
+    node = Node.objects.filter(name=name).first()
+    if node is None:
+        raise Http404(f"no node named {name!r}")
+    return node
 
 
 def _sweep(name: str) -> Sweep:

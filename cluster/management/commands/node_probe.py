@@ -6,7 +6,6 @@ from django.core.management.base import CommandError
 
 from accounts import audit
 from accounts.commands import UserCommand
-from cluster.models import Node
 from cluster.provision import ProvisionError, probe_node
 
 
@@ -19,9 +18,7 @@ class Command(UserCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, node, **options):
-        found = Node.objects.filter(name=node).first()
-        if found is None:
-            raise CommandError(f"no node named {node!r}")
+        found = self.named_node(node)
         try:
             result = probe_node(found)
         except ProvisionError as exc:

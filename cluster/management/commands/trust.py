@@ -6,7 +6,6 @@ from accounts import audit
 from accounts.commands import UserCommand
 from cluster.hostkeys import trust
 from cluster.links import LinkError
-from cluster.models import Node
 
 
 class Command(UserCommand):
@@ -23,9 +22,7 @@ class Command(UserCommand):
         )
 
     def handle(self, node, fingerprint="", **options):
-        found = Node.objects.filter(name=node).first()
-        if found is None:
-            raise CommandError(f"no node named {node!r}")
+        found = self.named_node(node)
         try:
             old, new = trust(found, fingerprint)
         except (ValueError, LinkError) as exc:

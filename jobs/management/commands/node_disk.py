@@ -25,9 +25,7 @@ class NodeReportCommand(UserCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="Machine-readable output.")
 
     def handle(self, node, as_json=False, **options):
-        found = Node.objects.filter(name=node).first()
-        if found is None:
-            raise CommandError(f"no node named {node!r}")
+        found = self.named_node(node)
         try:
             out = self.report(found)
         except (LinkError, AgentRequestError, OSError) as exc:
