@@ -12,6 +12,7 @@ from .engines import COLD_START_S
 from .models import Replica, Service
 
 COOLDOWN_S = 5.0
+GAVE_UP = "could not wake: "  # the note of a service back asleep after a wake whose replica never answered
 READY_CACHE_S = 1.0  # the ready replicas are read from the database at most this often per service
 
 
@@ -56,6 +57,7 @@ class Waking:
     wakes: bool
     timeout_s: float
     retry_after_s: int
+    gave_up: str = ""  # "could not wake: ..." while the service is back asleep after a wake that failed
 
 
 class Balancer:
@@ -80,7 +82,8 @@ class Balancer:
             return None
         timeout = float(row.cold_start_timeout_s or COLD_START_S.get(row.engine, 300))
         retry = max(1, round(row.last_cold_start_s)) if row.last_cold_start_s else 10
-        self.waking[service] = Waking(row.min_replicas == 0, timeout, retry)
+        gave_up = row.note if row.state == Service.State.SLEEPING and row.note.startswith(GAVE_UP) else ""
+        self.waking[service] = Waking(row.min_replicas == 0, timeout, retry, gave_up)
         rows = Replica.objects.filter(service__name=service, state=Replica.State.READY)
         rows = rows.select_related("node", "service")
         keys = []

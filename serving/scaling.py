@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from ugro_site.celery import send_task
 
-from .balancer import READY_CACHE_S
+from .balancer import GAVE_UP, READY_CACHE_S
 from .engines import COLD_START_S
 from .models import Replica, Service
 from .placement import release
@@ -164,7 +164,7 @@ def woken(service: Service, replicas: list[Replica], now) -> None:
     if present and all(r.state == Replica.State.FAILED for r in present):
         why = present[0].note
         Service.objects.filter(pk=service.pk, state=Service.State.WAKING).update(
-            state=Service.State.SLEEPING, note=f"could not wake: {why}"[:500]
+            state=Service.State.SLEEPING, note=f"{GAVE_UP}{why}"[:500]
         )
         resize(service, replicas, 0, "asleep: could not wake")
         return

@@ -134,8 +134,11 @@ async def _answer(request: HttpRequest, name: str, route: str) -> HttpResponse:
     if not keys:
         waking = balancer.waking.get(name)
         retry = waking.retry_after_s if waking else 10
-        why = f"waited {waking.timeout_s:g} s for it to wake" if waking and waking.wakes else "ugro serve --list"
-        response = _error(503, f"no replica of service {name} is ready yet ({why})")
+        if waking and waking.gave_up:
+            response = _error(503, f"service {name} {waking.gave_up}")
+        else:
+            why = f"waited {waking.timeout_s:g} s for it to wake" if waking and waking.wakes else "ugro serve --list"
+            response = _error(503, f"no replica of service {name} is ready yet ({why})")
         response["Retry-After"] = str(retry)
         return response
     headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
@@ -203,11 +206,13 @@ async def _relay(upstream: httpx.Response, target: Target, deadline: float, bega
 
 async def _woken(name: str) -> list[int]:
     """A service that sleeps when idle (min_replicas 0) and has no ready replica: wake it (serving/scaling.py) and
-    hold the request until a replica is ready, at most its cold-start timeout; the ready replicas, or []."""
+    hold the request until a replica is ready, at most its cold-start timeout, or until the worker gives the wake up
+    (its replica never answered: the service is asleep again saying why); the ready replicas, or []."""
     waking = balancer.waking.get(name)
     if waking is None or not waking.wakes:
         return []
     await sync_to_async(wake)(name)
+    balancer.ready.pop(name, None)  # read it again: a note of an earlier wake that failed is not this one's
     deadline = time.monotonic() + waking.timeout_s
     while time.monotonic() < deadline:
         await asyncio.sleep(WAKE_POLL_S)  # the ready replicas are read at most once a second (READY_CACHE_S)
@@ -216,6 +221,9 @@ async def _woken(name: str) -> list[int]:
             return []
         if keys:
             return keys
+        now = balancer.waking.get(name)
+        if now is not None and now.gave_up:  # set only once our wake() made it WAKING and the worker ended that
+            return []
     return []
 
 

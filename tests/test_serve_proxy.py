@@ -228,6 +228,22 @@ def test_a_request_to_a_sleeping_service_wakes_it_and_is_held_until_a_replica_is
     assert late.status_code == 503 and late.headers["retry-after"] == "12"
     assert "waited 1 s for it to wake" in late.json()["error"]["message"]
 
+    # and a held request whose wake the worker gives up (its engine never answered) gets 503 with the reason at
+    # once, not at the end of its cold-start timeout; the next request tries a wake again
+    Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING, cold_start_timeout_s=120)
+    time.sleep(READY_CACHE_S + 0.2)
+    for _ in range(2):
+        before = Service.objects.get(pk=service.pk).wake_at
+        asking = threading.Thread(target=lambda: answer.update(r=completion(web, token)), daemon=True)
+        asking.start()
+        wait_for(lambda: Service.objects.filter(pk=service.pk, state=Service.State.WAKING, wake_at__gt=before)
+                 .exists(), timeout=15, what="the service woken by this request")  # fmt: skip
+        Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING,
+                                                     note="could not wake: given up after 3 restarts: exit 1")
+        asking.join(timeout=15)
+        assert not asking.is_alive() and answer["r"].status_code == 503
+        assert answer["r"].json()["error"]["message"] == "service chat could not wake: given up after 3 restarts: exit 1"
+
 
 def test_the_endpoint_reports_each_replicas_requests_in_flight(web, engines, token):
     # given a replica holding a stream open (its engine waits for the test's word)
