@@ -163,8 +163,22 @@ def _survey(node: Node, master: str, var: str) -> Choice | str:
     except NetcheckError as exc:  # one line for this node; the others are still chosen
         return str(exc)
     except LookupError:
-        return Choice(node.name, "", node.address, "not chosen: no `ip` command on the node")
+        return _survey_without_ip(node, master, var)
     return pick(node, master, var, addresses, route)
+
+
+def _survey_without_ip(node: Node, master: str, var: str) -> Choice | str:
+    """A node without iproute2 (GPU containers often lack it): its agent reads the interfaces and the route."""
+    try:
+        out = node_request(node, "interfaces", timeout=15, to=master)
+        addresses = {name: [ipaddress.IPv4Interface(a) for a in nets] for name, nets in out["addresses"].items()}
+        route = (out.get("dev"), bool(out.get("local")))
+    except (LinkError, AgentRequestError, KeyError, TypeError, ValueError) as exc:
+        return Choice(node.name, "", node.address, f"not chosen: no `ip` command on the node ({exc})"[:200])
+    found = pick(node, master, var, addresses, route)
+    if isinstance(found, Choice):
+        found.source += " (read by UGRO's agent: no `ip` command there)"
+    return found
 
 
 def _resolved(host: str) -> str | None:

@@ -34,6 +34,7 @@ class NetNode:
 
     def __init__(self, name: str, addrs: str, route: str, reaches: set[str] | None = None) -> None:
         self.name, self.addrs, self.route, self.reaches = name, addrs, route, reaches
+        self.interfaces: dict | None = None  # the agent's own reading, asked where `ip` is missing
         self.requests: list[tuple[str, dict]] = []
 
     def request(self, op: str, timeout: float = 30.0, when_silent: bool = True, **fields) -> dict:
@@ -44,6 +45,8 @@ class NetNode:
             return {"rc": 0, "stdout": self.addrs, "stderr": ""}
         if op == "exec" and fields["argv"][:4] == ["ip", "-o", "route", "get"]:
             return {"rc": 0, "stdout": self.route, "stderr": ""}
+        if op == "interfaces" and self.interfaces is not None:
+            return self.interfaces
         if op == "listen":
             return {"listening": True, "port": 40000}
         if op == "port_check":
@@ -117,12 +120,45 @@ def test_an_env_interface_without_an_address_is_refused(lan):
     assert problems == ["gpu1: interface eth9 (GLOO_SOCKET_IFNAME in its env) has no IPv4 address there"]
 
 
-def test_a_node_without_ip_keeps_its_collectives_own_choice_and_is_not_refused(lan):
+def test_a_node_without_ip_is_chosen_from_its_agents_reading_else_keeps_its_collectives_own_choice(lan):
+    # given a node without iproute2 (as on the lent GPU machine), whose agent reads the interfaces itself
     lan["gpu1"].addrs = None
+    lan["gpu1"].interfaces = {"addresses": {"lo": ["127.0.0.1/8"], "eth0": ["10.0.0.2/24"], "wg0": ["10.8.0.2/24"]},
+                              "dev": "eth0", "local": False}  # fmt: skip
+    choices, problems = network.choose(nodes(), "gloo")
+    # then the interface its route to the master leaves by is chosen from that reading, and set for the job
+    assert problems == [] and (choices["gpu1"].interface, choices["gpu1"].address) == ("eth0", "10.0.0.2")
+    assert choices["gpu1"].source == "route to 10.0.0.1 (read by UGRO's agent: no `ip` command there)"
+    assert network.socket_env(nodes()[1], choices["gpu1"])["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert ("interfaces", {"to": "10.0.0.1"}) in lan["gpu1"].requests
+
+    # given an agent that cannot read them either: the collective keeps its own choice, nothing is refused
+    lan["gpu1"].interfaces = None
     choices, problems = network.choose(nodes(), "gloo")
     assert problems == [] and choices["gpu1"].address == "10.0.0.2" and choices["gpu1"].interface == ""
+    assert choices["gpu1"].source.startswith("not chosen: no `ip` command on the node")
     assert network.socket_env(nodes()[1], choices["gpu1"]) == {}
     assert network.check_reach(nodes(), choices) == []
+
+
+def test_the_agents_reading_of_interfaces_and_routes_agrees_with_ip_on_this_machine():
+    # given this machine's own `ip` answers (iproute2: .ci/run installs it)
+    import subprocess
+
+    from cluster.node import agent
+
+    addresses = network.parse_addresses(subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                                                       text=True, check=True).stdout)  # fmt: skip
+    for to in ("127.0.0.1", "127.0.0.5", *(str(nets[0].ip) for nets in addresses.values())):
+        dev, local = network.parse_route(subprocess.run(["ip", "-o", "route", "get", to], capture_output=True,
+                                                        text=True, check=True).stdout)  # fmt: skip
+        # when the agent reads them with the ioctls and a UDP socket
+        read = agent.op_interfaces({"to": to})
+        # then the same primary addresses, whether the address is local, and for a local one an interface that
+        # holds it (`ip` says lo for every local address; pick() takes the interface holding it either way)
+        assert {k: [str(v[0])] for k, v in addresses.items()} == {k: v[:1] for k, v in read["addresses"].items()}
+        assert read["local"] == local
+        assert read["dev"] == dev or (local and any(a.startswith(to + "/") for a in read["addresses"][read["dev"]]))
 
 
 def test_a_master_named_by_a_name_that_does_not_resolve_leaves_the_choice_to_each_collective(lan):

@@ -531,6 +531,42 @@ def op_free_port(req):
         return {"port": sock.getsockname()[1]}
 
 
+def op_interfaces(req):
+    """For a node without iproute2 (`ip`): its interfaces' IPv4 addresses ({name: ["10.0.0.2/24"]}, each
+    interface's primary address, read by the SIOCGIFADDR/SIOCGIFNETMASK ioctls), and the interface a packet to
+    req['to'] leaves by: the one holding the source address the kernel picks for a UDP socket connected there
+    (nothing is sent), with whether req['to'] is this node's own address, as `ip route get` says "local"."""
+    import fcntl
+    import struct
+
+    addresses = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            packed = struct.pack("256s", name.encode()[:15])
+            try:
+                addr = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, packed)[20:24])
+                mask = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x891B, packed)[20:24])
+            except OSError:  # no IPv4 address on it
+                continue
+            prefix = bin(struct.unpack("!I", socket.inet_aton(mask))[0]).count("1")
+            addresses.setdefault(name, []).append("%s/%d" % (addr, prefix))
+    to, dev, source = req.get("to") or "", None, None
+    if to:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect((to, 9))
+                source = sock.getsockname()[0]
+            except OSError:  # no route
+                source = None
+    own = {a.split("/")[0] for nets in addresses.values() for a in nets}
+    local = to in own or to.startswith("127.")
+    for name, nets in addresses.items():
+        if source in {a.split("/")[0] for a in nets}:
+            dev = name
+            break
+    return {"addresses": addresses, "dev": dev, "local": local}
+
+
 def op_stat(req):
     """Which of the given paths exist (files or directories) on this node; with `programs`, where each would be
     found as `start` finds a command's first word (a path, or a name on PATH with `env` over this agent's):
@@ -826,6 +862,7 @@ OPS = {
     "rank_status": op_rank_status,
     "exec": op_exec,
     "free_port": op_free_port,
+    "interfaces": op_interfaces,
     "stat": op_stat,
     "listdir": op_listdir,
 }
