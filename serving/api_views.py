@@ -13,7 +13,8 @@ from accounts.audit import web_source
 from ugro_site.celery import NoWorker
 
 from .models import Service
-from .requests import ServeError, ServeRequest, describe, listing, start_service, stop_service
+from .requests import ServeError, describe, listing, start_service, stop_service
+from .spec import request_of_body
 
 
 def _service(name: str) -> Service:
@@ -21,20 +22,6 @@ def _service(name: str) -> Service:
     if service is None:
         raise Http404(f"no service named {name!r}")
     return service
-
-
-def _int(body: dict, key: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ServeError(f"{key} must be a whole number, not {value!r}")
-    return value
-
-
-def _duration(body: dict, key: str) -> str | int | None:
-    value = body.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
-        raise ServeError(f"{key} must be a duration like 15m or a number of seconds, not {value!r}")
-    return value
 
 
 class ServicesView(APIView):
@@ -47,23 +34,13 @@ class ServicesView(APIView):
 
     @extend_schema(summary='Start a service (`ugro serve NAME --from JOB[:STEP]`): body {"name", "from", "replicas", '
                    '"gpus_per_replica", "engine", "command", "min_replicas", "max_replicas", "target_outstanding", '
-                   '"idle_after", "cold_start_timeout"}; the worker starts its replicas. For a service not stopped, '
-                   '"from" alone is a rolling update (200, "update": true)', request=None,
-                   responses=None)  # fmt: skip
+                   '"idle_after", "cold_start_timeout"}, and a service file\'s text as "spec" (`ugro serve -f`; the '
+                   'fields win over it); the worker starts its replicas. For a service not stopped, a new "from" is '
+                   'a rolling update (200, "update": true)', request=None, responses=None)  # fmt: skip
     def post(self, request: Request) -> Response:
-        body = request.data if isinstance(request.data, dict) else {}
-        name = str(body.get("name") or "")
         try:
-            req = ServeRequest(
-                name=name, source=str(body.get("from") or ""),
-                replicas=_int(body, "replicas"), gpus_per_replica=_int(body, "gpus_per_replica"),
-                engine=str(body["engine"]) if body.get("engine") else None,
-                command=str(body["command"]) if body.get("command") else None,
-                min_replicas=_int(body, "min_replicas"), max_replicas=_int(body, "max_replicas"),
-                target_outstanding=_int(body, "target_outstanding"), idle_after=_duration(body, "idle_after"),
-                cold_start_timeout=_duration(body, "cold_start_timeout"),
-            )  # fmt: skip
-            updating = Service.objects.filter(name=name, state__in=Service.AWAKE_OR_ASLEEP).exists()
+            req = request_of_body(request.data)
+            updating = Service.objects.filter(name=req.name, state__in=Service.AWAKE_OR_ASLEEP).exists()
             service = start_service(request.user, req, web_source(request))
         except ServeError as exc:
             return Response({"error": str(exc)}, status=status.HTTP_400_BAD_REQUEST)

@@ -258,15 +258,37 @@ def start_service(user, req: ServeRequest, source: str) -> Service:
     return service
 
 
+def reshaped(req: ServeRequest, service: Service) -> list[str]:
+    """The shape the request gives that the service does not have (a service file kept beside its service, its
+    `from:` changed, updates it). A running service's count follows its load: any `replicas` in its bounds is its."""
+    now = {"gpus_per_replica": service.gpus_per_replica, "engine": service.engine, "command": service.command_template,
+           "min_replicas": service.min_replicas, "max_replicas": service.max_replicas,
+           "target_outstanding": service.target_outstanding, "idle_after": service.idle_after_s,
+           "cold_start_timeout": cold_start_timeout(service)}  # fmt: skip
+    changed = []
+    for key in req.given():
+        asked = getattr(req, key)
+        if key == "replicas":
+            same = isinstance(asked, int) and service.min_replicas <= asked <= service.max_replicas
+        else:
+            if key in ("idle_after", "cold_start_timeout"):
+                asked = seconds(asked, "--" + key.replace("_", "-"))
+            same = asked == now[key]
+        if not same:
+            changed.append(key)
+    return changed
+
+
 def update_service(user, service: Service, req: ServeRequest, source: str) -> Service:
     """`ugro serve NAME --from JOB[:STEP]` on a service not stopped: a rolling update to that checkpoint
     (serving/updates.py), audited; ServeError (one line, nothing changed) for what an update cannot do."""
     try:
-        given = req.given()
-        if given:
-            flags = ", ".join("--" + key.replace("_", "-") for key in given)
-            raise ServeError(f"service {service.name} is {service.state}: `--from` alone updates its checkpoint; "
-                             f"{flags} need a new service (first: manage.py serve {service.name} --stop)")  # fmt: skip
+        changed = reshaped(req, service)
+        if changed:
+            flags = ", ".join("--" + key.replace("_", "-") for key in changed)
+            raise ServeError(f"service {service.name} is {service.state}: an update changes only its checkpoint "
+                             f"(--from); {flags} need a new service (first: manage.py serve {service.name} "
+                             "--stop)")  # fmt: skip
         job, checkpoint = checkpoint_of(req.source)
         if service.next_checkpoint_id:
             step = service.next_checkpoint.step

@@ -66,3 +66,29 @@ def test_serve_starts_lists_refuses_and_stops(ugro_script, server, trained, work
     # then it says so
     assert stop.returncode == 0, err
     assert out.startswith("service chat stopped")
+
+
+def test_serve_f_the_server_reads_the_file_the_flags_win(ugro_script, server, trained, worker_heartbeat, tmp_path):  # noqa: F811
+    # given a service file that sleeps when idle, and one with a key misspelt
+    path = tmp_path / "chat.yaml"
+    path.write_text("name: chat\nfrom: trained:10\nengine: custom\ncommand: '{python} engine.py --port {port}'\n"
+                    "min-replicas: 0\nmax-replicas: 2\nreplicas: 0\nidle-after: 15m\n")  # fmt: skip
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: chat\nfrom: trained\nmax-replica: 2\n")
+
+    # when it is served with an idle time typed beside it
+    done = ugro(ugro_script, server, "serve", "-f", str(path), "--idle-after", "20m")
+
+    # then the server read the file under the typed option: asleep, the file's bounds, the typed idle time
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("service chat: asleep until its first request, custom serving n1:")
+    service = Service.objects.get(name="chat")
+    assert (service.state, service.min_replicas, service.max_replicas, service.idle_after_s) == ("sleeping", 0, 2, 1200)
+
+    # and bad files are refused in one line naming the file, nothing created
+    for args, why in [((str(bad),), f"service file {bad}: unknown key 'max-replica': did you mean 'max_replicas'?"),
+                      ((str(path), "other", "--min-replicas", "3"), "--min-replicas 3 is above --max-replicas 2"),
+                      ((str(tmp_path / "none.yaml"),), "cannot read")]:  # fmt: skip
+        refused = ugro(ugro_script, server, "serve", "-f", *args)
+        assert refused.returncode != 0 and why in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+    assert Service.objects.count() == 1

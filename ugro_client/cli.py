@@ -173,7 +173,8 @@ def build_parser() -> Parser:
     p.add_argument("--json", action="store_true")
     p.add_argument("extra", nargs="*", help="after --: arguments every trial's script gets")
     p = sub.add_parser("serve", help="serve a job's checkpoint behind one OpenAI-compatible endpoint")
-    p.add_argument("name", nargs="?", help="the service's name: its endpoint is /serve/NAME/v1/")
+    p.add_argument("name", nargs="?", help="the service's name: its endpoint is /serve/NAME/v1/ (or in the file)")
+    p.add_argument("--file", "-f", help="a service file (YAML: these options by name, docs/serving.md); typed ones win")
     p.add_argument("--from", dest="source", metavar="JOB[:STEP|latest]", help="the checkpoint to serve")
     p.add_argument("--replicas", type=int, help="how many start (default: --min-replicas, at least 1)")
     p.add_argument("--gpus-per-replica", type=int, dest="gpus_per_replica", help="default 1")
@@ -291,7 +292,7 @@ def parse(argv: list[str], parser: argparse.ArgumentParser | None = None) -> arg
         if not hasattr(args, "extra"):
             parser.error(f"unrecognized arguments: -- {' '.join(extra)}")
         args.extra = [*args.extra, *extra]
-    if args.command in ("launch", "sweep"):  # which options were typed: they win over a job file's
+    if args.command in ("launch", "sweep", "serve"):  # which options were typed: they win over a job file's
         args.given = set(vars(_parse_typed(argv, args.command))) | ({"extra"} if extra else set())
     return args
 
@@ -708,13 +709,28 @@ def cmd_sweep(client: Client, a) -> int:
     return EXIT_OK
 
 
+# (the API's field, this parser's dest): serving/spec.py's SERVE, checked by tests/test_serve_files.py
+SERVE_FIELDS = [
+    ("name", "name"), ("from", "source"), ("replicas", "replicas"), ("gpus_per_replica", "gpus_per_replica"),
+    ("engine", "engine"), ("command", "engine_command"), ("min_replicas", "min_replicas"),
+    ("max_replicas", "max_replicas"), ("target_outstanding", "target_outstanding"), ("idle_after", "idle_after"),
+    ("cold_start_timeout", "cold_start_timeout"),
+]  # fmt: skip
+
+
+def serve_body(a) -> dict:
+    """`ugro serve`'s request: the options given; with -f, the file's text and the options typed beside it."""
+    body = {key: getattr(a, dest) for key, dest in SERVE_FIELDS}
+    return {key: value for key, value in with_file(a, SERVE_FIELDS, body).items() if value is not None}
+
+
 def cmd_serve(client: Client, a) -> int:
     if a.list:
         listed = client.get("services/")
         emit_json(listed["services"]) if a.json else print("\n".join(listed["lines"]) or "no services")
         return EXIT_OK
-    if not a.name:
-        raise ApiError("name the service: ugro serve NAME --from JOB (or --list)", EXIT_USAGE)
+    if not a.name and (a.stop or not a.file):
+        raise ApiError("name the service: ugro serve NAME --from JOB (or -f FILE), NAME --stop, or --list", EXIT_USAGE)
     if a.stop:
         service = client.post(f"services/{a.name}/stop")
         deadline = time.monotonic() + CANCEL_WAIT_S
@@ -726,13 +742,14 @@ def cmd_serve(client: Client, a) -> int:
             raise ApiError(f"service {a.name} is still stopping: {notes or 'is a UGRO worker running?'}", EXIT_FAILED)
         emit_json(service) if a.json else print(f"service {a.name} stopped; no process of it remains, GPUs free")
         return EXIT_OK
-    if not a.source:
+    if not a.source and not a.file:
         raise ApiError("--from JOB[:STEP|latest] names the checkpoint to serve", EXIT_USAGE)
-    body = {"name": a.name, "from": a.source, "replicas": a.replicas, "gpus_per_replica": a.gpus_per_replica,
-            "engine": a.engine, "command": a.engine_command, "min_replicas": a.min_replicas,
-            "max_replicas": a.max_replicas, "target_outstanding": a.target_outstanding, "idle_after": a.idle_after,
-            "cold_start_timeout": a.cold_start_timeout}  # fmt: skip
-    service = client.post("services/", {key: value for key, value in body.items() if value is not None})
+    try:
+        service = client.post("services/", serve_body(a))
+    except ApiError as exc:  # the server read the file: its lines name the file as the user typed it
+        message = str(exc).replace("service file:", f"service file {a.file}:", 1) if a.file else str(exc)
+        raise ApiError(message, exc.code, exc.status) from None
+    a.name = service["name"]
     if service.get("update"):
         return _serve_update(client, a, service)
     if a.json:

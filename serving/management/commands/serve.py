@@ -6,8 +6,10 @@ from django.core.management.base import CommandError
 
 from accounts import policy
 from accounts.commands import UserCommand
+from jobs.spec import MAX_FILE_BYTES, add_arguments
 from serving.models import Service
-from serving.requests import SHAPE, ServeError, ServeRequest, describe, listing, start_service, stop_service
+from serving.requests import ServeError, describe, listing, start_service, stop_service
+from serving.spec import SERVE, serve_request
 from ugro_site.celery import NoWorker
 
 STOP_WAIT_S = 120.0  # the worker stops each replica (TERM, grace, KILL) and frees its GPUs
@@ -22,36 +24,26 @@ class Command(UserCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("name", nargs="?")
-        parser.add_argument("--from", dest="source", metavar="JOB[:STEP|latest]", help="the checkpoint to serve")
-        parser.add_argument("--replicas", type=int, help="how many start (default: --min-replicas, at least 1)")
-        parser.add_argument("--gpus-per-replica", type=int, help="default 1")
-        parser.add_argument("--engine", choices=[e.value for e in Service.Engine], help="default transformers")
-        parser.add_argument("--command", help="with --engine custom: {model} {host} {port} {gpus} {name} {python}")
-        parser.add_argument("--min-replicas", type=int, help="0: it sleeps when idle (--idle-after) and wakes on a "
-                            "request; default --replicas")  # fmt: skip
-        parser.add_argument("--max-replicas", type=int, help="added with the load up to this; default --replicas")
-        parser.add_argument("--target-outstanding", type=int, help="requests in flight per replica above which "
-                            "another is added (default 4)")  # fmt: skip
-        parser.add_argument("--idle-after", help="with --min-replicas 0: sleep after this long without a request "
-                            "(default 15m; at least 1m)")  # fmt: skip
-        parser.add_argument("--cold-start-timeout", help="how long a request waits for a sleeping service to wake "
-                            "(default: the engine's)")  # fmt: skip
+        parser.add_argument("--file", "-f", metavar="FILE", help="a service file (YAML: these options by name, "
+                            "docs/serving.md); typed ones win")  # fmt: skip
+        add_arguments(parser, SERVE)  # every serve option, from the serve spec
         parser.add_argument("--stop", action="store_true", help="stop the service: no process left, GPUs freed")
         parser.add_argument("--list", action="store_true", help="every service and the state of each replica")
 
-    def handle(self, name, source, stop, list, **options):
-        if list:
-            return self.show(name)
-        if not name:
-            raise CommandError("name the service: manage.py serve NAME --from JOB (or --list)")
-        if stop:
-            return self.stop(name)
-        if not source:
-            raise CommandError("--from JOB[:STEP|latest] names the checkpoint to serve")
-        req = ServeRequest(name=name, source=source, **{key: options[key] for key in SHAPE})
-        updating = Service.objects.filter(name=name, state__in=Service.AWAKE_OR_ASLEEP).exists()
+    def handle(self, **o):
+        typed = {opt.field: o[opt.field] for opt in SERVE if opt.field in o}
+        if o["list"]:
+            return self.show(typed.get("name"))
+        if o["stop"]:
+            if not typed.get("name"):
+                raise CommandError("name the service: manage.py serve NAME --stop")
+            return self.stop(typed["name"])
+        if not o["file"] and not typed.get("name"):
+            raise CommandError("name the service: manage.py serve NAME --from JOB (or -f FILE, or --list)")
         try:
+            req = serve_request(self._read_file(o["file"]) if o["file"] else None, typed,
+                                f"service file {o['file']}")  # fmt: skip
+            updating = Service.objects.filter(name=req.name, state__in=Service.AWAKE_OR_ASLEEP).exists()
             service = start_service(self.user, req, self.source)
         except (ServeError, NoWorker, policy.Refused) as exc:
             raise CommandError(str(exc)) from None
@@ -65,6 +57,15 @@ class Command(UserCommand):
             f"{c.node.name}:{c.path} (step {c.step}); endpoint /serve/{service.name}/v1/ "
             f"(manage.py serve --list shows when they are ready)"
         )
+
+    @staticmethod
+    def _read_file(path: str) -> str:
+        """A service file's text (at most MAX_FILE_BYTES + 1 bytes read: the reader refuses a larger one)."""
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return fh.read(MAX_FILE_BYTES + 1)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"cannot read service file {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
     def update(self, service: Service) -> None:
         """Wait for a rolling update to end (bounded): done, or failed in one line, the old replicas serving on."""
