@@ -19,18 +19,18 @@ UGRO = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "manage.py")]
 
 
 def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, controller_env, tmp_path):
-    """Covers: Ctrl-C (SIGINT) to a real `manage.py launch` process following a job on three sshd nodes: it exits 0, the
+    """Covers: Ctrl-C (SIGINT) to a real `manage.py launch` process following a job on two sshd nodes: it exits 0, the
     job runs on, and another process cancels it: every torchrun agent and worker on the nodes killed, no rank left
     active, a second cancel refused.
     """
     out_path = tmp_path / "launch.out"
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen([*UGRO, "launch", "--name", "ctrlc", "--", *SLOW_TRAIN], cwd=tmp_path,
+        proc = subprocess.Popen([*UGRO, "launch", "--name", "ctrlc", "--nodes", "2", "--", *SLOW_TRAIN], cwd=tmp_path,
                                 env=controller_env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         # given the launch shows live progress: the running state and rank-prefixed lines
-        wait_for(lambda: b'[rank 2] {"step"' in out_path.read_bytes(), timeout=90, what="live lines")
-        assert b"ctrlc running (ranks 0:node1, 1:node2, 2:node3)" in out_path.read_bytes()
+        wait_for(lambda: b'[rank 1] {"step"' in out_path.read_bytes(), timeout=90, what="live lines")
+        assert b"ctrlc running (ranks 0:node1, 1:node2)" in out_path.read_bytes()
         # when the user presses Ctrl-C
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
@@ -41,7 +41,7 @@ def test_ctrl_c_leaves_the_job_running_and_says_how_to_follow_or_cancel(lab, con
     assert "left job ctrlc running" in text and "ugro logs ctrlc --follow" in text and "ugro cancel ctrlc" in text
     job = Job.objects.get(name="ctrlc")
     assert job.state == Job.State.RUNNING
-    assert len(job_pids(job.tag)) >= 6  # torchrun agent + worker on each of 3 nodes
+    assert len(job_pids(job.tag)) >= 4  # torchrun agent + worker on each of 2 nodes
     # and the job can be cancelled from another command: every process of it on every node is killed
     done = subprocess.run([*UGRO, "cancel", "ctrlc"], env=controller_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

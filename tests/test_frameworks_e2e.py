@@ -1,5 +1,6 @@
-"""End to end: a real Hugging Face Trainer and a real PyTorch Lightning job under UGRO on loopback sshd
-nodes with real torchrun, unmodified, and the curves, steps and final metrics UGRO records of them."""
+"""End to end: a real PyTorch Lightning job under UGRO on loopback sshd nodes with real torchrun, unmodified, and
+the curves, steps and checkpoints UGRO records of it (a real Hugging Face Trainer's: tests/test_recovery_e2e.py,
+where one crashes and resumes)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from django.core.management import call_command
 from jobs import checkpoints
 from jobs.models import Job
 from metrics.files import events_points
-from metrics.models import FinalMetric, JobMetrics, MetricPoint
+from metrics.models import JobMetrics, MetricPoint
 
 pytestmark = pytest.mark.e2e
 
@@ -44,38 +45,6 @@ def curve(job: Job, name: str) -> dict[int, list[int]]:
     for rank, step in MetricPoint.objects.filter(job=job, name=name).order_by("step").values_list("rank", "step"):
         out.setdefault(rank, []).append(step)
     return out
-
-
-def test_hugging_face_trainer_gets_its_curve_steps_and_final_metrics(framework_lab):
-    """Covers: an unmodified Hugging Face Trainer under torchrun on two sshd nodes: its printed logs read at its own
-    steps, eval and final metrics, progress; the parser alone runs on recorded output (tests/test_framework_corpus.py).
-    """
-    # given an unmodified Trainer script (transformers 5: its numbers printed as strings)
-    # when it runs on two nodes under UGRO for 30 steps, logging every 5 and evaluating every 10
-    launch("--name", "hf1", "--nodes", "2", "--script", "frameworks/hf_trainer.py",
-           "--", "--max-steps", "30", "--logging-steps", "5", "--eval-steps", "10")  # fmt: skip
-    job = Job.objects.get(name="hf1")
-    assert job.state == Job.State.SUCCEEDED, job.failure_reason
-    # then the script got only the cluster's configured defaults and the user's arguments
-    assert job.script_args == ["--model-name", "tiny", "--dataset-name", "gpl-3",
-                               "--max-steps", "30", "--logging-steps", "5", "--eval-steps", "10"]  # fmt: skip
-    # and the loss curve is at the Trainer's own steps, on the rank whose node ran global rank 0
-    loss = curve(job, "loss")
-    assert len(loss) == 1, loss
-    (rank,) = loss
-    assert loss[rank] == [5, 10, 15, 20, 25, 30]
-    assert curve(job, "eval_loss") == {rank: [10, 20, 30]}
-    # and the end-of-training summary is the job's final metrics, not a curve point
-    finals = dict(FinalMetric.objects.filter(job=job, rank=rank).values_list("name", "value"))
-    assert {"train_runtime", "train_loss", "train_samples_per_second"} <= finals.keys()
-    assert not MetricPoint.objects.filter(job=job, name__in=["train_runtime", "train_loss"]).exists()
-    # and progress is out of the bar's M
-    progress = JobMetrics.objects.get(job=job)
-    assert (progress.step, progress.total_steps) == (30, 30)
-    # and `results` shows the final metrics
-    out = io.StringIO()
-    call_command("results", "hf1", stdout=out)
-    assert f"final train_loss rank {rank}: {finals['train_loss']:.6g} at step 30" in out.getvalue()
 
 
 def test_lightning_as_people_run_it_gets_every_logged_step_and_its_checkpoint_with_no_flags(framework_lab):

@@ -18,7 +18,7 @@ from django.core.management import CommandError, call_command
 
 from jobs import checkpoints
 from jobs.models import Attempt, Checkpoint, Job, Rank
-from metrics.models import MetricPoint
+from metrics.models import FinalMetric, JobMetrics, MetricPoint
 
 from .conftest import job_pids, training_pids, wait_for
 from .loopback import on_node
@@ -431,7 +431,8 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
     """Covers: an unmodified Hugging Face Trainer's checkpoint-N directory found where it wrote it, copied to other
     nodes and resumed through its own --resume_from_checkpoint; retention (`--keep 1,best:eval_loss:1`) keeping the
     latest and the best by the Trainer's own eval_loss across the three nodes, every copy of the others deleted by
-    the nodes' agents (the resume's copies too), as status NAME says.
+    the nodes' agents (the resume's copies too), as status NAME says; its printed logs read at its own steps, eval
+    and final metrics, progress (the parser alone runs on recorded output: tests/test_framework_corpus.py).
     """
     import shutil
 
@@ -491,3 +492,19 @@ def test_a_hugging_face_trainer_resumes_from_its_checkpoint_directory_on_other_n
     assert {c.node.name for c in freed} == {"node1", "node2", "node3"} and {c.step for c in freed} == {20}, freed
     said = f"checkpoints: kept {len(kept)} (latest 1, best eval_loss 1), freed {3 - len(kept)} ("
     assert said in run("status", "hfr")
+    # and the Trainer's printed logs (transformers 5: its numbers as strings) were read at its own steps, on the
+    # rank whose node ran global rank 0: one curve across both attempts
+    loss: dict[int, list[int]] = {}
+    for rank, step in (
+        MetricPoint.objects.filter(job=job, name="loss", superseded=False).order_by("step").values_list("rank", "step")
+    ):
+        loss.setdefault(rank, []).append(step)
+    assert len(loss) == 1 and list(loss.values())[0] == [5, 10, 15, 20, 25, 30], loss
+    (rank,) = loss
+    # and its end-of-training summary is the job's final metrics, not a curve point; progress is out of its bar's M
+    finals = dict(FinalMetric.objects.filter(job=job, rank=rank).values_list("name", "value"))
+    assert {"train_runtime", "train_loss", "train_samples_per_second"} <= finals.keys(), finals
+    assert not MetricPoint.objects.filter(job=job, name__in=["train_runtime", "train_loss"]).exists()
+    progress = JobMetrics.objects.get(job=job)
+    assert (progress.step, progress.total_steps) == (30, 30)
+    assert f"final train_loss rank {rank}: {finals['train_loss']:.6g} at step 30" in run("results", "hfr")
