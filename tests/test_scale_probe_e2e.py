@@ -4,12 +4,14 @@ in-memory agents: tests/test_scale_probe.py; the probe against every count on sh
 from __future__ import annotations
 
 import io
+from statistics import median
 
 import pytest
 from django.core.management import call_command
 
 from cluster.models import Node
 from jobs.models import Job
+from metrics.models import MetricPoint
 
 pytestmark = pytest.mark.e2e
 
@@ -18,7 +20,8 @@ def test_the_probe_measures_each_count_and_auto_weights_give_a_slow_node_the_sma
     """Covers: --scale-probe on real nodes: 1 then 2 nodes run the reference script's first steps (their own
     rendezvous ids, outputs in a scratch directory), each count's samples/s from its step lines, the choice and its
     warning for named nodes, the table in the launch's output and `status`; --batch-weights auto from the probe's
-    per-sample compute time (one node slowed per sample) gives that node the smaller share of the global batch.
+    per-sample compute time (one node slowed per sample) gives that node the smaller share of the global batch, and
+    the run's samples/s rise over the probe's even split.
     """
     fast, slow = Node.objects.order_by("order")[:2]
     slow.env = {"TRAIN_SAMPLE_SLEEP": "0.02"}  # a slower GPU: 20 ms more per sample on this node
@@ -40,6 +43,15 @@ def test_the_probe_measures_each_count_and_auto_weights_give_a_slow_node_the_sma
     batches = dict(job.ranks.values_list("node__name", "batch_weight"))
     assert batches[slow.name] < 1 < batches[fast.name]
     assert probe["weights"][fast.name] > probe["weights"][slow.name] == 1.0
+    # and the weighted split trains faster than the probe's even one on the same two nodes: samples/s from the same
+    # step lines (rank 0's compute and sync-wait times a step, warm-up dropped), 16 samples a step either way
+    points = {name: dict(MetricPoint.objects.filter(job=job, rank=0, name=name, attempt=job.attempt)
+                         .values_list("step", "value")) for name in ("compute_s", "sync_wait_s")}  # fmt: skip
+    step_s = median([points["compute_s"][s] + points["sync_wait_s"][s] for s in sorted(points["compute_s"])[1:]
+                     if s in points["sync_wait_s"]])  # fmt: skip
+    even_s = rows[2]["compute_s"] + rows[2]["sync_wait_s"]
+    print(f"samples/s: even {16 / even_s:.1f} (probe), weighted {16 / step_s:.1f} (the run)")
+    assert 16 / step_s > 1.1 * 16 / even_s, (step_s, even_s)
     printed = out.getvalue()
     assert "scale probe: fewer nodes would be faster" in printed and "batch weights from the probe" in printed
     status = io.StringIO()
