@@ -236,13 +236,14 @@ def test_a_request_to_a_sleeping_service_wakes_it_and_is_held_until_a_replica_is
         before = Service.objects.get(pk=service.pk).wake_at
         asking = threading.Thread(target=lambda: answer.update(r=completion(web, token)), daemon=True)
         asking.start()
-        wait_for(lambda: Service.objects.filter(pk=service.pk, state=Service.State.WAKING, wake_at__gt=before)
+        wait_for(lambda b=before: Service.objects.filter(pk=service.pk, state=Service.State.WAKING, wake_at__gt=b)
                  .exists(), timeout=15, what="the service woken by this request")  # fmt: skip
         Service.objects.filter(pk=service.pk).update(state=Service.State.SLEEPING,
                                                      note="could not wake: given up after 3 restarts: exit 1")
         asking.join(timeout=15)
         assert not asking.is_alive() and answer["r"].status_code == 503
-        assert answer["r"].json()["error"]["message"] == "service chat could not wake: given up after 3 restarts: exit 1"
+        said = answer["r"].json()["error"]["message"]
+        assert said == "service chat could not wake: given up after 3 restarts: exit 1"
 
 
 def test_the_endpoint_reports_each_replicas_requests_in_flight(web, engines, token):

@@ -879,7 +879,8 @@ def cmd_health(client: Client, a) -> int:
         if n["status"] == "healthy":
             print(f"✓ {n['name']:<{width}} {n['gpu']} - Ready (score {n['score']})")
         elif n["status"] in RESTING:
-            print(f"○ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'woken when a job needs it'}")
+            why = n["reason"] or "woken when a job needs it"
+            print(f"○ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {why}")
         else:
             print(f"✗ {n['name']:<{width}} {n['gpu']} - {n['status'].upper()}: {n['reason'] or 'no reading'}")
         for check in n["checks"]:

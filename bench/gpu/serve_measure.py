@@ -86,7 +86,8 @@ def main() -> None:
                          "tokens_per_s": round(sum(r.get("tokens", 0) for r in results) / wall, 1)}  # fmt: skip
     service.refresh_from_db()
     out["cold_start"]["recorded_s"] = service.last_cold_start_s  # recorded by the worker once the replica is ready
-    out["replicas"] = list(Replica.objects.filter(service=service).values("index", "state", "node__name", "gpu_indices"))
+    rows = Replica.objects.filter(service=service)
+    out["replicas"] = list(rows.values("index", "state", "node__name", "gpu_indices"))
     print(json.dumps(out, indent=1, default=str))
 
 
