@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -160,77 +159,50 @@ def store_host(job: Job, port: int) -> str | None:
     return None
 
 
-def test_a_silent_node_fails_the_job_and_is_down_within_30_s_and_comes_back_clean(cut_lab, worker):
-    """Covers: a node cut off by dropping its packets (iptables) under bin/worker with the shipped timeouts: NODE_LOST
-    and DOWN, then back healthy, its leftovers killed and its logs fetched whole (a stopped sshd refuses; only this
-    drops).
+def test_a_silent_node_is_lost_within_30_s_its_job_trains_again_on_the_rest_and_the_node_comes_back_clean(
+    cut_lab, worker
+):
+    """Covers: a node cut off by dropping its packets (iptables) under bin/worker with the shipped timeouts: the
+    attempt ends NODE_LOST and the node is DOWN within 30 s, the healthy ranks stopped; with --min-nodes 2, attempt 2
+    trains on the other two from the last checkpoint within 120 s (the retry reason says without which); once back,
+    the node is healthy within a tick and its leftovers killed (a stopped sshd refuses; only this drops). The
+    decision alone is tests/test_recovery.py's.
     """
-    # given a 3-node job followed by the worker, training
-    job = launch("--name", "cut", "--nodes", "3", "--epochs", "50", "--detach", "--", *TRAIN)
-    wait_for(lambda: all(r.log_lines >= 20 for r in job.ranks.all()), timeout=180, what="every rank to train")
-    silent = cut_lab.nodes[2]
-    cut = Cut(silent.address, silent.name, job.tag)
-    try:
-        # when every packet to and from node3 is dropped
-        cut.apply()
-        t0 = time.monotonic()
-        # then the job ends within 30 s: FAILED, NODE_LOST naming node3, and the healthy ranks stopped
-        wait_for(lambda: Job.objects.get(pk=job.pk).is_ended, timeout=120, interval=0.2, what="the job to end")
-        ended = time.monotonic() - t0
-        wait_for(lambda: Node.objects.get(name=silent.name).status == Node.Status.DOWN, timeout=120, interval=0.2,
-                 what="node3 DOWN")  # fmt: skip
-        down = time.monotonic() - t0
-        job.refresh_from_db()
-        healthy_left = [p for n in ("node1", "node2") for p in on_node(job_pids(job.tag), n)]
-        print(f"silent node: job ended after {ended:.1f} s, node DOWN after {down:.1f} s")
-        assert job.state == Job.State.FAILED and job.failure_kind == "NODE_LOST", job.failure_reason
-        assert "node3" in job.failure_reason
-        assert healthy_left == []
-        assert ended <= BOUND_S and down <= BOUND_S, (ended, down)
-        assert Alert.objects.filter(node__name="node3", key="down", resolved_at__isnull=True).exists()
-    finally:
-        cut.restore()
-    # when node3 answers again: it is probed at once (not after its breaker's backoff) and healthy, and the
-    # job's processes there are killed
-    back = time.monotonic()
-    wait_for(lambda: Node.objects.get(name=silent.name).status == Node.Status.HEALTHY, timeout=90,
-             what="node3 healthy again")  # fmt: skip
-    healthy = time.monotonic() - back
-    wait_for(lambda: not job_pids(job.tag), timeout=90, what="no process of the job left")
-    print(f"node back: healthy after {healthy:.1f} s, clean after {time.monotonic() - back:.1f} s")
-    probes = [(f"{s.time:%H:%M:%S.%f}"[:12], s.ok, s.error[:120])
-              for s in HealthSample.objects.filter(node__name="node3").order_by("-time")[:8]]  # fmt: skip
-    assert healthy <= BACK_BOUND_S, (healthy, probes)  # node3's last probes, newest first, say why if not
-    # and the central logs hold every byte each rank wrote, node3's fetched after its return
-    wait_for(lambda: all(r.local_log.read_bytes() == Path(r.remote_log).read_bytes() for r in job.ranks.all()),
-             timeout=90, what="every central log equal to its node's")  # fmt: skip
-    assert "Traceback" not in worker.read_text()
-
-
-def test_a_silent_node_with_min_nodes_trains_again_on_the_rest_within_120_s(cut_lab, worker):
-    """Covers: the same silent cut with --min-nodes 2 under the shipped timeouts: attempt 2 trains on the other two
-    nodes (the retry reason says without which) from the last checkpoint; the decision alone is
-    tests/test_recovery.py's.
-    """
-    # given a 3-node job that may go on with 2, with a checkpoint written
-    job = launch("--name", "cutmin", "--nodes", "3", "--epochs", "50", "--retry", "node-lost", "--min-nodes", "2",
+    # given a 3-node job that may go on with 2, training, with a checkpoint written
+    job = launch("--name", "cut", "--nodes", "3", "--epochs", "50", "--retry", "node-lost", "--min-nodes", "2",
                  "--detach", "--", *TRAIN)  # fmt: skip
     from jobs import checkpoints
 
     wait_for(lambda: checkpoints.offered(job) and steps(job) >= 15, timeout=180, what="a checkpoint")
     keep = {node_of_global_rank_0(job), store_host(job, cut_lab.rdzv_port)}
     gone = next(n for n in cut_lab.nodes if n.name not in keep)
+    first = Attempt.objects.get(job=job, number=1)
     cut = Cut(gone.address, gone.name, job.tag)
     try:
-        # when a node without the checkpoint goes silent
+        # when every packet to and from a node without the checkpoint is dropped
         cut.apply()
         t0 = time.monotonic()
+        # then the attempt ends within 30 s (NODE_LOST naming the node, the healthy ranks stopped), the node is
+        # DOWN within 30 s with its alert open
+        wait_for(lambda: Attempt.objects.get(pk=first.pk).finished_at is not None, timeout=120, interval=0.2,
+                 what="attempt 1 to end")  # fmt: skip
+        ended = time.monotonic() - t0
+        wait_for(lambda: Node.objects.get(name=gone.name).status == Node.Status.DOWN, timeout=120, interval=0.2,
+                 what=f"{gone.name} DOWN")  # fmt: skip
+        down = time.monotonic() - t0
+        first.refresh_from_db()
+        healthy_left = [p for n in keep for p in on_node(job_pids(first.tag), n)]
+        print(f"silent node: attempt 1 ended after {ended:.1f} s, node DOWN after {down:.1f} s")
+        assert first.failure_kind == "NODE_LOST" and gone.name in first.failure_reason, first.failure_reason
+        assert healthy_left == []
+        assert ended <= BOUND_S and down <= BOUND_S, (ended, down)
+        assert Alert.objects.filter(node__name=gone.name, key="down", resolved_at__isnull=True).exists()
 
+        # and attempt 2 trains on the two others from the last checkpoint within 120 s of the cut
         def training_again() -> bool:
             j = Job.objects.get(pk=job.pk)
             return j.attempt == 2 and j.state == Job.State.RUNNING and steps(j) > (j.resume_step or 0)
 
-        # then attempt 2 trains on the two others from the last checkpoint within 120 s of the cut
         try:
             wait_for(training_again, timeout=200, interval=0.5, what="attempt 2 to train")
         except AssertionError:
@@ -242,16 +214,28 @@ def test_a_silent_node_with_min_nodes_trains_again_on_the_rest_within_120_s(cut_
             ) from None
         again = time.monotonic() - t0
         job.refresh_from_db()
-        first = Attempt.objects.get(job=job, number=1)
+        first.refresh_from_db()
         print(f"silent node, --min-nodes 2: training again {again:.1f} s after the cut")
-        assert first.failure_kind == "NODE_LOST" and gone.name in first.failure_reason
         rest = sorted(n.name for n in cut_lab.nodes if n is not gone)
         assert sorted(job.ranks.values_list("node__name", flat=True)) == rest
         assert f"without {gone.name}" in first.next_reason, first.next_reason
         assert job.resume_step and job.resume_step >= 10 and job.resume_step % 10 == 0
         assert again <= 120, again
-        call_command("cancel", "cutmin", stdout=io.StringIO())
+        call_command("cancel", "cut", stdout=io.StringIO())
     finally:
         cut.restore()
+    # when the node answers again: it is probed at once (not after its breaker's backoff) and healthy, and the
+    # job's processes there are killed
+    back = time.monotonic()
+    wait_for(lambda: Node.objects.get(name=gone.name).status == Node.Status.HEALTHY, timeout=90,
+             what=f"{gone.name} healthy again")  # fmt: skip
+    healthy = time.monotonic() - back
     wait_for(lambda: not job_pids(first.tag) and not Rank.objects.filter(job=job, active=True).exists(), timeout=90,
-             what="the silent node's leftovers to be gone")  # fmt: skip
+             what="no process of the job left")  # fmt: skip
+    print(f"node back: healthy after {healthy:.1f} s, clean after {time.monotonic() - back:.1f} s")
+    probes = [(f"{s.time:%H:%M:%S.%f}"[:12], s.ok, s.error[:120])
+              for s in HealthSample.objects.filter(node__name=gone.name).order_by("-time")[:8]]  # fmt: skip
+    assert healthy <= BACK_BOUND_S, (healthy, probes)  # its last probes, newest first, say why if not
+    # (what its rank wrote after the cut, once resumed, is not fetched: an earlier attempt's lost rank is not
+    # recovered while the job goes on; an ended job's is, tests/test_lifecycle_e2e.py's node cut off mid-run)
+    assert "Traceback" not in worker.read_text()
