@@ -161,8 +161,9 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
     too); one killed under load and restarted in place by the worker, every request answered whole; `serve --list`
     after the restart and after the stop; stop leaving no process and no slot held; then a service from zero
     (--min-replicas 0 --replicas 0) holding nothing until its first request, which wakes it, is held while the engine
-    loads and is answered, its cold start recorded and listed (the rolling update's and the load's decisions are
-    tests/test_serve_scaling.py's on the fake agent; bench/serve.py runs an update under load with real engines).
+    loads and is answered, its cold start recorded and listed; a rolling update of it under a client's steady
+    requests with none failed, and an update to a checkpoint its engine cannot load failing in one line with the
+    running replica serving on (the load's decisions are tests/test_serve_scaling.py's on the fake agent).
     """
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
@@ -248,14 +249,52 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
         first = httpx.post(f"{web}/serve/cold/v1/completions", json={"model": "cold", "prompt": "the cluster",
                            "max_tokens": 4}, headers=headers, timeout=200)  # fmt: skip
         assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length", first.text
-    service = wait_for(lambda: Service.objects.filter(name="cold", state="running").first(), timeout=30,
-                       what="the woken service running")  # fmt: skip
-    assert service.last_cold_start_s > 0 and service.note.startswith("woke in ")
-    assert "last cold start " in serve("--list", "cold")
-    (replica,) = ready("cold", 1)
-    assert Allocation.objects.get(active=True).holder == "serve:cold/0" and replica.checkpoint_id == checkpoint.pk
+        service = wait_for(lambda: Service.objects.filter(name="cold", state="running").first(), timeout=30,
+                           what="the woken service running")  # fmt: skip
+        assert service.last_cold_start_s > 0 and service.note.startswith("woke in ")
+        assert "last cold start " in serve("--list", "cold")
+        (woken,) = ready("cold", 1)
+        assert Allocation.objects.get(active=True).holder == "serve:cold/0" and woken.checkpoint_id == checkpoint.pk
+
+        # when, while a client keeps asking, it is moved to a newer checkpoint (a rolling update), then to one its
+        # engine cannot load (a config that does not parse: transformers serve exits at start)
+        newer = checkpoint_beside(checkpoint, 20)
+        checkpoint_beside(checkpoint, 30, config='{"model_type": "gpt2", "n_layer": "x"}')
+        with client_asking(f"{web}/serve/cold/v1/completions", headers) as load:
+            wait_for(lambda: len(load.statuses) >= 2, timeout=60, what="requests before the update")
+            said = serve("cold", "--from", "trained:20")
+            # then the new replica took requests before the old one drained and stopped: the service serves step
+            # 20 from one replica, and no request failed
+            assert said.startswith("service cold: updated to trained step 20"), said
+            (moved,) = ready("cold", 1)
+            assert moved.checkpoint_id == newer.pk
+            wait_for(lambda: job_pids(woken.tag) == [], timeout=60, what="the old replica's engine stopped")
+            updated = len(load.statuses)
+            with pytest.raises(CommandError) as err:
+                serve("cold", "--from", "trained:30")
+            # and the broken update fails in one line, its replica gone, the running one serving on
+            line = str(err.value)
+            assert "update to trained step 30 failed: replica" in line and "the old replicas serve on" in line, line
+            assert "\n" not in line and ready("cold", 1)[0].pk == moved.pk
+            wait_for(lambda: len(load.statuses) >= updated + 3, timeout=60, what="requests after the updates")
+        assert [s for s in load.statuses if s != 200] == [], load.statuses
+        assert Service.objects.get(name="cold").checkpoint_id == newer.pk
     assert "service cold stopped" in serve("cold", "--stop")
-    assert not Allocation.objects.filter(active=True).exists() and job_pids(replica.tag) == []
+    assert not Allocation.objects.filter(active=True).exists() and job_pids(moved.tag) == []
+    assert not [r.tag for r in Replica.objects.filter(service__name="cold") if job_pids(r.tag)]
+
+
+def checkpoint_beside(checkpoint: Checkpoint, step: int, config: str | None = None) -> Checkpoint:
+    """A copy of a checkpoint directory recorded at another step of its job (its config.json replaced if given)."""
+    import shutil
+
+    path = checkpoint.path.replace("checkpoint-10", f"checkpoint-{step}")
+    shutil.copytree(checkpoint.path, path)
+    if config is not None:
+        with open(f"{path}/config.json", "w") as fh:
+            fh.write(config)
+    return Checkpoint.objects.create(job=checkpoint.job, node=checkpoint.node, path=path, size=4, mtime=0, step=step,
+                                     kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
 
 
 @contextmanager
