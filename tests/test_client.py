@@ -155,10 +155,10 @@ def test_logs_follow_prints_each_line_once_until_the_job_ends(ugro_script, serve
 def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_cancels(
     ugro_script, lab, controller_env, live_server, tmp_path
 ):
-    """The whole path: the client -> the API queues the job -> a real worker starts torchrun on three sshd
+    """The whole path: the client -> the API queues the job -> a real worker starts torchrun on two sshd
     nodes -> the client follows the merged log until the job succeeds.
 
-    Covers: the `ugro` console script on real nodes: a launch through the API started by a real worker on three sshd
+    Covers: the `ugro` console script on real nodes: a launch through the API started by a real worker on two sshd
     nodes and followed to its end, and a running job cancelled through the API.
     """
     from accounts.models import AuditEvent
@@ -172,9 +172,9 @@ def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_canc
     where = {"url": live_server.url, "token": token}
     worker = start_worker(controller_env, tmp_path, "wapi")
     try:
-        done = ugro(ugro_script, where, "launch", "--name", "viaapi", "--nodes", "3", "--", *FAST_TRAIN, timeout=240)
+        done = ugro(ugro_script, where, "launch", "--name", "viaapi", "--nodes", "2", "--", *FAST_TRAIN, timeout=240)
         # and a long job cancelled through the client: it returns once nothing of the job is left
-        assert ugro(ugro_script, where, "launch", "--name", "long", "--nodes", "2", "--detach", "--", *SLOW_TRAIN,
+        assert ugro(ugro_script, where, "launch", "--name", "long", "--nodes", "1", "--detach", "--", *SLOW_TRAIN,
                     timeout=60).returncode == 0  # fmt: skip
         wait_for(lambda: Job.objects.get(name="long").state == Job.State.RUNNING, timeout=90, what="long to run")
         tag = Job.objects.get(name="long").tag
@@ -193,9 +193,9 @@ def test_ugro_launch_through_the_api_runs_every_rank_follows_to_the_end_and_canc
     lines = done.stdout.splitlines()
     assert lines[0].startswith("job viaapi queued (id ")
     assert lines[-1] == "-- job viaapi succeeded"
-    assert {f"[rank {r}]" for r in range(3)} <= {ln[:8] for ln in lines}
+    assert {f"[rank {r}]" for r in range(2)} <= {ln[:8] for ln in lines}
     job = Job.objects.get(name="viaapi")
-    assert job.state == Job.State.SUCCEEDED and job.owner == user and job.ranks.count() == 3
+    assert job.state == Job.State.SUCCEEDED and job.owner == user and job.ranks.count() == 2
     assert AuditEvent.objects.get(action="launch", target="viaapi").argv == [job.script, *job.script_args]
 
 

@@ -249,7 +249,7 @@ def test_an_oom_with_a_batch_template_is_retried_with_half_the_batch_and_twice_t
     from cluster.models import Alert
 
     # given a job that runs out of memory at step 30 while its per-rank batch is above 2
-    run("launch", "--name", "oomy", "--nodes", "2", "--retry", "oom", "--max-attempts", "3",
+    run("launch", "--name", "oomy", "--nodes", "1", "--retry", "oom", "--max-attempts", "3",
         "--batch-template=--batch-size {batch} --grad-accum {accum}", "--batch", "4", "--detach", "--",
         *SHORT, "--oom-at-step", "30:2")  # fmt: skip
     job = Job.objects.get(name="oomy")
@@ -279,7 +279,7 @@ def test_two_attempts_failing_at_the_same_step_stop_as_a_crash_loop(recovery_set
     from cluster.models import Alert
 
     # given a script error before step 28, every time, and a policy that would retry it five times
-    run("launch", "--name", "loop", "--nodes", "2", "--retry", "script-error", "--max-attempts", "5", "--detach",
+    run("launch", "--name", "loop", "--nodes", "1", "--retry", "script-error", "--max-attempts", "5", "--detach",
         "--", *SHORT, "--batch-size", "4", "--fail-at-step", "28")  # fmt: skip
     job = Job.objects.get(name="loop")
 
