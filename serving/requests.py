@@ -334,7 +334,9 @@ def describe(service: Service) -> dict:
     return {
         "name": service.name, "state": service.state, "engine": service.engine, "job": service.job.name,
         "step": c.step, "checkpoint": f"{c.node.name}:{c.path}", "endpoint": f"/serve/{service.name}/v1/",
-        "holds": held(service), "replicas_now": service.replicas, "min_replicas": service.min_replicas,
+        "holds": held(service), "min_replicas": service.min_replicas,
+        # the count it runs at now: none while asleep (its target keeps the count a wake starts with)
+        "replicas_now": 0 if service.state == Service.State.SLEEPING else service.replicas,
         "max_replicas": service.max_replicas, "target_outstanding": service.target_outstanding,
         "idle_after_s": service.idle_after_s, "cold_start_timeout_s": cold_start_timeout(service),
         "last_cold_start_s": service.last_cold_start_s, "updating_to_step": update.step if update else None,

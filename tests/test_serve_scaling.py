@@ -106,6 +106,7 @@ def test_an_idle_service_sleeps_frees_its_node_and_a_request_wakes_it(cluster):
     service = tend()
     assert (states(service), held(), cluster["n1"].tags.get(tag)) == (["stopped"], set(), None)
     assert "chat  sleeping" in "\n".join(listing([describe(service)]))
+    assert "  replicas 0 (0-2)  sleeps after 1 min idle" in listing([describe(service)])[1]
 
     # when a request comes (the endpoint wakes it)
     assert scaling.wake("chat") and not scaling.wake("chat")  # once: a second request finds it waking
