@@ -103,7 +103,10 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
         wait_for(lambda: all(r.log_lines >= 2 for r in job.ranks.all()), timeout=120, what="the worker to follow")
         # when every process of the job is killed at once, the wrappers first (so none records an exit code)
         wrappers = [json.loads(Path(r.start_record).read_text())["wrapper_pid"] for r in job.ranks.all()]
-        for pid in [*wrappers, *job_pids(job.tag)]:
+        # the tag read now: `job` was fetched before its start, and its cached attempt may still have none
+        tag = Job.objects.get(pk=job.pk).tag
+        assert tag
+        for pid in [*wrappers, *job_pids(tag)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
