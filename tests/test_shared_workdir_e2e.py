@@ -1,6 +1,6 @@
-"""Two real sshd nodes whose working directory is ONE directory (an NFS-mounted home, the usual lab setup):
+"""Three real sshd nodes whose working directory is ONE directory (an NFS-mounted home, the usual lab setup):
 the job's code is built there once, its checkpoints are one checkpoint, and a synced job checkpoints, is
-cancelled and resumes from its checkpoint on both, with real torchrun."""
+cancelled and resumes from its checkpoint on all three, with real torchrun."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def shared_workdir(loopback) -> Path:
 
 @pytest.fixture
 def shared_lab(loopback, shared_workdir, transactional_db, fast_settings, tmp_path, monkeypatch):
-    """node1 and node2 imported from a cluster.yaml whose nodes all have the shared working directory, a project to sync
+    """node1-3 imported from a cluster.yaml whose nodes all have the shared working directory, a project to sync
     (the reference training script, under a sync root) and a worker on a thread of this process."""
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
@@ -57,8 +57,8 @@ def shared_lab(loopback, shared_workdir, transactional_db, fast_settings, tmp_pa
     monkeypatch.setattr("jobs.follow.CHECKPOINT_SCAN_S", 0.5)
     end_leftovers(loopback.root)
     pool.close_all()
-    text = cluster_yaml(loopback, 2)
-    for node in loopback.nodes[:2]:
+    text = cluster_yaml(loopback, 3)
+    for node in loopback.nodes[:3]:
         text = text.replace(f'workdir: "{node.workdir}"', f'workdir: "{shared_workdir}"')
     import_cluster(text)
     assert set(Node.objects.values_list("workdir", flat=True)) == {str(shared_workdir)}
@@ -77,24 +77,24 @@ def shared_lab(loopback, shared_workdir, transactional_db, fast_settings, tmp_pa
         yield SimpleNamespace(project=project, health=nodes)
 
 
-def test_a_synced_job_on_two_nodes_sharing_a_workdir_is_built_once_checkpoints_once_and_resumes(
+def test_a_synced_job_on_three_nodes_sharing_a_workdir_is_built_once_checkpoints_once_and_resumes(
     shared_lab, shared_workdir
 ):
     """The only path that runs sync, the follower's checkpoint recording, cancel and resume with the nodes' agents
     on one real shared directory (tests/test_sync.py covers each rule on its own, in a second).
 
-    Covers: sync, checkpoint recording, cancel and resume on two sshd nodes sharing one real working directory: one
+    Covers: sync, checkpoint recording, cancel and resume on three sshd nodes sharing one real working directory: one
     copy, one checkpoint, no file written by two agents.
     """
     project = shared_lab.project
-    # given two nodes that share one working directory, and a job synced to both that checkpoints
-    run("launch", "--name", "sh1", "--nodes", "2", "--sync", str(project), "--script", "train_production.py",
+    # given three nodes that share one working directory, and a job synced to all three that checkpoints
+    run("launch", "--name", "sh1", "--nodes", "3", "--sync", str(project), "--script", "train_production.py",
         "--detach", "--", *TRAIN)  # fmt: skip
     job = Job.objects.get(name="sh1")
     wait_for(lambda: checkpoints.offered(job) and Job.objects.get(pk=job.pk).state == Job.State.RUNNING,
              timeout=120, interval=0.1, what="a checkpoint")  # fmt: skip
     job.refresh_from_db()
-    # then the copy was built once for the two of them (the store was empty: each object sent once)
+    # then the copy was built once for the three of them (the store was empty: each object sent once)
     code = JobCode.objects.get(job=job)
     sizes = {f["sha256"]: f["size"] for f in manifest.build(str(project)).files}
     assert code.sync_sent_bytes == sum(sizes.values()), (code.sync_sent_bytes, sum(sizes.values()))
@@ -102,12 +102,12 @@ def test_a_synced_job_on_two_nodes_sharing_a_workdir_is_built_once_checkpoints_o
     # and the nodes know they share it, from one marker each of them read back, as `health --json` says
     marker = (shared_workdir / ".ugro" / "workdir-id").read_text().strip()
     assert set(Node.objects.values_list("workdir_id", flat=True)) == {marker} and len(marker) == 32
-    assert shared_lab.health["node1"]["workdir_shared_with"] == ["node2"]
-    # and each checkpoint the two ranks see is recorded once
+    assert shared_lab.health["node1"]["workdir_shared_with"] == ["node2", "node3"]
+    # and each checkpoint the three ranks see is recorded once
     paths = list(Checkpoint.objects.filter(job=job).values_list("path", flat=True))
     assert paths and len(paths) == len(set(paths)), paths
 
-    # when it is cancelled and resumed from its latest checkpoint, on the same two nodes
+    # when it is cancelled and resumed from its latest checkpoint, on the same three nodes
     run("cancel", "sh1")
     job.refresh_from_db()
     assert job.state == Job.State.CANCELLED and job_pids(job.tag) == []
@@ -117,9 +117,9 @@ def test_a_synced_job_on_two_nodes_sharing_a_workdir_is_built_once_checkpoints_o
     ckpt = job.resume_checkpoint
     run("logs", "sh1", "--follow")
     job.refresh_from_db()
-    # then attempt 2 ran on the two, from that checkpoint (not copied anywhere: every node sees it), to the end
+    # then attempt 2 ran on the three, from that checkpoint (not copied anywhere: every node sees it), to the end
     assert job.state == Job.State.SUCCEEDED and job.attempt == 2, job.failure_reason
-    assert sorted(job.ranks.values_list("node__name", flat=True)) == ["node1", "node2"]
+    assert sorted(job.ranks.values_list("node__name", flat=True)) == ["node1", "node2", "node3"]
     assert f"resuming from {checkpoints.path_for_rank0(ckpt)}" in run("logs", "sh1")
     assert Checkpoint.objects.get(pk=ckpt.pk).sha256 == ""
     steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
@@ -128,6 +128,6 @@ def test_a_synced_job_on_two_nodes_sharing_a_workdir_is_built_once_checkpoints_o
     assert JobCode.objects.get(job=job).sync_sent_bytes == 0
     config = json.loads((job.job_dir / "config.json").read_text())
     logs = {r["remote_log"] for r in config["ranks"]}
-    assert len(logs) == 2 and all(Path(p).is_file() for p in logs)
+    assert len(logs) == 3 and all(Path(p).is_file() for p in logs)
     assert not subprocess.run(["find", str(shared_workdir), "-name", "*.ugro-part*"], capture_output=True,
                               text=True).stdout  # fmt: skip
