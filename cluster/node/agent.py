@@ -550,21 +550,19 @@ def op_interfaces(req):
                 continue
             prefix = bin(struct.unpack("!I", socket.inet_aton(mask))[0]).count("1")
             addresses.setdefault(name, []).append("%s/%d" % (addr, prefix))
-    to, dev, source = req.get("to") or "", None, None
+    to, source = req.get("to") or "", None
     if to:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             try:
                 sock.connect((to, 9))
                 source = sock.getsockname()[0]
             except OSError:  # no route
-                source = None
-    own = {a.split("/")[0] for nets in addresses.values() for a in nets}
-    local = to in own or to.startswith("127.")
+                pass
+    holder = {}  # each address -> the (first) interface that holds it
     for name, nets in addresses.items():
-        if source in {a.split("/")[0] for a in nets}:
-            dev = name
-            break
-    return {"addresses": addresses, "dev": dev, "local": local}
+        for a in nets:
+            holder.setdefault(a.split("/")[0], name)
+    return {"addresses": addresses, "dev": holder.get(source), "local": to in holder or to.startswith("127.")}
 
 
 def op_stat(req):
