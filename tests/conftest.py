@@ -359,6 +359,13 @@ def training_pids(tag: str, node: str) -> list[int]:
     return out
 
 
+def ranks_logged(job, lines: int) -> bool:
+    """The job's current ranks exist (a detached launch may return with the job still queued on a loaded machine)
+    and each has at least `lines` log lines kept."""
+    ranks = list(type(job).objects.get(pk=job.pk).ranks.all())
+    return bool(ranks) and all(r.log_lines >= lines for r in ranks)
+
+
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
     """Poll until predicate() is truthy (bounded); returns its value."""
     deadline = time.monotonic() + timeout

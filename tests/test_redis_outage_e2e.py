@@ -14,7 +14,7 @@ import pytest
 
 from jobs.models import Job
 
-from .conftest import REPO, free_port, redis_server, wait_for, wait_port
+from .conftest import REPO, free_port, ranks_logged, redis_server, wait_for, wait_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 TRAIN = ["--max-steps", "60", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.2"]
@@ -55,7 +55,7 @@ def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_p
         job = Job.objects.get(name="outage")
         assert job.launcher.split(":")[:2] == [socket.gethostname(), str(worker.pid)], job.launcher
         assert "job outage running: rank 0 on node1" in done.stdout
-        wait_for(lambda: all(r.log_lines >= 5 for r in job.ranks.all()), timeout=60, what="the worker to follow")
+        wait_for(lambda: ranks_logged(job, 5), timeout=60, what="the worker to follow")
         # when Redis stops for 5 s while the job runs, and comes back empty (it keeps nothing on disk)
         redis.terminate()
         redis.wait(timeout=10)

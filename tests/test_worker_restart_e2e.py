@@ -18,7 +18,7 @@ from jobs.models import Job, Rank
 from metrics.models import MetricPoint
 from ugro_site.celery import worker_alive
 
-from .conftest import REPO, wait_for
+from .conftest import REPO, ranks_logged, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 TRAIN = ["--max-steps", "120", "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--step-sleep", "0.2"]
@@ -50,7 +50,7 @@ def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, contr
         job = Job.objects.get(name="durable")
         assert job.state == Job.State.RUNNING
         # given the worker is following the job; when it is killed without warning
-        wait_for(lambda: all(r.log_lines >= 10 for r in job.ranks.all()), timeout=90, what="w1 to follow")
+        wait_for(lambda: ranks_logged(job, 10), timeout=90, what="w1 to follow")
     finally:
         kill_worker(first)
     seen = {r.index: r.log_lines for r in job.ranks.all()}
@@ -99,8 +99,8 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
     try:
         wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
         call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
-        job = Job.objects.get(name="vanish")
-        wait_for(lambda: all(r.log_lines >= 2 for r in job.ranks.all()), timeout=120, what="the worker to follow")
+        job = Job.objects.get(name="vanish")  # may still be queued: the worker, just started, had 5 s to start it
+        wait_for(lambda: ranks_logged(job, 2), timeout=120, what="the worker to follow")
         # when every process of the job is killed at once, the wrappers first (so none records an exit code)
         wrappers = [json.loads(Path(r.start_record).read_text())["wrapper_pid"] for r in job.ranks.all()]
         # the tag read now: `job` was fetched before its start, and its cached attempt may still have none
