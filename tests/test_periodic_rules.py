@@ -223,3 +223,77 @@ def test_with_no_scheduler_running_every_page_the_api_and_health_say_so(client, 
         assert "no scheduler running" not in out.getvalue()
     finally:
         holder._lock.release()
+
+
+def test_a_worker_thread_keeps_its_database_connection_between_tasks_until_it_is_old_or_broken():
+    """Celery's fixup closed each task's connection (a new PostgreSQL backend for every task the beat sends); the
+    worker keeps it, checked around each task as a web request's is."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from django.db import connection
+
+    from ugro_site.celery import _db_connections_checked, keep_db_connections
+
+    def backend() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    task = SimpleNamespace(request=SimpleNamespace(is_eager=False))
+    seen: dict[str, object] = {}
+
+    def worker_thread() -> None:
+        try:
+            first = backend()
+            _db_connections_checked(sender=task)  # a task's end
+            _db_connections_checked(sender=task)  # the next one's start
+            seen["kept"] = backend() == first
+            with connection.cursor() as cursor:  # the server ends it while idle (a restart, an admin)
+                cursor.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+        except Exception as exc:  # the terminate cuts the answer to the query that asked for it
+            seen["cut"] = type(exc).__name__
+        try:
+            _db_connections_checked(sender=task)
+            seen["after_break"] = backend() != first  # a new connection, no error in the task
+            connection.close_at = time.monotonic() - 1  # older than WORKER_DB_MAX_AGE_S
+            _db_connections_checked(sender=task)
+            seen["old_closed"] = connection.connection is None
+        finally:
+            connection.close()
+
+    replaced = keep_db_connections()
+    try:
+        thread = threading.Thread(target=worker_thread)
+        thread.start()
+        thread.join(timeout=30)
+    finally:
+        for alias, conf in replaced.items():
+            from django.db import connections
+
+            connections.settings[alias].update(conf)
+    assert seen == {"kept": True, "cut": "OperationalError", "after_break": True, "old_closed": True}, seen
+
+
+def test_with_connections_not_kept_each_task_closes_its_own_but_never_its_eager_callers():
+    import threading
+    from types import SimpleNamespace
+
+    from django.db import connection
+
+    from ugro_site.celery import _db_connections_checked
+
+    closed = {}
+
+    def worker_thread() -> None:
+        connection.ensure_connection()
+        _db_connections_checked(sender=SimpleNamespace(request=SimpleNamespace(is_eager=True)))
+        closed["eager"] = connection.connection is None
+        _db_connections_checked(sender=SimpleNamespace(request=SimpleNamespace(is_eager=False)))
+        closed["task"] = connection.connection is None
+
+    thread = threading.Thread(target=worker_thread)
+    thread.start()
+    thread.join(timeout=30)
+    assert closed == {"eager": False, "task": True}

@@ -29,12 +29,18 @@ def _task_started(**_kwargs) -> None:
         _tasks["running"] += 1
 
 
+_kept: dict[int, object] = {}  # the connections the worker's threads keep between tasks, closed when it stops
+
+
 def _task_ended(**_kwargs) -> None:
-    """Each task's thread lets go of its database connection (the test's flush, and the test database's
-    drop at the end of the run, find none left open by a worker thread), and says it is done."""
+    """Each task's thread keeps its database connection for its next task, as bin/worker's do
+    (ugro_site.celery.keep_db_connections), noted here so the worker's stop closes it (the test's flush, and
+    the test database's drop at the end of the run, find none left open by a worker thread); says it is done."""
     from django.db import connections
 
-    connections.close_all()
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is not None:
+            _kept[id(conn.connection)] = conn.connection
     with _tasks_changed:
         _tasks["running"] -= 1
         _tasks_changed.notify_all()
@@ -53,9 +59,10 @@ def worker_here():
     from celery.signals import task_postrun, task_prerun
 
     import jobs.tasks
-    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, send_task
+    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, keep_db_connections, send_task
 
     app.control.purge()  # tasks an earlier test queued and nobody took
+    replaced = keep_db_connections()
     task_prerun.connect(_task_started, weak=False)
     task_postrun.connect(_task_ended, weak=False)
     stop = threading.Event()
@@ -88,3 +95,19 @@ def worker_here():
         jobs.tasks._shutting_down.clear()
         task_prerun.disconnect(_task_started)
         task_postrun.disconnect(_task_ended)
+        _close_kept(replaced)
+
+
+def _close_kept(replaced: dict) -> None:
+    """The kept connections closed (from this thread: their own threads may be gone or idle in the pool, and no
+    task runs now), and the settings keep_db_connections replaced put back."""
+    from django.db import connections
+
+    while _kept:
+        _, raw = _kept.popitem()
+        try:
+            raw.close()
+        except Exception:  # closed already, or its server gone
+            pass
+    for alias, conf in replaced.items():
+        connections.settings[alias].update(conf)

@@ -90,6 +90,46 @@ def require_worker() -> None:
         raise NoWorker(NO_WORKER)
 
 
+# A worker thread keeps its database connection from one task to the next, as a web server does from one
+# request to the next with CONN_MAX_AGE: a new PostgreSQL backend for every task (the beat sends a few a
+# second) cost the server a process start each and the worker a login. Closed when older than this, after an
+# error that left it unusable, or when a health check at the next task finds it dead (a restarted server).
+WORKER_DB_MAX_AGE_S = 300
+
+
+def keep_db_connections(max_age: float | None = WORKER_DB_MAX_AGE_S) -> dict:
+    """This process's connections kept up to max_age seconds (0: closed after each task, Django's default), with
+    a health check before reuse; returns the settings it replaced, for tests that run a worker in their own
+    process and put them back."""
+    from django.db import connections
+
+    before = {}
+    for alias in connections:
+        conf = connections.settings[alias]
+        before[alias] = {key: conf.get(key) for key in ("CONN_MAX_AGE", "CONN_HEALTH_CHECKS")}
+        conf.update(CONN_MAX_AGE=max_age, CONN_HEALTH_CHECKS=bool(max_age))
+    return before
+
+
+@signals.worker_init.connect
+def _worker_keeps_db_connections(**kwargs) -> None:
+    keep_db_connections()
+
+
+@signals.task_prerun.connect
+@signals.task_postrun.connect
+def _db_connections_checked(sender=None, **kwargs) -> None:
+    """Around each task, as around each web request: this thread's connection closed if too old or broken
+    (with the default CONN_MAX_AGE of 0, always, as Celery's fixup did); not around a task run in its caller's
+    thread (eagerly), whose connection is the caller's."""
+    from django.db import connections
+
+    if getattr(getattr(sender, "request", None), "is_eager", False):
+        return
+    for conn in connections.all(initialized_only=True):
+        conn.close_if_unusable_or_obsolete()
+
+
 @signals.worker_ready.connect
 def _start_heartbeat(**kwargs) -> None:
     import threading

@@ -151,6 +151,10 @@ CELERY_BROKER_TRANSPORT = "ugro_site.broker:Transport"  # kombu's Redis transpor
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery's Django fixup closes every database connection before and after each task unless this is set: the
+# worker keeps each thread's connection instead, and lets it go when it is old or broken (ugro_site/celery.py
+# keep_db_connections). Never reached: a count of tasks after which the fixup would close one anyway.
+CELERY_DB_REUSE_MAX = 10**9
 # The orphan scan (jobs/loops/orphans.py) asks every node for its tagged processes: less often than the
 # per-job loops, and still soon after a cut-off node answers again.
 ORPHAN_SCAN_EVERY_S = 30.0
