@@ -48,8 +48,9 @@ def last_step(job: Job) -> int:
     ).first() or 0  # fmt: skip
 
 
-def follow_until(job: Job, predicate, timeout: float = 120, what: str = "condition"):
-    """Wait while the worker follows and reconciles the job, until predicate() holds."""
+def follow_until(job: Job, predicate, timeout: float = 240, what: str = "condition"):
+    """Wait while the worker follows and reconciles the job, until predicate() holds (bounded: a whole CI run on 2
+    cores kept a Hugging Face Trainer from its step 25 for over 120 s)."""
     return wait_for(predicate, timeout=timeout, interval=0.1, what=what)
 
 
