@@ -153,40 +153,33 @@ def test_bad_input_is_one_line_and_changes_nothing(lab, tender):
     serve("taken", "--stop")
 
 
-# five engine starts (two replicas, a restart, a wake, an update) and a broken one: past the suite's 300 s on a
-# loaded 2-core CI machine (307 s there, 110 s alone)
+# five engine starts (a replica, a second for the load, a restart, a wake, an update) and a broken one: past the
+# suite's 300 s on a loaded 2-core CI machine (307 s there, 110 s alone)
 @pytest.mark.timeout(600)
 def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_replica_killed_under_load(
-    lab, tender, controller_env, os_account, tmp_path
+    lab, tender, controller_env, os_account, tmp_path, monkeypatch
 ):
-    """Covers: real `transformers serve` replicas of a tiny GPT-2 started through real agents on two nodes, each
-    holding its node, the checkpoint copied to the second; answering through the controller's endpoint (streamed
-    too); one killed under load and restarted in place by the worker, every request answered whole; `serve --list`
-    after the restart and after the stop; stop leaving no process and no slot held; then a service from zero
-    (--min-replicas 0 --replicas 0) holding nothing until its first request, which wakes it, is held while the engine
-    loads and is answered, its cold start recorded and listed; a rolling update of it under a client's steady
-    requests with none failed, and an update to a checkpoint its engine cannot load failing in one line with the
-    running replica serving on (the load's decisions are tests/test_serve_scaling.py's on the fake agent).
+    """Covers: real `transformers serve` replicas of a tiny GPT-2 started through real agents, answering through the
+    controller's endpoint (streamed too); scaling with the load of three clients from one replica to two (on the
+    other node, holding it, the checkpoint copied there) and back to one once they stop, the load figures from the
+    web process's flusher; one killed under load and restarted in place by the worker, every request answered whole;
+    `serve --list` after the restart and after the stop; stop leaving no process and no slot held; then a service
+    from zero (--min-replicas 0 --replicas 0) holding nothing until its first request, which wakes it, is held while
+    the engine loads and is answered, its cold start recorded and listed; a rolling update of it under a client's
+    steady requests with none failed, and an update to a checkpoint its engine cannot load failing in one line with
+    the running replica serving on (the scaling rules' edges are tests/test_serve_scaling.py's on the fake agent).
     """
+    monkeypatch.setattr("serving.scaling.SCALE_DOWN_QUIET_S", 3.0)  # 120 s shipped
     # given a tiny GPT-2 saved with save_pretrained (config, weights, a tokenizer trained here: nothing downloaded)
     checkpoint = trained_job({})
     subprocess.run([str(NODE_ENV / "bin" / "python"), str(TINY_GPT2), checkpoint.path], check=True,
                    capture_output=True, timeout=300)  # fmt: skip
 
-    # when it is served by two `transformers serve` replicas (CPU) and asked through the controller's endpoint
-    said = serve("gpt", "--from", "trained:latest", "--replicas", "2")
-    assert "service gpt: 2 replica(s) of transformers" in said and "/serve/gpt/v1/" in said
-    replicas = wait_for(lambda: ready("gpt", 2), timeout=300, interval=1, what="two transformers serve replicas ready")
-    # then both come up, on two nodes, each holding its node (these nodes have no GPUs) as a job would
-    assert len({r.node_id for r in replicas}) == 2
-    holds = Allocation.objects.filter(active=True, job=None)
-    assert sorted(holds.values_list("holder", flat=True)) == ["serve:gpt/0", "serve:gpt/1"]
-    held = Snapshot().holders  # the scheduler counts them busy
-    assert {name for _, name in held.values()} == {"serve:gpt/0", "serve:gpt/1"}
-    # the copy on the second node was made from the first's checkpoint
-    assert {r.model_path for r in replicas} == {
-        f"{n.workdir}/outputs/trained/checkpoint-10" for n in Node.objects.filter(pk__in=[r.node_id for r in replicas])
-    }
+    # when it is served by `transformers serve` (CPU), one replica and up to two with the load (a target of one
+    # request in flight each), and asked through the controller's endpoint
+    said = serve("gpt", "--from", "trained:latest", "--max-replicas", "2", "--target-outstanding", "1")
+    assert "service gpt: 1 replica(s) of transformers" in said and "/serve/gpt/v1/" in said
+    wait_for(lambda: ready("gpt", 1), timeout=300, interval=1, what="a transformers serve replica ready")
     token = create_token(os_account, "app", "infer")[1]
     headers = {"Authorization": f"Bearer {token}"}
     with daphne_serving(controller_env, tmp_path / "daphne.log") as web:
@@ -197,13 +190,28 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
                           headers=headers, timeout=120) as r:  # fmt: skip
             streamed = r.read().decode()
 
-        # then both answer completions from the model, a streamed one as server-sent events
+        # then it answers completions from the model, a streamed one as server-sent events
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
         assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers)
         assert r.status_code == 200 and streamed.count("data: ") >= 3
 
-        # when a client keeps asking while one replica's engine is killed
-        with client_asking(url, headers) as load:
+        # when three clients keep asking (three requests in flight on one replica, past its target of one)
+        with client_asking(url, headers, clients=3) as load:
+            replicas = wait_for(lambda: ready("gpt", 2), timeout=300, interval=1, what="a second replica for the load")
+            # then a second replica comes up on the other node, each holding its node (these nodes have no GPUs) as a
+            # job would, the copy on the second node made from the first's checkpoint
+            assert Service.objects.get(name="gpt").note.startswith("scaled up to 2: ")
+            assert len({r.node_id for r in replicas}) == 2
+            holds = Allocation.objects.filter(active=True, job=None)
+            assert sorted(holds.values_list("holder", flat=True)) == ["serve:gpt/0", "serve:gpt/1"]
+            held = Snapshot().holders  # the scheduler counts them busy
+            assert {name for _, name in held.values()} == {"serve:gpt/0", "serve:gpt/1"}
+            assert {r.model_path for r in replicas} == {
+                f"{n.workdir}/outputs/trained/checkpoint-10"
+                for n in Node.objects.filter(pk__in=[r.node_id for r in replicas])
+            }
+
+            # when, still under that load, one replica's engine is killed
             wait_for(lambda: len(load.statuses) >= 4, timeout=120, what="requests before the kill")
             victim = Replica.objects.select_related("node").get(service__name="gpt", index=0)
             for pid in engine_pids(victim):
@@ -235,6 +243,13 @@ def test_transformers_serve_replicas_answer_through_the_endpoint_and_survive_a_r
         # and its stats count what it answered (tokens from the engine's usage field)
         stats = describe(Service.objects.get(name="gpt"))["replicas"]
         assert all(r["stats"]["requests_total"] > 0 and r["stats"]["tokens_total"] > 0 for r in stats), stats
+
+        # when the clients stop: once the quiet period is over, one replica drains and stops, its node freed
+        wait_for(lambda: ready("gpt", 1) and not Replica.objects.filter(service__name="gpt", state="draining").exists()
+                 and Allocation.objects.filter(active=True, job=None).count() == 1, timeout=120, interval=0.5,
+                 what="back to one replica")  # fmt: skip
+        assert Service.objects.get(name="gpt").note.startswith("scaled down to 1: ")
+        assert Replica.objects.filter(service__name="gpt", state="stopped").count() == 1
 
         # and stopping leaves no process (the killed engine's included), no slot held, and the list says so
         assert "service gpt stopped" in serve("gpt", "--stop")
@@ -301,8 +316,9 @@ def checkpoint_beside(checkpoint: Checkpoint, step: int, config: str | None = No
 
 
 @contextmanager
-def client_asking(url: str, headers: dict):
-    """A client sending completions one after another until the block ends: .statuses (200, or what went wrong)."""
+def client_asking(url: str, headers: dict, clients: int = 1):
+    """`clients` clients each sending completions one after another until the block ends: .statuses (200, or what
+    went wrong)."""
     load = SimpleNamespace(statuses=[])
     stop = threading.Event()
 
@@ -316,10 +332,12 @@ def client_asking(url: str, headers: dict):
                 except (httpx.HTTPError, ValueError, LookupError) as exc:  # a cut answer is a failure too
                     load.statuses.append(repr(exc))
 
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
     try:
         yield load
     finally:
         stop.set()
-        thread.join(timeout=150)
+        for thread in threads:
+            thread.join(timeout=150)
