@@ -48,7 +48,8 @@ def test_worker_follows_a_job_through_a_redis_restart(lab, controller_env, tmp_p
 
         beat = redis_client.Redis(port=port)
         wait_for(lambda: beat.exists("ugro:worker-alive"), timeout=60, what="the worker's heartbeat")
-        argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "outage", "--detach", "--", *TRAIN]
+        argv = [sys.executable, str(REPO / "manage.py"), "launch", "--name", "outage", "--nodes", "2", "--detach", "--",
+                *TRAIN]  # fmt: skip
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         # the command handed the start to the live worker, whose warm links started the ranks

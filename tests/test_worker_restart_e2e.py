@@ -46,7 +46,7 @@ def test_a_worker_killed_or_stopped_mid_run_loses_and_repeats_no_line(lab, contr
     first = start_worker(env, tmp_path, "w1")
     try:
         wait_for(worker_alive, timeout=60, what="w1's heartbeat")
-        call_command("launch", "--name", "durable", "--detach", "--", *TRAIN, stdout=io.StringIO())
+        call_command("launch", "--name", "durable", "--nodes", "2", "--detach", "--", *TRAIN, stdout=io.StringIO())
         job = Job.objects.get(name="durable")
         assert job.state == Job.State.RUNNING
         # given the worker is following the job; when it is killed without warning
@@ -98,7 +98,7 @@ def test_a_worker_alone_as_bin_worker_runs_it_ends_a_detached_job_whose_processe
                               start_new_session=True)  # fmt: skip
     try:
         wait_for(worker_alive, timeout=60, what="the worker's heartbeat")
-        call_command("launch", "--name", "vanish", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
+        call_command("launch", "--name", "vanish", "--nodes", "2", "--detach", "--", *SLOW_TRAIN, stdout=io.StringIO())
         job = Job.objects.get(name="vanish")  # may still be queued: the worker, just started, had 5 s to start it
         wait_for(lambda: ranks_logged(job, 2), timeout=120, what="the worker to follow")
         # when every process of the job is killed at once, the wrappers first (so none records an exit code)
