@@ -11,12 +11,14 @@ Tasks run in the test process, so they see the test's settings (fast_settings) a
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 BEAT_TASKS = ("jobs.tasks.schedule_jobs", "jobs.tasks.follow_jobs", "jobs.tasks.reconcile_jobs")
 BEAT_EVERY_S = 1.0
 # the orphan scan asks every node (a /proc walk on each): every few ticks, as it ships less often than the rest
 ORPHAN_SCAN_EVERY_TICKS = 5
+HEARTBEAT_WAIT_S = 30.0  # bounded: a test that needs the worker then fails on its own, in one line
 SHUTDOWN_TIMEOUT_S = 60.0  # a task in flight finishes (a teardown waits out the kill grace)
 
 
@@ -59,7 +61,7 @@ def worker_here():
     from celery.signals import task_postrun, task_prerun
 
     import jobs.tasks
-    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, keep_db_connections, send_task
+    from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, keep_db_connections, send_task, worker_alive
 
     app.control.purge()  # tasks an earlier test queued and nobody took
     replaced = keep_db_connections()
@@ -81,6 +83,11 @@ def worker_here():
         with start_worker(app, concurrency=16, pool="threads", perform_ping_check=False,
                           shutdown_timeout=SHUTDOWN_TIMEOUT_S, loglevel="WARNING") as worker:  # fmt: skip
             _start_heartbeat()
+            # commands refuse while no heartbeat is seen: its first write, on a thread, may come late on a loaded
+            # machine (a whole CI run once launched before it: "no UGRO worker is running")
+            deadline = time.monotonic() + HEARTBEAT_WAIT_S
+            while not worker_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
             ticker.start()
             try:
                 yield worker
