@@ -12,7 +12,7 @@ from jobs.follow import follow
 from jobs.models import Allocation, Job, Rank
 from metrics.models import MetricPoint
 
-from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, wait_for
+from .conftest import FAST_TRAIN, SLOW_TRAIN, cluster_yaml, job_pids, ranks_logged, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,7 @@ def _running_with_lines(job_name: str, lines: int = 3) -> Job:
     def ready():
         follow(1.0, job_ids=[Job.objects.get(name=job_name).pk])
         job = Job.objects.get(name=job_name)
-        return job if all(r.log_lines >= lines for r in job.ranks.all()) and job.is_live else None
+        return job if job.is_live and ranks_logged(job, lines) else None
 
     return wait_for(ready, timeout=90, what=f"{job_name} to print {lines} lines on every rank")
 

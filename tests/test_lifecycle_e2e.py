@@ -18,7 +18,7 @@ from jobs.models import Job, Rank
 from jobs.reconcile import reconcile
 from metrics.models import MetricPoint
 
-from .conftest import REPO, SLOW_TRAIN, job_pids, wait_for
+from .conftest import REPO, SLOW_TRAIN, job_pids, ranks_logged, wait_for
 from .loopback import on_node
 
 pytestmark = pytest.mark.e2e
@@ -198,7 +198,7 @@ def test_a_node_cut_off_mid_run_fails_the_job_and_its_output_is_complete_once_it
 
     run("launch", "--name", "cutoff", "--node", "node1", "--node", "node2", "--detach", "--", *SLOW_TRAIN)
     job = Job.objects.get(name="cutoff")
-    wait_for(lambda: follow(1.0, job_ids=[job.pk]) or all(r.log_lines >= 3 for r in job.ranks.all()), timeout=90,
+    wait_for(lambda: follow(1.0, job_ids=[job.pk]) or ranks_logged(job, 3), timeout=90,
              what="every rank to print")  # fmt: skip
     node2 = scripts.nodes[1]
     try:

@@ -232,7 +232,7 @@ def test_a_worker_thread_keeps_its_database_connection_between_tasks_until_it_is
     import time
     from types import SimpleNamespace
 
-    from django.db import connection
+    from django.db import connection, connections
 
     from ugro_site.celery import _db_connections_checked, keep_db_connections
 
@@ -270,8 +270,6 @@ def test_a_worker_thread_keeps_its_database_connection_between_tasks_until_it_is
         thread.join(timeout=30)
     finally:
         for alias, conf in replaced.items():
-            from django.db import connections
-
             connections.settings[alias].update(conf)
     assert seen == {"kept": True, "cut": "OperationalError", "after_break": True, "old_closed": True}, seen
 

@@ -11,14 +11,13 @@ Tasks run in the test process, so they see the test's settings (fast_settings) a
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 
 BEAT_TASKS = ("jobs.tasks.schedule_jobs", "jobs.tasks.follow_jobs", "jobs.tasks.reconcile_jobs")
 BEAT_EVERY_S = 1.0
 # the orphan scan asks every node (a /proc walk on each): every few ticks, as it ships less often than the rest
 ORPHAN_SCAN_EVERY_TICKS = 5
-HEARTBEAT_WAIT_S = 30.0  # bounded: a test that needs the worker then fails on its own, in one line
+HEARTBEAT_WAIT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 60.0  # a task in flight finishes (a teardown waits out the kill grace)
 
 
@@ -63,6 +62,8 @@ def worker_here():
     import jobs.tasks
     from ugro_site.celery import _start_heartbeat, _stop_heartbeat, app, keep_db_connections, send_task, worker_alive
 
+    from .conftest import wait_for
+
     app.control.purge()  # tasks an earlier test queued and nobody took
     replaced = keep_db_connections()
     task_prerun.connect(_task_started, weak=False)
@@ -85,9 +86,7 @@ def worker_here():
             _start_heartbeat()
             # commands refuse while no heartbeat is seen: its first write, on a thread, may come late on a loaded
             # machine (a whole CI run once launched before it: "no UGRO worker is running")
-            deadline = time.monotonic() + HEARTBEAT_WAIT_S
-            while not worker_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(worker_alive, timeout=HEARTBEAT_WAIT_S, interval=0.05, what="the worker's heartbeat")
             ticker.start()
             try:
                 yield worker
