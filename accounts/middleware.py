@@ -38,7 +38,7 @@ RULES = {
     "sweep-cancel": "launch",  # and each trial's own cancel rule, in accounts.actions.cancel_sweep_as
 }
 EXEMPT_NAMES = {"prometheus-metrics", "login", "logout", "password_change", "password_change_done", "favicon"}
-EXEMPT_NAMESPACES = {"admin", "api", "djdt", "serve"}  # serve: its own token check (serving/views.py)
+EXEMPT_NAMESPACES = {"admin", "api", "djdt"}  # /serve/ never reaches Django (serving/endpoint.py)
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 

@@ -70,12 +70,17 @@ class Balancer:
         self.ticket = itertools.count(1)
         self.reported: set[int] = set()  # targets whose last sample had requests in flight
 
+    def cached(self, service: str) -> list[int] | None:
+        """The ready replicas' keys when read within READY_CACHE_S, else None (no database read)."""
+        seen = self.ready.get(service)
+        return seen[1] if seen is not None and time.monotonic() - seen[0] < READY_CACHE_S else None
+
     def refresh(self, service: str) -> list[int] | None:
         """The ready replicas' keys (read again past READY_CACHE_S); None when no such service runs."""
-        seen = self.ready.get(service)
+        cached = self.cached(service)
+        if cached is not None:
+            return cached
         now = time.monotonic()
-        if seen is not None and now - seen[0] < READY_CACHE_S:
-            return seen[1]
         row = Service.objects.filter(name=service, state__in=Service.AWAKE_OR_ASLEEP).first()
         if row is None:
             self.ready.pop(service, None)

@@ -192,7 +192,7 @@ def test_models_lists_the_service_and_unknown_services_are_404(web, engines, tok
 
     models = httpx.get(f"{web}/serve/chat/v1/models", headers=headers, timeout=10)
     assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == ["chat"]
-    # served past the pages' middleware (serving/endpoint_handler.py): no cookie, no page headers, still nosniff
+    # served beside Django (serving/endpoint.py): no cookie, no page headers, still nosniff
     assert "set-cookie" not in models.headers and "content-security-policy" not in models.headers
     assert models.headers["x-content-type-options"] == "nosniff"
     assert httpx.get(f"{web}/serve/nope/v1/models", headers=headers, timeout=10).status_code == 404

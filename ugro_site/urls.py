@@ -32,7 +32,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include(auth_urls)),
     path("api/", include("api.urls")),
-    path("serve/", include("serving.urls")),
     path("", cluster_views.overview, name="cluster-overview"),
     path("metrics", prometheus_view.prometheus, name="prometheus-metrics"),
     path("services/", serving_pages.services_page, name="services"),
