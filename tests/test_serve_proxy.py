@@ -263,3 +263,20 @@ def test_the_endpoint_reports_each_replicas_requests_in_flight(web, engines, tok
     # and none once it has ended
     wait_for(lambda: Replica.objects.filter(pk=replica.pk, outstanding=0).exists(), timeout=20,
              what="nothing in flight reported")  # fmt: skip
+
+
+def test_a_client_that_hangs_up_mid_stream_ends_its_relay(web, engines, token):
+    # given a replica holding a stream open (its engine sends the rest only on the test's word, which never comes)
+    service = service_on([engines("a")])
+    replica = service.replica_set.get()
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.stream("POST", f"{web}/serve/chat/v1/completions", json={"prompt": "hi", "stream": True},
+                      headers=headers, timeout=30) as held:  # fmt: skip
+        lines = held.iter_lines()
+        next(lines)
+        wait_for(lambda: Replica.objects.filter(pk=replica.pk, outstanding=1).exists(), timeout=20,
+                 what="one request in flight reported")  # fmt: skip
+    # when the client hangs up: the endpoint stops relaying, so the replica has nothing in flight from it
+    wait_for(lambda: Replica.objects.filter(pk=replica.pk, outstanding=0).exists(), timeout=20,
+             what="nothing in flight once the client hung up")  # fmt: skip
+    assert not (engines.gate / "go").exists()
