@@ -97,13 +97,20 @@ def _ifname_var(backend: str) -> str:
 
 
 def parse_addresses(text: str) -> dict[str, list[ipaddress.IPv4Interface]]:
-    """`ip -o -4 addr show` -> interface -> its IPv4 addresses with their prefixes."""
+    """`ip -o -4 addr show` -> interface -> its IPv4 addresses with their prefixes. An address with a label of its
+    own (`ip addr add 10.0.0.5/24 dev eth0 label eth0:1`, an alias) is listed under the label, not the interface:
+    that is the name NCCL and gloo find it by (getifaddrs), and gloo binds the first address of the name it is
+    given."""
     out: dict[str, list[ipaddress.IPv4Interface]] = {}
     for line in text.splitlines():
         parts = line.split()
         if len(parts) >= 4 and parts[2] == "inet":
+            dev = parts[1].split("@")[0]
+            label = next((p[:-1] for p in parts[4:] if p.endswith("\\")), dev)  # `ip -o` ends the label with \
             try:
-                out.setdefault(parts[1].split("@")[0], []).append(ipaddress.IPv4Interface(parts[3]))
+                out.setdefault(label if label.startswith(dev + ":") else dev, []).append(
+                    ipaddress.IPv4Interface(parts[3])
+                )
             except ValueError:
                 continue
     return out

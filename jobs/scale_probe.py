@@ -199,6 +199,16 @@ class Choice:
     warning: bool = False
 
 
+def waited(row: dict | None) -> str:
+    """Why a larger count was slower, where the script reports its split (`compute_s`, `sync_wait_s`): the share of
+    its step its ranks spent waiting in the gradient exchange ("" when not reported)."""
+    compute, wait = (row or {}).get("compute_s"), (row or {}).get("sync_wait_s")
+    if compute is None or wait is None or compute + wait <= 0:
+        return ""
+    return (f", where {100 * wait / (compute + wait):.0f} % of a step ({wait:.3f} s of {compute + wait:.3f} s) was "
+            "waiting for the gradient exchange")  # fmt: skip
+
+
 def choose(rows: list[dict], asked: int, forced: bool, floor: int = 1) -> Choice:
     """The count to run on: the fewest nodes within TIE of the fastest measured count, at least `floor`
     (--min-nodes). A job that named its nodes (forced) runs on all of them, with a warning when fewer measured
@@ -221,13 +231,13 @@ def choose(rows: list[dict], asked: int, forced: bool, floor: int = 1) -> Choice
         return Choice(
             asked,
             f"fewer nodes would be faster: {pick['nodes']} measured {pick['samples_per_s']:.1f} {unit}/s, all "
-            f"{asked} named nodes {there}; runs on the {asked} nodes named, as asked",
+            f"{asked} named nodes {there}{waited(at_asked)}; runs on the {asked} nodes named, as asked",
             warning=True,
         )
     if pick["nodes"] < asked:
         there = f"{at_asked['samples_per_s']:.1f} {unit}/s" if at_asked else "no rate"
         return Choice(pick["nodes"], f"runs on {pick['nodes']} of {asked} nodes: {pick['samples_per_s']:.1f} {unit}/s "
-                      f"against {there} on all {asked}; the others are freed")  # fmt: skip
+                      f"against {there} on all {asked}{waited(at_asked)}; the others are freed")  # fmt: skip
     return Choice(
         pick["nodes"], f"runs on all {asked} nodes: {pick['samples_per_s']:.1f} {unit}/s, the fastest measured"
     )

@@ -16,42 +16,12 @@ from django.core.management import CommandError, call_command
 from cluster.models import Node
 from jobs.models import NetCheck
 
+from .links import shaped
+
 pytestmark = [pytest.mark.e2e, pytest.mark.no_test_worker]
 
 RATE = "100mbit"  # 12.5 MB/s: a home network's rate, far under loopback's
 SLOW_BPS = 20e6  # what a pair through the shaped link may show at most (htb lets a burst through)
-
-
-def tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["tc", *args], capture_output=True, text=True, check=check, timeout=10)
-
-
-@contextmanager
-def shaped(address: str) -> Iterator[None]:
-    """Every packet from or to `address` on lo limited to RATE: a class and two filters of this test's own, under
-    lo's htb root (made here when lo has none, else the existing one's); only those removed at the end."""
-    root = tc("qdisc", "show", "dev", "lo").stdout.split("\n")[0].split()
-    ours = not root or root[1] == "noqueue"
-    if not ours and (root[1] != "htb" or root[root.index("default") + 1] not in ("0", "0x0")):
-        # another's qdisc that shapes what it does not classify would slow the unshaped pair too
-        pytest.fail(f"lo's root qdisc is {' '.join(root)}: another process shapes lo; run this test alone")
-    handle = "4e4:" if ours else root[2]
-    cls, prio = f"{handle}4e4", "44"
-    if ours:
-        tc("qdisc", "add", "dev", "lo", "root", "handle", handle, "htb")
-    try:
-        tc("class", "add", "dev", "lo", "parent", handle, "classid", cls, "htb", "rate", RATE, "ceil", RATE,
-           "burst", "32k", "cburst", "32k")  # fmt: skip
-        for way in ("src", "dst"):
-            tc("filter", "add", "dev", "lo", "parent", handle, "protocol", "ip", "prio", prio, "u32",
-               "match", "ip", way, f"{address}/32", "flowid", cls)  # fmt: skip
-        yield
-    finally:
-        if ours:
-            tc("qdisc", "del", "dev", "lo", "root", "handle", handle, check=False)
-        else:
-            tc("filter", "del", "dev", "lo", "parent", handle, "prio", prio, check=False)
-            tc("class", "del", "dev", "lo", "classid", cls, check=False)
 
 
 @contextmanager
@@ -96,7 +66,7 @@ def test_netcheck_sees_the_slow_link_and_refuses_an_unreachable_interface(lab):
     # gloo's other side connects to it, and on one machine a connection leaves from 127.0.0.1, not the node's address)
     Node.objects.filter(name="node3").update(env={})
     out = io.StringIO()
-    with shaped(lab.nodes[0].address):
+    with shaped([lab.nodes[0].address], RATE):
         call_command("netcheck", "--nodes", "node1,node2,node3", "--sizes", "1", stdout=out)
     row = NetCheck.objects.get()
     # then each node used lo at its own address, and the two pairs through node1 are the slow ones

@@ -59,6 +59,13 @@ def test_the_fastest_count_runs_and_fewer_nodes_win_a_tie():
     assert picked.nodes == 1 and picked.line == (
         "runs on 1 of 3 nodes: 100.0 samples/s against 45.0 samples/s on all 3; the others are freed"
     )
+    # where the script reports its compute/sync split, the line says how much of a step the exchange took
+    split = rows(100, 60, 45)
+    split[2].update(compute_s=0.08, sync_wait_s=0.32)
+    assert choose(split, asked=3, forced=False).line == (
+        "runs on 1 of 3 nodes: 100.0 samples/s against 45.0 samples/s on all 3, where 80 % of a step (0.320 s of "
+        "0.400 s) was waiting for the gradient exchange; the others are freed"
+    )
     # within 2 %: the fewest nodes (the GPUs are worth more elsewhere)
     assert choose(rows(100, 199, 200), asked=3, forced=False).nodes == 2
     # --min-nodes is a floor
