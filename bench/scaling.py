@@ -1,7 +1,7 @@
 """Will more nodes help? The scale probe's choice (jobs/scale_probe.py) against running every node count.
 
     .venv/bin/python bench/scaling.py [--models tiny,small] [--rates none,1gbit,20mbit] [--probe-s 3]
-                                      [--samples 256] [--per-gpu 8] [--run-limit-s 30] [--budget-s 540]
+                                      [--samples 20000] [--per-gpu 8] [--run-limit-s 45] [--budget-s 1200]
 
 For each model size and link rate, the reference script (train/train_production.py, gloo on CPU, one process
 per "node") runs on 1, 2 and 3 nodes to the same number of samples. Each node is its own loopback address
@@ -164,15 +164,20 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--rates", default="none,1gbit,20mbit")
     ap.add_argument("--probe-s", type=float, default=3.0)
-    ap.add_argument("--samples", type=int, default=256, help="samples each node count trains, the same for all")
+    ap.add_argument(
+        "--samples",
+        type=int,
+        default=20000,
+        help="samples each node count trains, the same for all: its run well past the probe's seconds",
+    )
     ap.add_argument("--per-gpu", type=int, default=8)
     ap.add_argument(
         "--run-limit-s",
         type=float,
-        default=30.0,
+        default=45.0,
         help="a run longer than this after its first step is cut (its rate stands for the rest)",
     )
-    ap.add_argument("--budget-s", type=float, default=540.0, help="cells not started past this are left out")
+    ap.add_argument("--budget-s", type=float, default=1200.0, help="cells not started past this are left out")
     ap.add_argument("--out", default="scaling.json", help="the results file in bench/results/")
     args = ap.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ugro_site.settings")
