@@ -227,3 +227,38 @@ def test_a_replicas_log_is_copied_centrally_as_written_shown_live_and_kept_after
     assert first == on_node["serve-chat-0-a"]
     html = viewer.get("/services/chat/replicas/0/log").content.decode()
     assert "starting again" in html and "log-error" not in html
+
+
+def test_a_replicas_central_log_keeps_its_newest_part_and_its_last_starts(trained, monkeypatch, settings, tmp_path):
+    from serving import replica_logs
+
+    settings.DATA_DIR = tmp_path
+    monkeypatch.setattr(replica_logs, "SEGMENT_BYTES", 10)  # 16 MiB shipped
+    service = Service.objects.create(name="chat", job=trained, checkpoint=Checkpoint.objects.get())
+    replica = Replica.objects.create(service=service, index=0, state=Replica.State.READY,
+                                     node=Node.objects.get(name="gpu1"), port=8001, tag="serve-chat-0-s0")  # fmt: skip
+    on_node = {"serve-chat-0-s0": b""}
+
+    def tail(node, op, timeout, files):
+        (item,) = files
+        data = on_node[item["path"].rsplit("/", 1)[1].removesuffix(".log")][item["offset"] :]
+        return {"files": [{"key": item["key"], "data": base64.b64encode(data).decode(), "zlib": False}]}
+
+    monkeypatch.setattr(replica_logs, "node_request", tail)
+    folder = tmp_path / "serve-logs" / "chat"
+    # given an engine that logs a line per request, copied pass after pass (a write may span segments)
+    for i in range(9):
+        on_node["serve-chat-0-s0"] += b"request %d\n" % i  # 10 bytes a line
+        if i % 3 == 2:
+            replica_logs.copy(replica)
+    # then the copy keeps the log's last two segments (20 of its 90 bytes), and the page's tail reads across them
+    assert sorted(p.name for p in folder.iterdir()) == ["0-serve-chat-0-s0.log.7", "0-serve-chat-0-s0.log.8"]
+    assert replica_logs.shown(replica) == "request 7\nrequest 8\n"
+    assert replica_logs.shown(replica, size=15) == "uest 7\nrequest 8\n"[-15:]
+    # when it is restarted six times: the copies of its last five starts stay, the oldest goes
+    for n in range(1, 7):
+        replica.tag = f"serve-chat-0-s{n}"
+        on_node[replica.tag] = b"start %d\n" % n
+        replica_logs.copy(replica)
+    assert sorted({p.name.split(".log")[0] for p in folder.iterdir()}) == [f"0-serve-chat-0-s{n}" for n in range(2, 7)]
+    assert replica_logs.shown(replica) == "start 6\n"
