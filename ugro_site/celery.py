@@ -70,8 +70,8 @@ def worker_alive() -> bool:
     """Whether a UGRO worker has said it is alive in the last few seconds."""
     if not broker_answers():
         return False
-    try:
-        return bool(_redis().exists(HEARTBEAT_KEY))
+    try:  # it listens: give its answer longer than the connect (a loaded 2-core controller can take 0.3 s)
+        return bool(_redis(timeout=2.0).exists(HEARTBEAT_KEY))
     except Exception:  # no answer is the same as no worker
         return False
 
