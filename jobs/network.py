@@ -123,9 +123,28 @@ def parse_route(text: str) -> tuple[str | None, bool]:
     return dev, bool(parts) and parts[0] == "local"
 
 
-def pick(node: Node, master: str, var: str, addresses: dict, route: tuple[str | None, bool]) -> Choice | str:
+def route_source(text: str) -> str | None:
+    """`ip -o route get ADDR` -> the source address a packet there leaves from (None when it names none)."""
+    parts = text.split()
+    return parts[parts.index("src") + 1] if "src" in parts[:-1] else None
+
+
+def _label_holding(dev: str, source: str | None, addresses: dict) -> str:
+    """The name the route's source address is listed under when that is a label of `dev` (an alias: eth0:1), so
+    that gloo binds the address the route leaves from, not dev's first; else dev."""
+    try:
+        ip = ipaddress.ip_address(source) if source else None
+    except ValueError:
+        ip = None
+    labels = [n for n, nets in addresses.items() if n.startswith(dev + ":") and any(i.ip == ip for i in nets)]
+    return labels[0] if ip is not None and labels else dev
+
+
+def pick(node: Node, master: str, var: str, addresses: dict, route: tuple[str | None, bool],
+         leaves_from: str | None = None) -> Choice | str:  # fmt: skip
     """The interface of `node` for a collective whose rank 0 is at `master` (var: the variable that names it), from
-    its addresses and its route to the master; a one-line refusal when there is none to use."""
+    its addresses and its route to the master (and the source address that route leaves from); a one-line refusal
+    when there is none to use."""
     own = (node.env or {}).get(var)
     if own:
         name, source = own.removeprefix("="), f"{var} in its env"
@@ -143,6 +162,8 @@ def pick(node: Node, master: str, var: str, addresses: dict, route: tuple[str | 
             exact = [i for i, nets in addresses.items() if any(n.ip == target for n in nets)]
             within = [i for i, nets in addresses.items() if any(target in n.network for n in nets)]
             dev = (exact or within or [dev])[0]
+        elif dev:
+            dev = _label_holding(dev, leaves_from, addresses)
         if not dev or dev not in addresses:
             return f"{node.name}: no interface with an IPv4 address leads to the master {master} (route: {dev})"
         name, source = dev, f"route to {master}"
@@ -166,12 +187,12 @@ def _survey(node: Node, master: str, var: str) -> Choice | str:
 
     try:
         addresses = parse_addresses(ip("-4", "addr", "show"))
-        route = parse_route(ip("route", "get", master)) if not (node.env or {}).get(var) else (None, False)
+        routed = ip("route", "get", master) if not (node.env or {}).get(var) else ""
     except NetcheckError as exc:  # one line for this node; the others are still chosen
         return str(exc)
     except LookupError:
         return _survey_without_ip(node, master, var)
-    return pick(node, master, var, addresses, route)
+    return pick(node, master, var, addresses, parse_route(routed), route_source(routed))
 
 
 def _survey_without_ip(node: Node, master: str, var: str) -> Choice | str:

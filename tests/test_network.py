@@ -132,6 +132,18 @@ def test_an_address_with_a_label_of_its_own_is_found_by_that_label_as_gloo_and_n
     assert problems == [] and (choices["gpu1"].interface, choices["gpu1"].address) == ("eth0:lab", "10.0.1.2")
 
 
+def test_a_route_that_leaves_from_a_labelled_address_chooses_that_label(lan):
+    # given gpu1 reaches the master from a second address of eth0, held under a label, as its route says
+    lan["gpu1"].addrs += "2: eth0    inet 10.0.1.2/24 brd + scope global secondary eth0:lab\\       valid_lft\n"
+    lan["gpu1"].route = "10.0.0.1 dev eth0 src 10.0.1.2 uid 0 \\    cache "
+    # when chosen: the label, so that gloo binds the address the route leaves from rather than eth0's first
+    choices, problems = network.choose(nodes(), "gloo")
+    assert problems == [] and (choices["gpu1"].interface, choices["gpu1"].address) == ("eth0:lab", "10.0.1.2")
+    # and a route from eth0's own address keeps eth0
+    lan["gpu1"].route = "10.0.0.1 dev eth0 src 10.0.0.2 uid 0 \\    cache "
+    assert network.choose(nodes(), "gloo")[0]["gpu1"].interface == "eth0"
+
+
 def test_a_node_without_ip_is_chosen_from_its_agents_reading_else_keeps_its_collectives_own_choice(lan):
     # given a node without iproute2 (as on the lent GPU machine), whose agent reads the interfaces itself
     lan["gpu1"].addrs = None
