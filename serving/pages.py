@@ -24,7 +24,8 @@ from .stats import WINDOW_S, recent
 class ServeForm(forms.Form):
     """The page's `ugro serve NAME --from JOB[:STEP|latest] --replicas N --gpus-per-replica K --engine E`."""
 
-    name = forms.CharField(max_length=48, help_text="The endpoint is /serve/NAME/v1/.")
+    name = forms.CharField(max_length=48, help_text="The endpoint is /serve/NAME/v1/. A running service's name: "
+                           "a rolling update to the checkpoint below (its other fields as they are).")
     source = forms.CharField(
         label="From", max_length=120, help_text="JOB, JOB:STEP or JOB:latest (a checkpoint directory)."
     )
@@ -69,12 +70,15 @@ def service_start(request: HttpRequest) -> HttpResponse:
     """The start form (`serve` in the policy table): the page again with the error, or back to it once queued."""
     form = ServeForm(request.POST)
     if form.is_valid():
+        req = form.serve_request()
+        live = Service.objects.filter(name=req.name, state__in=Service.AWAKE_OR_ASLEEP).exists()
         try:
-            service = start_service(request.user, form.serve_request(), web_source(request))
+            service = start_service(request.user, req, web_source(request))
         except (ServeError, NoWorker, policy.Refused) as exc:
             form.add_error(None, str(exc))
-        else:
-            messages.success(request, f"service {service.name} starting: /serve/{service.name}/v1/")
+        else:  # a live service's name: a rolling update to that checkpoint (serving/updates.py), its note says which
+            said = f"service {service.name}: {service.note}" if live else f"service {service.name} starting"
+            messages.success(request, f"{said}: /serve/{service.name}/v1/")
             return redirect("services")
     return _page(request, form, status=400)
 

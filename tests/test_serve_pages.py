@@ -67,6 +67,25 @@ def test_a_launcher_starts_a_service_from_the_page_and_stops_it(trained, worker_
     assert 'data-stop="chat"' not in launcher.get("/services/").content.decode()
 
 
+def test_the_form_on_a_running_services_name_starts_a_rolling_update(trained, worker_heartbeat):
+    # given a running service from step 10, and the job's newer checkpoint at step 20
+    launcher = client_in("launcher")
+    launcher.post("/services/start", FORM)
+    Checkpoint.objects.create(job=trained, node=Node.objects.get(name="gpu1"), path="/w/outputs/trained/checkpoint-20",
+                              size=1, mtime=1, step=20, kind=Checkpoint.Kind.DIR, ready=True)  # fmt: skip
+    # when the form is sent again under its name, from the job's latest checkpoint
+    answer = launcher.post("/services/start", {**FORM, "source": "trained:latest"})
+    # then an update to step 20 is recorded (the worker carries it out), audited, and the page says so
+    assert answer.status_code == 302
+    service = Service.objects.get(name="chat")
+    assert service.next_checkpoint.step == 20 and service.checkpoint.step == 10
+    assert AuditEvent.objects.filter(action="serve update", target="chat", outcome="ok").exists()
+    assert "service chat: updating to trained step 20" in launcher.get("/services/").content.decode()
+    # and the same shape changed is refused in one line, nothing recorded
+    answer = launcher.post("/services/start", {**FORM, "source": "trained:10", "gpus_per_replica": "2"})
+    assert answer.status_code == 400 and "an update changes only its checkpoint" in answer.content.decode()
+
+
 @pytest.mark.parametrize(
     "change, says",
     [
