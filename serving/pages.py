@@ -24,8 +24,11 @@ from .stats import WINDOW_S, recent
 class ServeForm(forms.Form):
     """The page's `ugro serve NAME --from JOB[:STEP|latest] --replicas N --gpus-per-replica K --engine E`."""
 
-    name = forms.CharField(max_length=48, help_text="The endpoint is /serve/NAME/v1/. A running service's name: "
-                           "a rolling update to the checkpoint below (its other fields as they are).")
+    name = forms.CharField(
+        max_length=48,
+        help_text="The endpoint is /serve/NAME/v1/. A running service's name: "
+        "a rolling update to the checkpoint below (its other fields as they are).",
+    )
     source = forms.CharField(
         label="From", max_length=120, help_text="JOB, JOB:STEP or JOB:latest (a checkpoint directory)."
     )
