@@ -532,24 +532,38 @@ def op_free_port(req):
 
 
 def op_interfaces(req):
-    """For a node without iproute2 (`ip`): its interfaces' IPv4 addresses ({name: ["10.0.0.2/24"]}, each
-    interface's primary address, read by the SIOCGIFADDR/SIOCGIFNETMASK ioctls), and the interface a packet to
-    req['to'] leaves by: the one holding the source address the kernel picks for a UDP socket connected there
+    """For a node without iproute2 (`ip`): its IPv4 addresses by the name each is listed under ({name:
+    ["10.0.0.2/24"]}: an interface, or an address's own label such as eth0:1, as `ip -o addr` and getifaddrs list
+    them; read by the SIOCGIFCONF ioctl, each prefix by SIOCGIFNETMASK on that name: a second address without a
+    label of its own is given its interface's first prefix), and the interface a packet to
+    req['to'] leaves by: the name holding the source address the kernel picks for a UDP socket connected there
     (nothing is sent), with whether req['to'] is this node's own address, as `ip route get` says "local"."""
+    import array
     import fcntl
     import struct
 
     addresses = {}
+    record = 40 if struct.calcsize("P") == 8 else 32  # sizeof(struct ifreq)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            packed = struct.pack("256s", name.encode()[:15])
+        size = record * 64
+        while True:  # the kernel fills at most `size` bytes: ask again with more room while it may have filled it
+            buf = array.array("B", bytes(size))
+            conf = struct.pack("iL", size, buf.buffer_info()[0])
+            got = struct.unpack("iL", fcntl.ioctl(sock.fileno(), 0x8912, conf))[0]
+            if got + record <= size or size >= record * 65536:
+                break
+            size *= 2
+        raw = buf.tobytes()[:got]
+        for i in range(0, got - record + 1, record):
+            name = raw[i : i + 16].split(b"\0", 1)[0]
+            addr = socket.inet_ntoa(raw[i + 20 : i + 24])
             try:
-                addr = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x8915, packed)[20:24])
+                packed = struct.pack("256s", name[:15])
                 mask = socket.inet_ntoa(fcntl.ioctl(sock.fileno(), 0x891B, packed)[20:24])
-            except OSError:  # no IPv4 address on it
+            except OSError:
                 continue
             prefix = bin(struct.unpack("!I", socket.inet_aton(mask))[0]).count("1")
-            addresses.setdefault(name, []).append("%s/%d" % (addr, prefix))
+            addresses.setdefault(name.decode(errors="replace"), []).append("%s/%d" % (addr, prefix))
     to, source = req.get("to") or "", None
     if to:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
