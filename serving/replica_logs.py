@@ -7,10 +7,12 @@ The worker's pass reads what each started replica's engine wrote since the last 
 one that says why it was restarted. The offset is stored on the replica (log_tag, log_offset); the central file is
 cut back to it before each append (jobs/logs.py write_at), so a crash between the two repeats nothing.
 
-Bounded: a service runs for weeks and its engine logs a line per request. Each start's copy is kept in segments of
-SEGMENT_BYTES of its log (`<index>-<tag>.log`, then `.log.1`, `.log.2`, ...: segment k holds the log's bytes from
-k x SEGMENT_BYTES), of which the last KEEP_SEGMENTS stay; and the copies of each replica index's last KEEP_STARTS
-starts stay (the older ones are removed when a new start's copy begins).
+Bounded: a service runs for weeks and its engine logs a line per request. On the node, the log's disk blocks that
+were copied here, but its newest NODE_KEEP_BYTES, are freed as each pass copies more (the agent's `tail` op punches
+a hole: the file keeps its size and offsets, its writer goes on at the end). Here each start's copy is kept in
+segments of SEGMENT_BYTES of its log (`<index>-<tag>.log`, then `.log.1`, `.log.2`, ...: segment k holds the log's
+bytes from k x SEGMENT_BYTES), of which the last KEEP_SEGMENTS stay; and the copies of each replica index's last
+KEEP_STARTS starts stay (the older ones are removed when a new start's copy begins).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SHOWN_BYTES = 64 * 1024  # the page shows the last this much
 SEGMENT_BYTES = 16 * 1024 * 1024
 KEEP_SEGMENTS = 2  # at most 32 MiB of one start's log on the controller: its newest part
 KEEP_STARTS = 5  # a replica index's copies of its last this many starts (a crash loop's earlier ones go)
+NODE_KEEP_BYTES = 1024 * 1024  # the engine's log on its node keeps its newest this much on disk (see copy)
 
 
 def central_path(replica: Replica, tag: str | None = None, segment: int = 0) -> Path:
@@ -81,6 +84,8 @@ def copy(replica: Replica) -> int:
         return 0
     offset = replica.log_offset if replica.log_tag == replica.tag else 0
     item = {"key": replica.tag, "path": replica.remote("log"), "offset": offset, "max_bytes": READ_BYTES}
+    if offset > NODE_KEEP_BYTES:  # what is stored here already, but its newest part, leaves the node's disk
+        item["release_before"] = offset - NODE_KEEP_BYTES
     try:
         answer = node_request(replica.node, "tail", timeout=10, files=[item])["files"][0]
     except (LinkError, AgentRequestError, OSError) as exc:

@@ -97,6 +97,30 @@ def test_a_5_mib_line_without_a_newline_comes_back_whole_in_1_mib_reads(agent, t
     assert reads == 5 and got == want and b"\n" not in got
 
 
+def test_release_before_frees_the_copied_part_of_a_log_its_writer_still_appends_to(agent, tmp_path):
+    # given a 4 MiB log a process keeps appending to (O_APPEND, as the agent starts every process's output)
+    import os
+
+    log = tmp_path / "engine.log"
+    writer = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(writer, b"x" * (4 << 20))
+    # when a reader that has stored the first 4 MiB asks the next bytes and to release the first 3 MiB
+    item = {"key": 1, "path": str(log), "offset": 4 << 20, "max_bytes": 1 << 20, "release_before": 3 << 20}
+    answer = agent.request("tail", timeout=10, files=[item])["files"][0]
+    # then their disk blocks are freed (a hole), while the size, the offsets and the newest MiB stay
+    assert answer["released"] is True and answer["size"] == 4 << 20
+    assert log.stat().st_size == 4 << 20 and log.stat().st_blocks * 512 <= (1 << 20) + 65536
+    # and the writer goes on at the end, where the next read finds it
+    os.write(writer, b"next line\n")
+    os.close(writer)
+    _, data, result = tail(agent, log, offset=4 << 20)
+    assert data == b"next line\n" and log.read_bytes()[(3 << 20) :] == b"x" * (1 << 20) + b"next line\n"
+    # a release never goes past what the reader said it has
+    item = {"key": 1, "path": str(log), "offset": 0, "max_bytes": 16, "release_before": 4 << 20}
+    assert agent.request("tail", timeout=10, files=[item])["files"][0]["released"] is True
+    assert log.read_bytes()[(3 << 20) :] == b"x" * (1 << 20) + b"next line\n"
+
+
 def test_the_env_report_is_kept_until_a_package_is_installed_or_removed(agent, tmp_path):
     import sys
 

@@ -253,13 +253,16 @@ def test_a_replicas_central_log_keeps_its_newest_part_and_its_last_starts(traine
 
     settings.DATA_DIR = tmp_path
     monkeypatch.setattr(replica_logs, "SEGMENT_BYTES", 10)  # 16 MiB shipped
+    monkeypatch.setattr(replica_logs, "NODE_KEEP_BYTES", 25)  # 1 MiB shipped
     service = Service.objects.create(name="chat", job=trained, checkpoint=Checkpoint.objects.get())
     replica = Replica.objects.create(service=service, index=0, state=Replica.State.READY,
                                      node=Node.objects.get(name="gpu1"), port=8001, tag="serve-chat-0-s0")  # fmt: skip
     on_node = {"serve-chat-0-s0": b""}
+    asked = []
 
     def tail(node, op, timeout, files):
         (item,) = files
+        asked.append(item)
         data = on_node[item["path"].rsplit("/", 1)[1].removesuffix(".log")][item["offset"] :]
         return {"files": [{"key": item["key"], "data": base64.b64encode(data).decode(), "zlib": False}]}
 
@@ -274,6 +277,8 @@ def test_a_replicas_central_log_keeps_its_newest_part_and_its_last_starts(traine
     assert sorted(p.name for p in folder.iterdir()) == ["0-serve-chat-0-s0.log.7", "0-serve-chat-0-s0.log.8"]
     assert replica_logs.shown(replica) == "request 7\nrequest 8\n"
     assert replica_logs.shown(replica, size=15) == "uest 7\nrequest 8\n"[-15:]
+    # and the node was asked to free what was stored here but the newest 25 bytes (the agent: tests/test_agent.py)
+    assert [i.get("release_before") for i in asked] == [None, 30 - 25, 60 - 25]
     # when it is restarted six times: the copies of its last five starts stay, the oldest goes
     for n in range(1, 7):
         replica.tag = f"serve-chat-0-s{n}"

@@ -324,6 +324,10 @@ def op_tail(req):
     wait_ms (optional, at most MAX_TAIL_WAIT_MS): a long poll. If no log has grown and no rank has
     exited, wait up to that long (checking every TAIL_POLL_S) before answering, so a follower
     hears of a new line within milliseconds without asking over and over.
+
+    release_before (optional, at most the item's offset: bytes the caller has stored already): the disk
+    blocks of the log's first that many bytes are freed (`_release`); "released" in the answer says whether
+    they could be.
     """
     wait = min(float(req.get("wait_ms") or 0), MAX_TAIL_WAIT_MS) / 1000.0
     if wait > 0:
@@ -346,6 +350,9 @@ def op_tail(req):
                     data = fh.read(limit)
         except FileNotFoundError:
             pass
+        released = None
+        if item.get("release_before") and size:
+            released = _release(path, min(int(item["release_before"]), offset, size))
         packed = bool(item.get("zlib")) and len(data) >= ZLIB_MIN_BYTES
         out.append(
             {
@@ -356,9 +363,32 @@ def op_tail(req):
                 "zlib": packed,
                 "eof": size is None or offset + len(data) >= size,
                 "exit": exit_info,
+                "released": released,
             }
         )
     return {"files": out}
+
+
+def _release(path, upto):
+    """Free the disk blocks of a log's first `upto` bytes (a hole: FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE):
+    its size and every offset stay as they were, and its writer (O_APPEND) goes on at the end; those bytes read
+    as zeros after. For a log a long-running process writes and its caller has copied: a service's engine logs a
+    line per request for weeks. False where the filesystem cannot (the log then keeps its bytes)."""
+    import ctypes
+    import ctypes.util
+
+    if upto <= 0:
+        return True  # nothing to free
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        fd = os.open(path, os.O_WRONLY)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return libc.fallocate(fd, 3, 0, int(upto)) == 0
+    finally:
+        os.close(fd)
 
 
 def _job_pids(tag, node):
