@@ -85,6 +85,7 @@ def labelled(addresses: list[str]) -> Iterator[dict[str, str]]:
     added = []
     try:
         for address in addresses:
+            ip("addr", "del", f"{address}/32", "dev", "lo", check=False)  # left by a run that was killed
             ip("addr", "add", f"{address}/32", "dev", "lo", "label", label(address))
             added.append(address)
         yield {a: label(a) for a in addresses}
