@@ -5,8 +5,8 @@ that measure the network (tests/test_network_e2e.py, tests/test_scale_probe_link
   address (each node its own link, as on a home switch): this kernel has no netem; htb with u32 filters on the
   addresses works. Tests that shape take a lock first (xdist runs them in parallel processes): lo has one root
   qdisc, and one test's clean-up would take another's classes with it.
-- `labelled(addresses)`: each address on lo under a label of its own (`lo:u2` for 127.77.0.2), the name gloo and
-  NCCL find it by (getifaddrs), so that a rank told GLOO_SOCKET_IFNAME=lo:u2 binds that address and not lo's
+- `labelled(addresses)`: each address on lo under a label of its own (`lo:5u2` for 127.77.5.2), the name gloo and
+  NCCL find it by (getifaddrs), so that a rank told GLOO_SOCKET_IFNAME=lo:5u2 binds that address and not lo's
   127.0.0.1: on one machine every node's traffic would otherwise go to and from 127.0.0.1, which no filter tells
   apart.
 """
@@ -76,7 +76,9 @@ def shaped(addresses: list[str], rate: str) -> Iterator[None]:
 
 
 def label(address: str) -> str:
-    return "lo:u" + address.rsplit(".", 1)[1]
+    """127.77.12.2 -> lo:12u2 (at most 15 characters, unique per address within 127.77.0.0/16)."""
+    _, _, third, fourth = address.split(".")
+    return f"lo:{third}u{fourth}"
 
 
 @contextmanager

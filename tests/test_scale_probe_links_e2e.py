@@ -1,4 +1,4 @@
-"""--scale-probe over links of a home network's speed: three real sshd nodes of their own (127.77.0.2-4), each rank's
+"""--scale-probe over links of a home network's speed: three real sshd nodes of their own (127.77.N.2-4), each rank's
 gloo bound to its node's address (an address under a label of its own on lo, named by the node's env as a user
 names an interface) so that tc can slow each node's link (htb: this kernel has no netem; tests/links.py). At full
 speed the probe runs the job on all three nodes; with every link cut to a home network's rate and a model whose
@@ -8,6 +8,7 @@ every count at 2 model sizes and 3 rates is bench/scaling.py."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 
 import pytest
@@ -29,7 +30,7 @@ SAMPLE_SLEEP = "0.005"
 
 @pytest.fixture
 def linked_lab(tmp_path_factory, transactional_db, fast_settings):
-    """Three loopback nodes whose ranks' gloo binds each node's own address (lo:u2, lo:u3, lo:u4), with a worker
+    """Three loopback nodes whose ranks' gloo binds each node's own address (lo:Nu2, lo:Nu3, lo:Nu4), with a worker
     on a thread of this process. Not the session's nodes: another test's ranks must never meet these shaped links."""
     from cluster.config_yaml import import_cluster
     from cluster.links import pool
@@ -37,8 +38,9 @@ def linked_lab(tmp_path_factory, transactional_db, fast_settings):
     from .loopback import LoopbackCluster
     from .worker_here import worker_here
 
-    cluster = LoopbackCluster(tmp_path_factory.mktemp("linked"), count=3, subnet="127.77.0")
-    with labelled([f"127.77.0.{i}" for i in (2, 3, 4)]) as labels:
+    subnet = f"127.77.{os.getpid() % 250}"  # this process's own: two runs of the suite at once seldom share it
+    cluster = LoopbackCluster(tmp_path_factory.mktemp("linked"), count=3, subnet=subnet)
+    with labelled([f"{subnet}.{i}" for i in (2, 3, 4)]) as labels:
         cluster.start()
         try:
             cluster.rdzv_port = rendezvous_ports()
