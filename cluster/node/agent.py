@@ -374,21 +374,36 @@ def _release(path, upto):
     its size and every offset stay as they were, and its writer (O_APPEND) goes on at the end; those bytes read
     as zeros after. For a log a long-running process writes and its caller has copied: a service's engine logs a
     line per request for weeks. False where the filesystem cannot (the log then keeps its bytes)."""
-    import ctypes
-    import ctypes.util
-
     if upto <= 0:
         return True  # nothing to free
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        fd = os.open(path, os.O_WRONLY)
-    except (OSError, AttributeError):
+    fallocate = _fallocate()
+    if fallocate is None:
         return False
     try:
-        return libc.fallocate(fd, 3, 0, int(upto)) == 0
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        return fallocate(fd, 3, 0, int(upto)) == 0
     finally:
         os.close(fd)
+
+
+_libc = []
+
+
+def _fallocate():
+    """libc's fallocate(2) (the process's own libc: no library search), None where there is none."""
+    if not _libc:
+        import ctypes
+
+        try:
+            call = ctypes.CDLL(None, use_errno=True).fallocate
+            call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        except (OSError, AttributeError):
+            call = None
+        _libc.append(call)
+    return _libc[0]
 
 
 def _job_pids(tag, node):
