@@ -42,6 +42,8 @@ from .stats import TokenCount, flush_every, recorder
 log = logging.getLogger(__name__)
 
 PATH = re.compile(r"/serve/([^/]+)/v1/(.+)")
+# what an OpenAI-compatible engine answers with; anything else (an HTML page on this origin) is sent as bytes
+CONTENT_TYPE = re.compile(r"(application/json|text/event-stream|text/plain)( *; *[A-Za-z0-9_-]+=[A-Za-z0-9_.\"-]+)*")
 MAX_REQUEST_BYTES = 1024 * 1024
 REQUEST_TIMEOUT_S = 600.0  # the whole exchange, a long streamed completion included
 CONNECT_TIMEOUT_S = 3.0
@@ -293,6 +295,8 @@ async def _answer(call: Call, receive, name: str, route: str) -> Answer:
             why = f"{target.url}: HTTP {upstream.status_code}"
             continue
         kind = upstream.headers.get("content-type", "application/json")
+        if not CONTENT_TYPE.fullmatch(kind.strip()):  # with nosniff, never rendered as a page of this origin
+            kind = "application/octet-stream"
         relay = _relay(upstream, target, deadline, began)
         return Answer(upstream.status_code, content_type=kind, headers=[("Cache-Control", "no-cache")], chunks=relay)
     return error(502, f"no replica of service {name} answered: {why}")

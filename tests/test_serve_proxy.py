@@ -195,6 +195,11 @@ def test_models_lists_the_service_and_unknown_services_are_404(web, engines, tok
     # served beside Django (serving/endpoint.py): no cookie, no page headers, still nosniff
     assert "set-cookie" not in models.headers and "content-security-policy" not in models.headers
     assert models.headers["x-content-type-options"] == "nosniff"
+    # an engine's answer of another type than an OpenAI-compatible one is never a page of this origin
+    page = httpx.post(f"{web}/serve/chat/v1/completions", json={"prompt": "<page>"}, headers=headers, timeout=10)
+    assert page.status_code == 200 and page.content.startswith(b"<html>")
+    assert (page.headers["content-type"], page.headers["x-content-type-options"]) == ("application/octet-stream",
+                                                                                      "nosniff")  # fmt: skip
     assert httpx.get(f"{web}/serve/nope/v1/models", headers=headers, timeout=10).status_code == 404
 
 

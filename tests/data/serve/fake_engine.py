@@ -5,7 +5,8 @@
 GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions. A streamed answer sends its
 first chunk at once; with --gate it sends the rest only once DIR/go exists (the test says when). Every
 answer names the replica (served_by) and the model the request asked for; a non-streamed one says it used 3
-completion tokens, a streamed one sends no usage (two chunks).
+completion tokens, a streamed one sends no usage (two chunks). The prompt "<page>" gets an HTML page with a script
+(a hostile engine).
 """
 
 import argparse
@@ -45,6 +46,14 @@ def main():
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             print("request", self.path, json.dumps(req)[:200], flush=True)
             base = {"model": req.get("model"), "served_by": args.name}
+            if req.get("prompt") == "<page>":  # a hostile engine: an HTML page with a script
+                body = b"<html><script>alert(1)</script></html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return None
             if not req.get("stream"):
                 choices = [{"index": 0, "text": "hello"}]
                 usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
