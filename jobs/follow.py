@@ -397,16 +397,10 @@ class JobFollower:
         taken = 0
         self.renew()
         for rank in ranks:
-            try:
-                boot_now = (node_request(rank.node, "hello", timeout=5) or {}).get("boot_id") or ""
-                item = node_request(
-                    rank.node, "tail", timeout=FOLLOW_LEASE_S / 2,
-                    files=[{"key": rank.pk, "path": rank.remote_log, "offset": rank.log_offset,
-                            "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES, "zlib": True}],
-                )["files"][0]  # fmt: skip
-            except (LinkError, AgentRequestError, OSError):
+            asked = ask_lost(rank)
+            if asked is None:
                 continue  # still away
-            rebooted = bool(rank.boot_id and boot_now and boot_now != rank.boot_id)
+            item, rebooted = asked
             taken += self._take(rank, item, timezone.now(), final=rebooted and item["eof"])
             if rebooted and item["eof"]:
                 lifecycle.rank_drained(rank)
@@ -510,6 +504,21 @@ class JobFollower:
                 self.changed = True
 
 
+def ask_lost(rank: Rank) -> tuple[dict, bool] | None:
+    """A lost rank's node asked for what its log holds past the copied offset, and whether the node rebooted since
+    the rank started (nothing more will come); None while the node does not answer."""
+    try:
+        boot_now = (node_request(rank.node, "hello", timeout=5) or {}).get("boot_id") or ""
+        item = node_request(
+            rank.node, "tail", timeout=FOLLOW_LEASE_S / 2,
+            files=[{"key": rank.pk, "path": rank.remote_log, "offset": rank.log_offset,
+                    "exit_file": rank.remote_exit, "max_bytes": TAIL_BYTES, "zlib": True}],
+        )["files"][0]  # fmt: skip
+    except (LinkError, AgentRequestError, OSError):
+        return None
+    return item, bool(rank.boot_id and boot_now and boot_now != rank.boot_id)
+
+
 def recover_output(job: Job, owner: str) -> bool:
     """Fetch the rest of a lost rank's output (an ended job's); True if anything was taken."""
     if not claim(job.pk, owner, any_state=True):
@@ -522,6 +531,41 @@ def recover_output(job: Job, owner: str) -> bool:
     finally:
         follower.fold(now=True)
         release(job.pk, owner)
+
+
+def recover_earlier_output(job: Job) -> int:
+    """What lost ranks of the job's earlier attempts wrote after they were lost (most often the traceback that says
+    why), once their node answers again, whatever the job does now: appended to that attempt's central log (where
+    jobs/logs.py archive_logs moved it). The log only: the attempt's curve ended with it, and its points past the
+    step the next attempt resumed from are superseded. A rank is drained when its exit record is read to the end,
+    or when its node rebooted (nothing more comes). Each rank's offset moves by compare-and-set, so two workers
+    never append the same bytes twice. Bytes taken."""
+    ranks = (Rank.objects.filter(job=job, state=Rank.State.LOST, drained=False).exclude(attempt_id=job.current_id)
+             .select_related("node", "job", "attempt"))  # fmt: skip
+    taken = 0
+    for rank in ranks:
+        asked = ask_lost(rank)
+        if asked is None:
+            continue  # still away
+        item, rebooted = asked
+        final = bool(item["eof"] and (item["exit"] is not None or rebooted))
+        data = takeable(tail_bytes(item), final)
+        if data:
+            now = timezone.now()
+            with transaction.atomic():
+                moved = Rank.objects.filter(pk=rank.pk, log_offset=rank.log_offset).update(
+                    log_offset=rank.log_offset + len(data), log_lines=rank.log_lines + len(split_lines(data)),
+                    last_contact=now,
+                )  # fmt: skip
+                if not moved:
+                    continue  # another worker took these bytes
+                write_at(rank.local_log, rank.log_offset, data)
+                with open(times_path(rank), "a") as fh:
+                    fh.write(f"{rank.log_offset + len(data)} {now.timestamp():.3f}\n")
+            taken += len(data)
+        if final:
+            lifecycle.rank_drained(rank)
+    return taken
 
 
 class _Listed(NamedTuple):

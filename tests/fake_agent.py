@@ -23,6 +23,8 @@ class FakeNode:
     started: dict[str, str] = field(default_factory=dict)  # a rank's start key -> its job tag (record kept)
     requests: list[tuple[str, dict]] = field(default_factory=list)
     exec_answer: dict = field(default_factory=lambda: {"rc": 0, "stdout": "", "stderr": ""})  # what `exec` returns
+    logs: dict[str, bytes] = field(default_factory=dict)  # a log's path on the node -> its bytes
+    exit_files: dict[str, dict] = field(default_factory=dict)  # a rank's exit record's path -> the record
 
 
 class FakeCluster:
@@ -70,6 +72,19 @@ class _Link:
 
     def op_exec(self, argv: list[str], **_fields) -> dict:
         return dict(self.node.exec_answer)
+
+    def op_tail(self, files: list[dict], wait_ms: float = 0) -> dict:
+        import base64
+
+        out = []
+        for item in files:
+            whole, start = self.node.logs.get(item["path"]), item["offset"]
+            data = b"" if whole is None else whole[start : start + int(item.get("max_bytes") or 1 << 20)]
+            out.append({"key": item.get("key"), "size": None if whole is None else len(whole), "zlib": False,
+                        "data": base64.b64encode(data).decode(),
+                        "exit": self.node.exit_files.get(item.get("exit_file")),
+                        "eof": whole is None or start + len(data) >= len(whole)})  # fmt: skip
+        return {"files": out}
 
     def op_hello(self) -> dict:
         return {"version": "fake", "boot_id": self.node.boot_id, "time": 0.0}

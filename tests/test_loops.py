@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from cluster.models import Alert, Node
 from jobs import lifecycle
-from jobs.models import Allocation, Job, Rank
+from jobs.models import Allocation, Attempt, Job, Rank
 from jobs.reconcile import reconcile
 
 from .fake_agent import FakeCluster
@@ -151,3 +151,39 @@ def test_a_rule_that_raises_on_one_job_still_acts_on_the_others(nodes, monkeypat
     broken, other = seen
     assert report.judged == [other] and Job.objects.get(name=other).state == Job.State.FAILING
     assert Alert.objects.get(key="rule:running", resolved_at__isnull=True).message.endswith(f"boom on {broken}")
+
+
+def test_a_lost_rank_of_an_earlier_attempt_gives_the_rest_of_its_output_once_its_node_answers(nodes, settings,
+                                                                                               tmp_path):  # fmt: skip
+    settings.JOBS_DIR = tmp_path / "jobs"
+    # given attempt 1 ended with n2's rank lost (its node cut off) after its first line was copied, and the job
+    # running on as attempt 2 (its attempt-1 logs archived where jobs/logs.py moves them)
+    job = running("requeued", nodes)
+    first = job.current
+    lost = Rank.objects.get(job=job, index=1)
+    Rank.objects.filter(pk=lost.pk).update(state=Rank.State.LOST, active=False, remote_log="/w/requeued/rank_1.log",
+                                           log_offset=len(b"step 10 loss 2.1\n"), log_lines=1)  # fmt: skip
+    Attempt.objects.filter(pk=first.pk).update(state="failed", finished_at=timezone.now())
+    second = Attempt.objects.create(job=job, number=2, tag="requeued-tag-2", started_at=timezone.now())
+    Job.objects.filter(pk=job.pk).update(current=second)
+    lost = Rank.objects.select_related("job", "attempt").get(pk=lost.pk)
+    archived = lost.local_log
+    assert archived.parent.name == "attempt_1"
+    archived.parent.mkdir(parents=True)
+    archived.write_bytes(b"step 10 loss 2.1\n")
+    said = b"step 10 loss 2.1\nstep 11 loss 2.0\nRuntimeError: Connection reset by peer (gloo)\n"
+    nodes["n2"].logs["/w/requeued/rank_1.log"] = said
+    nodes["n2"].exit_files[lost.remote_exit] = {"code": 1}
+    # when the loops pass while n2 is still away: nothing is taken, nothing is drained
+    nodes["n2"].silent = True
+    assert reconcile([job.pk]).recovered == []
+    assert archived.read_bytes() == b"step 10 loss 2.1\n" and not Rank.objects.get(pk=lost.pk).drained
+    # when it answers again: the rest of its output reaches attempt 1's log, and the rank is drained
+    nodes["n2"].silent = False
+    assert reconcile([job.pk]).recovered == ["requeued"]
+    assert archived.read_bytes() == said
+    lost.refresh_from_db()
+    assert lost.drained and lost.log_offset == len(said) and lost.log_lines == 3
+    # and nothing of it went to the running attempt's logs; a later pass takes nothing twice
+    assert not (job.logs_dir / "rank_1.log").exists()
+    assert reconcile([job.pk]).recovered == [] and archived.read_bytes() == said

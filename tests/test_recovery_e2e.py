@@ -304,7 +304,8 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
     recovery_settings,
 ):
     """Covers: a lost node, ranks frozen, no --min-nodes: the retry waits QUEUED for it, its frozen processes are
-    stopped when it is back, and it resumes there from a checkpoint copied to the other node.
+    stopped when it is back, and it resumes there from a checkpoint copied to the other node; what the lost rank
+    wrote while its node was away is fetched into attempt 1's log once it is back.
     """
 
     lab = recovery_settings
@@ -341,6 +342,15 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
         time.sleep(3)  # three of the worker's reconciler and scheduler passes
         job.refresh_from_db()
         assert job.state == Job.State.QUEUED and job.wait_nodes == [gone] and not job.ranks.exists()
+        # when, while the node is away, its training process wakes (its torchrun stays frozen): it finds its peer
+        # gone and says so in its log on the node, which no one can read from here
+        lost = Rank.objects.get(attempt=first, node__name=gone)
+        copied = lost.log_offset
+        for pid in frozen:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"train_production.py" in cmdline and b"torchrun" not in cmdline:
+                os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: Path(lost.remote_log).stat().st_size > copied, timeout=60, what="the woken rank to write")
     finally:
         # when the node is back
         cut.start()
@@ -367,6 +377,15 @@ def test_a_lost_node_without_min_nodes_waits_queued_and_the_job_resumes_there_fr
     steps = sorted(set(MetricPoint.objects.filter(job=job, name="loss", attempt=2).values_list("step", flat=True)))
     assert steps[0] == job.resume_step + 5 and steps[-1] == 60, steps
     assert f"resuming from {rel}" in run("logs", "away")
+    # and what attempt 1's rank on that node wrote while the node was away reached attempt 1's archived log once
+    # the node was back (jobs/follow.py recover_earlier_output), byte for byte the node's
+    lost = Rank.objects.select_related("job", "attempt").get(pk=lost.pk)
+    assert lost.state == Rank.State.LOST
+    on_node_log = Path(lost.remote_log)
+    assert on_node_log.stat().st_size > copied
+    drive(job, lambda: Rank.objects.get(pk=lost.pk).log_offset == on_node_log.stat().st_size,
+          what="attempt 1's lost rank's output")  # fmt: skip
+    assert lost.local_log.read_bytes() == on_node_log.read_bytes() and "attempt_1" in str(lost.local_log)
     print(f"node lost, no --min-nodes: queued after {queued:.1f}s, training again {back:.1f}s after the node was back")
 
 

@@ -2,7 +2,8 @@
 
 - An ended job that still holds nodes (a crash between its end and the release): released.
 - A lost rank of a job ended within LOST_OUTPUT_DAYS whose node answers again: the rest of its output is
-  fetched (jobs/follow.py recover_output).
+  fetched (jobs/follow.py recover_output); so is a lost rank's of an earlier attempt ended within it, while the job
+  runs on in a later one (recover_earlier_output: into that attempt's archived log).
 - A job ended within LEFTOVERS_S with points past its rollup's mark: folded (a follower killed before its
   last fold leaves them, and an ended job is not followed again).
 - Checkpoints beyond the job's --keep that its last scans found, or that a node that did not answer still
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -24,7 +25,7 @@ from metrics import rollup
 from metrics.models import MetricPoint
 
 from .. import locks
-from ..follow import follower_id, recover_output
+from ..follow import follower_id, recover_earlier_output, recover_output
 from ..models import Job, Rank
 from . import Report, each_claimed, run_retention, run_rule, scope
 
@@ -55,13 +56,19 @@ def release_ended(job_ids: list[int] | None = None, *, wait: bool = True) -> lis
 
 
 def recover_lost_output(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:
-    """A lost rank of a recently ended job whose node answers again: the rest of its output is fetched."""
+    """A lost rank of a recently ended job, or of a job's recently ended earlier attempt (the job requeued and
+    runs on, or ended since), whose node answers again: the rest of its output is fetched."""
     cutoff = timezone.now() - timedelta(days=LOST_OUTPUT_DAYS)
     lost_left = scope(job_ids).filter(state__in=Job.ENDED_STATES, current__finished_at__gt=cutoff)
     lost_left = lost_left.filter(current__ranks__state=Rank.State.LOST, current__ranks__drained=False).distinct()
     owner = follower_id() + ":reconcile"
-    return each_claimed(locks.ENDED, lost_left, lambda job: job.name if recover_output(job, owner) else None,
+    done = each_claimed(locks.ENDED, lost_left, lambda job: job.name if recover_output(job, owner) else None,
                         wait=wait)  # fmt: skip
+    earlier = Rank.objects.filter(state=Rank.State.LOST, drained=False, attempt__finished_at__gt=cutoff)
+    earlier = scope(job_ids).filter(pk__in=earlier.exclude(attempt_id=F("job__current_id")).values("job_id"))
+    found = each_claimed(locks.ENDED, earlier, lambda job: job.name if recover_earlier_output(job) else None,
+                         wait=wait)  # fmt: skip
+    return done + [name for name in found if name not in done]
 
 
 def fold_leftovers(job_ids: list[int] | None = None, *, wait: bool = True) -> list[str]:
