@@ -43,6 +43,7 @@ from django.utils import timezone
 from cluster import links
 from cluster.fanout import Late, node_request, on_each, unreachable
 from cluster.links import AgentRequestError, LinkError
+from cluster.models import Node
 from metrics import rollup
 from metrics.files import adopt, follow_metric_files
 from metrics.ingest import RankStream, Sample, parse_lines, save_points
@@ -393,7 +394,8 @@ class JobFollower:
     def recover(self) -> int:
         """Fetch what lost ranks wrote after they were lost, once their node answers again. A rank is
         drained when its exit record is read to the end, or when its node rebooted (nothing more comes)."""
-        ranks = list(self.job.ranks.select_related("node", "job").filter(state=Rank.State.LOST, drained=False))
+        ranks = self.job.ranks.select_related("node", "job").filter(state=Rank.State.LOST, drained=False)
+        ranks = list(ranks.exclude(node__status__in=Node.NOT_ANSWERING))  # a DOWN node: its probe says when it is back
         taken = 0
         self.renew()
         for rank in ranks:
@@ -541,7 +543,7 @@ def recover_earlier_output(job: Job) -> int:
     or when its node rebooted (nothing more comes). Each rank's offset moves by compare-and-set, so two workers
     never append the same bytes twice. Bytes taken."""
     ranks = (Rank.objects.filter(job=job, state=Rank.State.LOST, drained=False).exclude(attempt_id=job.current_id)
-             .select_related("node", "job", "attempt"))  # fmt: skip
+             .exclude(node__status__in=Node.NOT_ANSWERING).select_related("node", "job", "attempt"))  # fmt: skip
     taken = 0
     for rank in ranks:
         asked = ask_lost(rank)

@@ -178,8 +178,12 @@ def test_a_lost_rank_of_an_earlier_attempt_gives_the_rest_of_its_output_once_its
     nodes["n2"].silent = True
     assert reconcile([job.pk]).recovered == []
     assert archived.read_bytes() == b"step 10 loss 2.1\n" and not Rank.objects.get(pk=lost.pk).drained
+    # and once its probes call it DOWN, it is not even asked (its next good probe says when it is back)
+    Node.objects.filter(name="n2").update(status=Node.Status.DOWN)
+    nodes["n2"].silent, nodes["n2"].requests = False, []
+    assert reconcile([job.pk]).recovered == [] and not [op for op, _ in nodes["n2"].requests if op == "tail"]
     # when it answers again: the rest of its output reaches attempt 1's log, and the rank is drained
-    nodes["n2"].silent = False
+    Node.objects.filter(name="n2").update(status=Node.Status.HEALTHY)
     assert reconcile([job.pk]).recovered == ["requeued"]
     assert archived.read_bytes() == said
     lost.refresh_from_db()
