@@ -23,9 +23,10 @@ from .links import labelled, shaped
 pytestmark = pytest.mark.e2e
 
 RATE = "100mbit"  # 12.5 MB/s: a home network's rate (Fast Ethernet, Wi-Fi between rooms), far under loopback's
-# compute a sample takes on each node's "GPU" (a sleep in the reference script: the three ranks share this
-# machine's two cores, so CPU-bound compute would not scale at any link speed)
-SAMPLE_SLEEP = "0.005"
+# the compute a sample takes on each node's "GPU" (a sleep in the reference script: the three ranks share this
+# machine's two cores, so CPU-bound compute would not scale at any link speed): at full speed, enough that the
+# ranks' own CPU (more of it on a loaded machine) stays a small part of a step; over the slow links, a fast GPU's
+SAMPLE_SLEEP = {"full": "0.02", "slow": "0.005"}
 
 
 @pytest.fixture
@@ -48,8 +49,7 @@ def linked_lab(tmp_path_factory, transactional_db, fast_settings):
                 shutil.copytree(REPO / "train", node.workdir / "train", ignore=shutil.ignore_patterns("__pycache__"))
             import_cluster(cluster_yaml(cluster, 3))
             for node in cluster.nodes:
-                env = {"GLOO_SOCKET_IFNAME": labels[node.address], "TRAIN_SAMPLE_SLEEP": SAMPLE_SLEEP}
-                Node.objects.filter(address=node.address).update(env=env)
+                Node.objects.filter(address=node.address).update(env={"GLOO_SOCKET_IFNAME": labels[node.address]})
             with worker_here():
                 yield cluster
         finally:
@@ -58,7 +58,9 @@ def linked_lab(tmp_path_factory, transactional_db, fast_settings):
             pool.close_all()
 
 
-def probe_launch(name: str, model: str) -> tuple[Job, str]:
+def probe_launch(name: str, model: str, sample_sleep: str) -> tuple[Job, str]:
+    for node in Node.objects.all():
+        Node.objects.filter(pk=node.pk).update(env={**node.env, "TRAIN_SAMPLE_SLEEP": sample_sleep})
     out = io.StringIO()
     call_command("launch", "--name", name, "--scale-probe", "4s", "--batch-per-gpu", "8", "--", "--model-name", model,
                  "--max-steps", "12", "--seq-len", "16", "--batch-size", "{local_batch}", "--log-every", "1",
@@ -73,7 +75,7 @@ def test_the_probe_takes_every_node_at_full_speed_and_one_when_the_links_are_slo
     label) is used by its ranks."""
     assert NODE_ENV.exists()
     # at full speed: the tiny model's exchange is small beside a step's compute, and three nodes do 3x the samples
-    fast, printed = probe_launch("full-speed", "tiny")
+    fast, printed = probe_launch("full-speed", "tiny", SAMPLE_SLEEP["full"])
     assert fast.state == Job.State.SUCCEEDED, fast.failure_reason
     probe = fast.current.scale_probe
     rows = {r["nodes"]: r for r in probe["rows"]}
@@ -85,7 +87,7 @@ def test_the_probe_takes_every_node_at_full_speed_and_one_when_the_links_are_slo
 
     # every node's link at a home network's rate, and the model whose gradient is 26x larger
     with shaped([n.address for n in linked_lab.nodes], RATE):
-        slow, printed = probe_launch("slow-links", "small")
+        slow, printed = probe_launch("slow-links", "small", SAMPLE_SLEEP["slow"])
     assert slow.state == Job.State.SUCCEEDED, slow.failure_reason
     probe = slow.current.scale_probe
     rows = {r["nodes"]: r for r in probe["rows"]}
