@@ -24,6 +24,8 @@ import logging
 import re
 from pathlib import PurePosixPath
 
+from django.db import IntegrityError, transaction
+
 from cluster.fanout import node_request, on_each
 from cluster.models import Node
 
@@ -146,10 +148,14 @@ def _record(rank: Rank, entries: list[dict], by_glob: set[str]) -> int:
         unchanged = old is not None and old.size == entry["size"] and old.mtime == entry["mtime"]
         is_ready = bool(complete and (unchanged or ended) and entry["size"] > 0)
         if old is None:
-            Checkpoint.objects.create(
-                job=job, node=node, path=entry["path"], size=entry["size"], mtime=entry["mtime"], step=step,
-                kind=kind, ready=is_ready, attempt=job.attempt,
-            )  # fmt: skip
+            try:
+                with transaction.atomic():
+                    Checkpoint.objects.create(
+                        job=job, node=node, path=entry["path"], size=entry["size"], mtime=entry["mtime"], step=step,
+                        kind=kind, ready=is_ready, attempt=job.attempt,
+                    )  # fmt: skip
+            except IntegrityError:  # recorded meanwhile by another scan of it (a node sharing the directory, a
+                continue  # second caller): the next scan judges it against that row
         elif not (unchanged and old.ready == is_ready):
             # written again where retention had deleted it: there again, to be judged again (jobs/retention.py)
             back = {"removed_at": None, "keep_reason": ""} if old.removed_at and not unchanged else {}

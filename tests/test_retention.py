@@ -383,6 +383,18 @@ def test_a_checkpoint_written_again_where_it_was_deleted_is_judged_again(three):
     assert Checkpoint.objects.get(pk=first.pk).removed_at is not None and not path.exists()
 
 
+def test_a_checkpoint_another_scan_recorded_meanwhile_is_not_an_error(three, monkeypatch):
+    # given a rank's checkpoint that a second scan records between this scan's read of the known ones and its insert
+    job = Job.objects.create(name="twice", script="train.py", state=Job.State.RUNNING)
+    first = saved(job, three["n1"], 10)
+    rank = Rank.objects.create(job=job, node=three["n1"], index=0, state=Rank.State.RUNNING)
+    monkeypatch.setattr(checkpoints, "seeing", lambda node: [])  # this scan read none as known
+    entry = {"path": first.path, "dir": False, "size": first.size, "mtime": first.mtime}
+    # when this scan records it too: no error, and still one row, the first scan's
+    checkpoints._record(rank, [entry], set())
+    assert list(Checkpoint.objects.filter(job=job).values_list("pk", flat=True)) == [first.pk]
+
+
 def test_parts_recorded_after_their_checkpoint_was_judged_go_with_it_and_an_unfinished_one_stays(three):
     # given an ended job that keeps one: its step 10 freed, its step 20 kept
     job = Job.objects.create(name="late", script="train.py", keep="1", state=Job.State.SUCCEEDED)
