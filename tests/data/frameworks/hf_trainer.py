@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import threading
 
 import torch
 import transformers
@@ -123,7 +125,15 @@ def main() -> None:
     # threads still talk to it can abort ("terminate called without an active exception").
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        # destroy_process_group now and then never returns under gloo (pytorch/pytorch#75097; a whole CI run's
+        # rank 1 sat in it past the 60 s hang limit): bounded, then out without the C++ teardown, as
+        # train/train_production.py leaves
+        closer = threading.Thread(target=torch.distributed.destroy_process_group, daemon=True)
+        closer.start()
+        closer.join(20)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
