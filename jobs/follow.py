@@ -51,7 +51,7 @@ from metrics.models import JobMetrics, MetricFile
 
 from . import checkpoints, discovery, lifecycle
 from .events import publish_job
-from .logs import LINE_CUT, display_text, times_path, write_at
+from .logs import LINE_CUT, display_text, store_chunk, write_at
 from .models import Attempt, Job, Rank
 
 log = logging.getLogger(__name__)
@@ -451,9 +451,7 @@ class JobFollower:
                 committed = self.renew(grow=len(chunk), relaxed=True)
                 for t in taken:
                     if t.data:
-                        write_at(t.rank.local_log, t.old, t.data)
-                        with open(times_path(t.rank), "a") as fh:  # when each chunk arrived, for merged views
-                            fh.write(f"{t.old + len(t.data)} {now.timestamp():.3f}\n")
+                        store_chunk(t.rank, t.old, t.data, now.timestamp())
                 if points:
                     # same rule as the logs: cut back to the committed size, append; the new size commits with it
                     write_at(self.job.job_dir / "metrics.jsonl", committed, chunk)
@@ -561,9 +559,7 @@ def recover_earlier_output(job: Job) -> int:
                 )  # fmt: skip
                 if not moved:
                     continue  # another worker took these bytes
-                write_at(rank.local_log, rank.log_offset, data)
-                with open(times_path(rank), "a") as fh:
-                    fh.write(f"{rank.log_offset + len(data)} {now.timestamp():.3f}\n")
+                store_chunk(rank, rank.log_offset, data, now.timestamp())
             taken += len(data)
         if final:
             lifecycle.rank_drained(rank)

@@ -88,6 +88,14 @@ def times_path(rank: Rank) -> Path:
     return rank.local_log.with_suffix(".times")
 
 
+def store_chunk(rank: Rank, offset: int, data: bytes, arrived: float) -> None:
+    """A chunk of a rank's log into its central copy at `offset` (cut back there first: write_at), and when it
+    arrived (epoch seconds) beside it."""
+    write_at(rank.local_log, offset, data)
+    with open(times_path(rank), "a") as fh:
+        fh.write(f"{offset + len(data)} {arrived:.3f}\n")
+
+
 def display_text(text: str) -> str:
     """What a terminal would show of a line: its last non-empty carriage-return segment."""
     if "\r" not in text:

@@ -108,16 +108,18 @@ def shown(replica: Replica, size: int = SHOWN_BYTES) -> str | None:
         return None
     last = max(0, replica.log_offset - 1) // SEGMENT_BYTES
     chunks: list[bytes] = []
+    wanted = size
     for segment in (last, last - 1):  # the last segment, and the one before where it holds less than `size`
-        if segment < 0 or sum(map(len, chunks)) >= size:
+        if segment < 0 or wanted <= 0:
             break
         path = central_path(replica, replica.log_tag, segment)
         try:
             with open(path, "rb") as fh:
-                fh.seek(max(0, path.stat().st_size - (size - sum(map(len, chunks)))))
+                fh.seek(max(0, path.stat().st_size - wanted))
                 chunks.insert(0, fh.read())
         except FileNotFoundError:
             break
+        wanted -= len(chunks[0])
     if not chunks:
         return None
     return b"".join(chunks).decode("utf-8", "replace")
